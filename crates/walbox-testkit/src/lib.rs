@@ -1,0 +1,31 @@
+//! Real infrastructure for walbox's tests, demo and benchmarks.
+//!
+//! - [`PgCluster`]: a throwaway PostgreSQL cluster (`wal_level=logical`) in a temp
+//!   dir on a free port, started as an unprivileged user when the caller is root,
+//!   optionally with TLS (a generated CA and server certificate) and SCRAM
+//!   passwords; it can be stopped, restarted and killed with SIGKILL, and it is
+//!   removed when dropped, also during a panic.
+//! - [`Broker`]: a Kafka-protocol broker. By default a `tansu` process on a free port
+//!   with in-memory or SQLite storage (stop, restart, SIGKILL); when
+//!   `WALBOX_TEST_KAFKA` is set, that bootstrap address (a real Kafka) instead.
+//! - [`kafka`]: topic administration and a reader that drains a topic into
+//!   [`kafka::Record`]s (key, headers, value, partition, offset) for assertions.
+//! - [`wait_until`]: polls a condition with a deadline, so tests wait on conditions,
+//!   never on fixed sleeps.
+
+mod broker;
+mod error;
+pub mod kafka;
+mod postgres;
+mod process;
+mod tls;
+mod wait;
+
+pub use broker::{Broker, BrokerOptions, BrokerStorage};
+pub use error::TestkitError;
+pub use postgres::{PgCluster, PgOptions, StopMode};
+pub use tls::TlsFiles;
+pub use wait::{wait_until, wait_until_async};
+
+/// Result of a test-kit operation.
+pub type Result<T, E = TestkitError> = std::result::Result<T, E>;

@@ -1,0 +1,431 @@
+//! Throwaway PostgreSQL clusters.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use nix::unistd::User;
+use tempfile::TempDir;
+
+use crate::process::{self, command, give_to, log_tail, server_user, signal_group};
+use crate::{Result, TestkitError, TlsFiles, wait_until};
+
+/// How long a server may take to start or stop before the kit gives up.
+const SERVER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Superuser created by `initdb`.
+pub const SUPERUSER: &str = "postgres";
+
+/// Settings for a [`PgCluster`].
+#[derive(Debug, Clone, Default)]
+pub struct PgOptions {
+    /// `max_slot_wal_keep_size` (e.g. `"64MB"`); unlimited when `None`.
+    pub max_slot_wal_keep_size: Option<String>,
+    /// `wal_sender_timeout`; the server default (60 s) when `None`.
+    pub wal_sender_timeout: Option<Duration>,
+    /// Serve TLS with a generated certificate and accept only TLS connections over TCP.
+    pub tls: bool,
+    /// Require SCRAM-SHA-256 passwords over TCP; the superuser gets this password.
+    pub password: Option<String>,
+    /// Further `name = value` settings for `postgresql.conf`.
+    pub settings: Vec<(String, String)>,
+}
+
+impl PgOptions {
+    /// Adds a `postgresql.conf` setting.
+    #[must_use]
+    pub fn setting(mut self, name: &str, value: &str) -> Self {
+        self.settings.push((name.to_owned(), value.to_owned()));
+        self
+    }
+}
+
+/// How to stop a running server (`pg_ctl stop -m ...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopMode {
+    /// Wait for clients to disconnect (SIGTERM).
+    Smart,
+    /// Disconnect clients, checkpoint, exit (SIGINT).
+    Fast,
+    /// Exit at once without a checkpoint; crash recovery runs at the next start (SIGQUIT).
+    Immediate,
+}
+
+/// A PostgreSQL cluster in a temp dir, with `wal_level = logical`, listening on
+/// `127.0.0.1` at a free port. Dropping it stops the server and deletes the files.
+#[derive(Debug)]
+pub struct PgCluster {
+    dir: TempDir,
+    bindir: PathBuf,
+    port: u16,
+    user: Option<User>,
+    options: PgOptions,
+    tls: Option<TlsFiles>,
+    child: Option<Child>,
+}
+
+impl PgCluster {
+    /// Creates and starts a cluster with default options.
+    pub fn start() -> Result<Self> {
+        Self::start_with(PgOptions::default())
+    }
+
+    /// Creates and starts a cluster.
+    pub fn start_with(options: PgOptions) -> Result<Self> {
+        let bindir = bindir()?;
+        let user = server_user()?;
+        let dir = tempfile::Builder::new()
+            .prefix("walbox-pg-")
+            .tempdir()
+            .map_err(TestkitError::io("creating", std::env::temp_dir()))?;
+        let data = dir.path().join("data");
+        give_to(user.as_ref(), dir.path())?;
+
+        let pwfile = dir.path().join("pwfile");
+        let mut initdb = command(&bindir.join("initdb"), user.as_ref());
+        initdb
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", SUPERUSER, "-E", "UTF8", "--locale=C", "--no-sync"])
+            .args(["--auth-local=trust", "--auth-host=trust"]);
+        if let Some(password) = &options.password {
+            std::fs::write(&pwfile, password).map_err(TestkitError::io("writing", &pwfile))?;
+            give_to(user.as_ref(), &pwfile)?;
+            initdb.arg("--pwfile").arg(&pwfile);
+        }
+        process::run(initdb)?;
+        let _ = std::fs::remove_file(&pwfile);
+
+        let tls = if options.tls {
+            let certs = dir.path().join("certs");
+            std::fs::create_dir(&certs).map_err(TestkitError::io("creating", &certs))?;
+            Some(TlsFiles::generate(&certs, SUPERUSER)?)
+        } else {
+            None
+        };
+
+        let mut cluster = PgCluster {
+            dir,
+            bindir,
+            port: 0,
+            user,
+            options,
+            tls,
+            child: None,
+        };
+        cluster.write_config()?;
+        give_to(cluster.user.as_ref(), cluster.dir.path())?;
+        // A free port can be taken by someone else before the server binds it; try
+        // a few before giving up.
+        let mut last = None;
+        for _ in 0..5 {
+            cluster.port = process::free_port()?;
+            cluster.write_port()?;
+            match cluster.launch() {
+                Ok(()) => return Ok(cluster),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or(TestkitError::Timeout {
+            what: "a free port".into(),
+            after: SERVER_TIMEOUT,
+        }))
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("postgres.log")
+    }
+
+    fn write_config(&self) -> Result<()> {
+        let o = &self.options;
+        let mut conf = String::new();
+        let mut set = |k: &str, v: &str| {
+            let _ = writeln!(conf, "{k} = '{}'", v.replace('\'', "''"));
+        };
+        set("listen_addresses", "127.0.0.1");
+        set("unix_socket_directories", &self.dir.path().display().to_string());
+        set("wal_level", "logical");
+        set("max_replication_slots", "20");
+        set("max_wal_senders", "20");
+        set("max_connections", "100");
+        set("max_prepared_transactions", "10");
+        // Test data is disposable: skip fsync. Committed data still survives a kill of
+        // the server, which only takes the processes, not the OS page cache.
+        set("fsync", "off");
+        set("full_page_writes", "off");
+        set("shared_buffers", "64MB");
+        set("log_min_messages", "warning");
+        set("log_connections", "off");
+        if let Some(size) = &o.max_slot_wal_keep_size {
+            set("max_slot_wal_keep_size", size);
+        }
+        if let Some(t) = o.wal_sender_timeout {
+            set("wal_sender_timeout", &format!("{}ms", t.as_millis()));
+        }
+        if o.password.is_some() {
+            set("password_encryption", "scram-sha-256");
+        }
+        if let Some(tls) = &self.tls {
+            set("ssl", "on");
+            set("ssl_cert_file", &tls.server_cert.display().to_string());
+            set("ssl_key_file", &tls.server_key.display().to_string());
+            set("ssl_ca_file", &tls.ca_cert.display().to_string());
+        }
+        for (k, v) in &o.settings {
+            set(k, v);
+        }
+        let path = self.data_dir().join("postgresql.auto.conf");
+        std::fs::write(&path, conf).map_err(TestkitError::io("writing", &path))?;
+
+        // Local socket: trust (the kit's own admin access). TCP: trust, SCRAM, or
+        // SCRAM over TLS only, for normal and replication connections alike.
+        let method = if o.password.is_some() { "scram-sha-256" } else { "trust" };
+        let host = if o.tls { "hostssl" } else { "host" };
+        let mut hba = String::from("local all all trust\nlocal replication all trust\n");
+        for db in ["all", "replication"] {
+            let _ = writeln!(hba, "{host} {db} all 127.0.0.1/32 {method}");
+        }
+        if o.tls {
+            for db in ["all", "replication"] {
+                let _ = writeln!(hba, "hostnossl {db} all 127.0.0.1/32 reject");
+            }
+        }
+        let path = self.data_dir().join("pg_hba.conf");
+        std::fs::write(&path, hba).map_err(TestkitError::io("writing", &path))
+    }
+
+    fn write_port(&self) -> Result<()> {
+        let path = self.data_dir().join("port.conf");
+        std::fs::write(&path, format!("port = {}\n", self.port))
+            .map_err(TestkitError::io("writing", &path))?;
+        let conf = self.data_dir().join("postgresql.conf");
+        let text = std::fs::read_to_string(&conf).map_err(TestkitError::io("reading", &conf))?;
+        if !text.contains("include_if_exists = 'port.conf'") {
+            std::fs::write(&conf, format!("{text}\ninclude_if_exists = 'port.conf'\n"))
+                .map_err(TestkitError::io("writing", &conf))?;
+        }
+        give_to(self.user.as_ref(), &path)
+    }
+
+    fn launch(&mut self) -> Result<()> {
+        let log_path = self.log_path();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(TestkitError::io("opening", &log_path))?;
+        give_to(self.user.as_ref(), &log_path)?;
+        let log_err = log.try_clone().map_err(TestkitError::io("opening", &log_path))?;
+        let mut cmd = command(&self.bindir.join("postgres"), self.user.as_ref());
+        cmd.arg("-D")
+            .arg(self.data_dir())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err);
+        let child = cmd
+            .spawn()
+            .map_err(TestkitError::io("starting", self.bindir.join("postgres")))?;
+        self.child = Some(child);
+        let pidfile = self.data_dir().join("postmaster.pid");
+        let result = wait_until("postgres to accept connections", SERVER_TIMEOUT, || {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Some(Err(status));
+                }
+            }
+            // Line 8 of postmaster.pid is the server's status.
+            let text = std::fs::read_to_string(&pidfile).ok()?;
+            (text.lines().nth(7).map(str::trim) == Some("ready")).then_some(Ok(()))
+        })?;
+        match result {
+            Ok(()) => Ok(()),
+            Err(status) => {
+                self.child = None;
+                Err(TestkitError::Exited {
+                    what: "postgres".into(),
+                    status,
+                    log: log_tail(&log_path),
+                })
+            }
+        }
+    }
+
+    /// The TCP port.
+    #[must_use]
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The host to connect to over TCP.
+    #[must_use]
+    pub fn host(&self) -> &'static str {
+        "127.0.0.1"
+    }
+
+    /// Directory of the server's Unix socket.
+    #[must_use]
+    pub fn socket_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The superuser's name.
+    #[must_use]
+    pub fn user(&self) -> &'static str {
+        SUPERUSER
+    }
+
+    /// The superuser's password, when SCRAM is on.
+    #[must_use]
+    pub fn password(&self) -> Option<&str> {
+        self.options.password.as_deref()
+    }
+
+    /// The certificate files, when TLS is on.
+    #[must_use]
+    pub fn tls(&self) -> Option<&TlsFiles> {
+        self.tls.as_ref()
+    }
+
+    /// Directory of the server binaries in use.
+    #[must_use]
+    pub fn bindir(&self) -> &Path {
+        &self.bindir
+    }
+
+    /// A libpq key=value connection string for `database` over TCP as the superuser
+    /// (with the password and `sslmode=verify-full` when those are on).
+    #[must_use]
+    pub fn conninfo(&self, database: &str) -> String {
+        let mut s = format!(
+            "host={} port={} user={} dbname={database}",
+            self.host(),
+            self.port,
+            SUPERUSER
+        );
+        if let Some(p) = &self.options.password {
+            let _ = write!(s, " password={p}");
+        }
+        if let Some(tls) = &self.tls {
+            let _ = write!(s, " sslmode=verify-full sslrootcert={}", tls.ca_cert.display());
+        }
+        s
+    }
+
+    /// A libpq connection string over the Unix socket, which always trusts the
+    /// superuser: for the kit's own administration, whatever TCP requires.
+    #[must_use]
+    pub fn socket_conninfo(&self, database: &str) -> String {
+        format!(
+            "host={} port={} user={SUPERUSER} dbname={database}",
+            self.dir.path().display(),
+            self.port
+        )
+    }
+
+    /// Connects as the superuser over the Unix socket; the connection task runs on
+    /// the current tokio runtime.
+    pub async fn connect(&self, database: &str) -> Result<tokio_postgres::Client> {
+        let (client, connection) =
+            tokio_postgres::connect(&self.socket_conninfo(database), tokio_postgres::NoTls).await?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "test connection closed");
+            }
+        });
+        Ok(client)
+    }
+
+    /// Whether the server is running (as far as this handle knows).
+    #[must_use]
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Stops the server and waits until all its processes are gone.
+    pub fn stop(&mut self, mode: StopMode) -> Result<()> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        let signal = match mode {
+            StopMode::Smart => Signal::SIGTERM,
+            StopMode::Fast => Signal::SIGINT,
+            StopMode::Immediate => Signal::SIGQUIT,
+        };
+        // Only the postmaster gets the stop signal, as pg_ctl does; it stops the rest.
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+        let _ = nix::sys::signal::kill(pid, signal);
+        process::wait_group_gone(&mut child, "postgres", SERVER_TIMEOUT)
+    }
+
+    /// Kills the postmaster and every backend with SIGKILL at once, like a crash of
+    /// the machine's database processes, and waits until they are gone. The next
+    /// [`start_again`](Self::start_again) runs crash recovery.
+    pub fn kill9(&mut self) -> Result<()> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        signal_group(&child, Signal::SIGKILL)?;
+        process::wait_group_gone(&mut child, "postgres", SERVER_TIMEOUT)
+    }
+
+    /// Starts a stopped or killed server again on the same port.
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            return Ok(());
+        }
+        self.launch()
+    }
+
+    /// Stops the server in `mode` and starts it again.
+    pub fn restart(&mut self, mode: StopMode) -> Result<()> {
+        self.stop(mode)?;
+        self.start_again()
+    }
+
+    /// The server log so far (its last part), for diagnosing a failed test.
+    #[must_use]
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.log_path())
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = signal_group(&child, Signal::SIGKILL);
+            let _ = process::wait_group_gone(&mut child, "postgres", SERVER_TIMEOUT);
+        }
+        // TempDir removes the files.
+    }
+}
+
+/// Directory of the PostgreSQL server binaries: `WALBOX_PG_BINDIR`, else
+/// `pg_config --bindir` when it holds `initdb`, else the newest
+/// `/usr/lib/postgresql/<version>/bin` (Debian's layout).
+fn bindir() -> Result<PathBuf> {
+    if let Ok(dir) = std::env::var("WALBOX_PG_BINDIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    if let Ok(out) = std::process::Command::new("pg_config").arg("--bindir").output() {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && dir.join("initdb").is_file() {
+            return Ok(dir);
+        }
+    }
+    for version in (13..=18).rev() {
+        let dir = PathBuf::from(format!("/usr/lib/postgresql/{version}/bin"));
+        if dir.join("initdb").is_file() {
+            return Ok(dir);
+        }
+    }
+    Err(TestkitError::MissingProgram {
+        program: "PostgreSQL server (initdb, postgres)".into(),
+        hint: "run `make deps`, or set WALBOX_PG_BINDIR".into(),
+    })
+}

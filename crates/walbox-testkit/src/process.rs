@@ -1,0 +1,130 @@
+//! Process plumbing shared by the Postgres and broker launchers.
+
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::{Pid, Uid, User, chown};
+
+use crate::{Result, TestkitError, wait_until};
+
+/// A port on 127.0.0.1 that was free a moment ago.
+pub(crate) fn free_port() -> Result<u16> {
+    let listener =
+        TcpListener::bind("127.0.0.1:0").map_err(TestkitError::io("binding", "127.0.0.1:0"))?;
+    let port = listener
+        .local_addr()
+        .map_err(TestkitError::io("reading address of", "127.0.0.1:0"))?
+        .port();
+    Ok(port)
+}
+
+/// The unprivileged account servers run as when the caller is root (PostgreSQL
+/// refuses to run as root). `WALBOX_TEST_USER` overrides the default `nobody`.
+pub(crate) fn server_user() -> Result<Option<User>> {
+    if !Uid::effective().is_root() {
+        return Ok(None);
+    }
+    let name = std::env::var("WALBOX_TEST_USER").unwrap_or_else(|_| "nobody".to_owned());
+    let user = User::from_name(&name)
+        .map_err(|source| TestkitError::Sys {
+            action: "looking up the test user",
+            source,
+        })?
+        .ok_or_else(|| TestkitError::MissingProgram {
+            program: format!("user {name}"),
+            hint: "set WALBOX_TEST_USER to an existing unprivileged account".into(),
+        })?;
+    Ok(Some(user))
+}
+
+/// Hands `path` (and everything under it) to `user`.
+pub(crate) fn give_to(user: Option<&User>, path: &Path) -> Result<()> {
+    let Some(user) = user else { return Ok(()) };
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        chown(&p, Some(user.uid), Some(user.gid)).map_err(|source| TestkitError::Sys {
+            action: "chown of a test directory",
+            source,
+        })?;
+        if p.is_dir() {
+            for entry in std::fs::read_dir(&p).map_err(TestkitError::io("listing", &p))? {
+                stack.push(entry.map_err(TestkitError::io("listing", &p))?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A command that runs as `user` (when given) in a process group of its own, so the
+/// server and every process it forks can be signalled together.
+pub(crate) fn command(program: &Path, user: Option<&User>) -> Command {
+    let mut cmd = Command::new(program);
+    if let Some(user) = user {
+        cmd.uid(user.uid.as_raw()).gid(user.gid.as_raw());
+        cmd.env("HOME", &user.dir).env("USER", &user.name);
+    }
+    cmd.process_group(0);
+    cmd
+}
+
+/// Runs `cmd` to completion, failing with its output when it fails.
+pub(crate) fn run(mut cmd: Command) -> Result<()> {
+    let line = format!("{cmd:?}");
+    let out = cmd
+        .output()
+        .map_err(TestkitError::io("running", cmd.get_program()))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    Err(TestkitError::CommandFailed {
+        command: line,
+        status: out.status,
+        output: tail(&text, 2000),
+    })
+}
+
+/// Sends `signal` to the process group led by `child`.
+pub(crate) fn signal_group(child: &Child, signal: Signal) -> Result<()> {
+    let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    match killpg(pid, signal) {
+        Ok(()) | Err(nix::Error::ESRCH) => Ok(()),
+        Err(source) => Err(TestkitError::Sys {
+            action: "signalling a test server",
+            source,
+        }),
+    }
+}
+
+/// Waits until every process of `child`'s group has exited and reaps the leader.
+pub(crate) fn wait_group_gone(child: &mut Child, what: &str, timeout: Duration) -> Result<()> {
+    let pid = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    wait_until(&format!("{what} to exit"), timeout, || {
+        let _ = child.try_wait();
+        // Signal 0 checks for existence; ESRCH means no process of the group is left.
+        matches!(killpg(pid, None), Err(nix::Error::ESRCH)).then_some(())
+    })?;
+    let _ = child.wait();
+    Ok(())
+}
+
+/// The last `max` bytes of `text`, on a character boundary.
+pub(crate) fn tail(text: &str, max: usize) -> String {
+    let mut start = text.len().saturating_sub(max);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text.get(start..).unwrap_or_default().to_owned()
+}
+
+/// The last part of a log file, for error messages.
+pub(crate) fn log_tail(path: &Path) -> String {
+    std::fs::read_to_string(path)
+        .map(|t| tail(&t, 3000))
+        .unwrap_or_else(|e| format!("(no log at {}: {e})", path.display()))
+}
