@@ -13,7 +13,9 @@ async fn idempotent_producer_round_trip() {
     let broker = Broker::start().expect("broker starts");
     let bootstrap = broker.bootstrap();
     let topic = format!("roundtrip-{}", std::process::id());
-    kafka::create_topic(&bootstrap, &topic, 3).await.expect("topic created");
+    kafka::create_topic(&bootstrap, &topic, 3)
+        .await
+        .expect("topic created");
 
     let producer: FutureProducer = kafka::client_config(&bootstrap)
         .set("enable.idempotence", "true")
@@ -47,7 +49,9 @@ async fn idempotent_producer_round_trip() {
     for (n, d) in deliveries.into_iter().enumerate() {
         let delivery = d.await.expect("not cancelled").expect("acknowledged");
         let key = format!("order-{}", n % KEYS);
-        let p = *partition_of_key.entry(key.clone()).or_insert(delivery.partition);
+        let p = *partition_of_key
+            .entry(key.clone())
+            .or_insert(delivery.partition);
         assert_eq!(p, delivery.partition, "{key} moved partitions");
     }
     producer.flush(Duration::from_secs(10)).expect("flushed");
@@ -80,7 +84,11 @@ async fn idempotent_producer_round_trip() {
     }
     let mut seqs: Vec<usize> = records
         .iter()
-        .map(|r| serde_json::from_str::<serde_json::Value>(r.value_str().unwrap()).unwrap()["seq"].as_u64().unwrap() as usize)
+        .map(|r| {
+            serde_json::from_str::<serde_json::Value>(r.value_str().unwrap()).unwrap()["seq"]
+                .as_u64()
+                .unwrap() as usize
+        })
         .collect();
     seqs.sort_unstable();
     assert_eq!(seqs, (0..RECORDS).collect::<Vec<_>>());

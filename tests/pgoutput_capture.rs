@@ -4,10 +4,12 @@
 //! transactions (protocol 2) with commit and abort, and two-phase transactions
 //! (protocol 3).
 
+mod common;
+
 use bytes::Bytes;
+use common::Relations;
 use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, TupleValue};
 use walbox_testkit::{PgCluster, PgOptions};
-use walbox_tests::Relations;
 
 /// Peeks every pending message of `slot` with the given pgoutput options.
 async fn capture(db: &tokio_postgres::Client, slot: &str, options: &[&str]) -> Vec<(Lsn, Bytes)> {
@@ -23,14 +25,22 @@ async fn capture(db: &tokio_postgres::Client, slot: &str, options: &[&str]) -> V
     .await
     .unwrap()
     .iter()
-    .map(|r| (r.get::<_, String>(0).parse().unwrap(), Bytes::from(r.get::<_, Vec<u8>>(1))))
+    .map(|r| {
+        (
+            r.get::<_, String>(0).parse().unwrap(),
+            Bytes::from(r.get::<_, Vec<u8>>(1)),
+        )
+    })
     .collect()
 }
 
 fn decode_all(raw: &[(Lsn, Bytes)]) -> Vec<LogicalMessage> {
     let mut d = Decoder::new();
     raw.iter()
-        .map(|(lsn, b)| d.decode(b).unwrap_or_else(|e| panic!("message at {lsn}: {e}")))
+        .map(|(lsn, b)| {
+            d.decode(b)
+                .unwrap_or_else(|e| panic!("message at {lsn}: {e}"))
+        })
         .collect()
 }
 
@@ -56,9 +66,12 @@ async fn cluster() -> (PgCluster, tokio_postgres::Client) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protocol_1_binary_columns_type_and_origin() {
     let (_pg, db) = cluster().await;
-    db.execute("SELECT pg_create_logical_replication_slot('s1', 'pgoutput')", &[])
-        .await
-        .unwrap();
+    db.execute(
+        "SELECT pg_create_logical_replication_slot('s1', 'pgoutput')",
+        &[],
+    )
+    .await
+    .unwrap();
     db.batch_execute(
         "INSERT INTO t VALUES (1, 'happy', 1234567890123, 'plain');
          SELECT pg_replication_origin_create('node_a');",
@@ -80,11 +93,24 @@ async fn protocol_1_binary_columns_type_and_origin() {
     let raw = capture(
         &db,
         "s1",
-        &["proto_version", "1", "publication_names", "p", "binary", "true", "messages", "true"],
+        &[
+            "proto_version",
+            "1",
+            "publication_names",
+            "p",
+            "binary",
+            "true",
+            "messages",
+            "true",
+        ],
     )
     .await;
     let msgs = decode_all(&raw);
-    let mood_oid: u32 = db.query_one("SELECT 'mood'::regtype::oid", &[]).await.unwrap().get(0);
+    let mood_oid: u32 = db
+        .query_one("SELECT 'mood'::regtype::oid", &[])
+        .await
+        .unwrap()
+        .get(0);
 
     let mut rel = Relations::default();
     let mut inserts = Vec::new();
@@ -94,7 +120,10 @@ async fn protocol_1_binary_columns_type_and_origin() {
         rel.observe(m);
         match m {
             LogicalMessage::Type(ty) => {
-                assert_eq!((ty.oid, ty.namespace.as_str(), ty.name.as_str()), (mood_oid, "public", "mood"));
+                assert_eq!(
+                    (ty.oid, ty.namespace.as_str(), ty.name.as_str()),
+                    (mood_oid, "public", "mood")
+                );
                 saw_type = true;
             }
             LogicalMessage::Origin(o) => origins.push(o.clone()),
@@ -108,23 +137,38 @@ async fn protocol_1_binary_columns_type_and_origin() {
     assert_eq!(origins[0].commit_lsn, "0/ABCDEF".parse().unwrap());
     assert_eq!(inserts.len(), 2);
     // Binary send formats: int4 and int8 big-endian, enum and text as bytes.
-    assert_eq!(inserts[0][0], TupleValue::Binary(Bytes::copy_from_slice(&1i32.to_be_bytes())));
-    assert_eq!(inserts[0][1], TupleValue::Binary(Bytes::from_static(b"happy")));
+    assert_eq!(
+        inserts[0][0],
+        TupleValue::Binary(Bytes::copy_from_slice(&1i32.to_be_bytes()))
+    );
+    assert_eq!(
+        inserts[0][1],
+        TupleValue::Binary(Bytes::from_static(b"happy"))
+    );
     assert_eq!(
         inserts[0][2],
         TupleValue::Binary(Bytes::copy_from_slice(&1_234_567_890_123i64.to_be_bytes()))
     );
-    assert_eq!(inserts[0][3], TupleValue::Binary(Bytes::from_static(b"plain")));
-    assert_eq!(inserts[1][2], TupleValue::Binary(Bytes::copy_from_slice(&(-5i64).to_be_bytes())));
+    assert_eq!(
+        inserts[0][3],
+        TupleValue::Binary(Bytes::from_static(b"plain"))
+    );
+    assert_eq!(
+        inserts[1][2],
+        TupleValue::Binary(Bytes::copy_from_slice(&(-5i64).to_be_bytes()))
+    );
     assert_eq!(inserts[1][3], TupleValue::Null);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn protocol_2_streams_large_transactions() {
     let (_pg, db) = cluster().await;
-    db.execute("SELECT pg_create_logical_replication_slot('s2', 'pgoutput')", &[])
-        .await
-        .unwrap();
+    db.execute(
+        "SELECT pg_create_logical_replication_slot('s2', 'pgoutput')",
+        &[],
+    )
+    .await
+    .unwrap();
     // Larger than logical_decoding_work_mem: streamed before it commits. One
     // statement string per transaction (in a multi-statement string, a BEGIN would
     // absorb the statements before it).
@@ -144,7 +188,16 @@ async fn protocol_2_streams_large_transactions() {
     let raw = capture(
         &db,
         "s2",
-        &["proto_version", "2", "publication_names", "p", "streaming", "on", "messages", "true"],
+        &[
+            "proto_version",
+            "2",
+            "publication_names",
+            "p",
+            "streaming",
+            "on",
+            "messages",
+            "true",
+        ],
     )
     .await;
     let msgs = decode_all(&raw);
@@ -169,7 +222,11 @@ async fn protocol_2_streams_large_transactions() {
                 stops += 1;
             }
             LogicalMessage::Insert(i) => {
-                assert_eq!(i.xid.is_some(), depth == 1, "xid present exactly inside blocks");
+                assert_eq!(
+                    i.xid.is_some(),
+                    depth == 1,
+                    "xid present exactly inside blocks"
+                );
                 if depth == 1 {
                     streamed_inserts += 1;
                 }
@@ -183,7 +240,10 @@ async fn protocol_2_streams_large_transactions() {
             _ => {}
         }
     }
-    assert!(starts >= 3 && starts == stops, "{starts} starts, {stops} stops");
+    assert!(
+        starts >= 3 && starts == stops,
+        "{starts} starts, {stops} stops"
+    );
     assert_eq!(commits.len(), 2, "two streamed transactions committed");
     assert!(commits.iter().all(|c| c.end_lsn > c.commit_lsn));
     assert_eq!(aborts.len(), 1, "the rolled back one is aborted");
@@ -217,7 +277,14 @@ async fn protocol_3_two_phase_transactions() {
     let raw = capture(
         &db,
         "s3",
-        &["proto_version", "3", "publication_names", "p", "two_phase", "on"],
+        &[
+            "proto_version",
+            "3",
+            "publication_names",
+            "p",
+            "two_phase",
+            "on",
+        ],
     )
     .await;
     let msgs = decode_all(&raw);
@@ -226,8 +293,11 @@ async fn protocol_3_two_phase_transactions() {
     // transaction is Begin Prepare, its changes, Prepare; then Commit / Rollback
     // Prepared.
     assert_eq!(tags, "bYRIPKbIPr", "{msgs:#?}");
-    let (LogicalMessage::BeginPrepare(b1), LogicalMessage::Prepare(p1), LogicalMessage::CommitPrepared(c1)) =
-        (&msgs[0], &msgs[4], &msgs[5])
+    let (
+        LogicalMessage::BeginPrepare(b1),
+        LogicalMessage::Prepare(p1),
+        LogicalMessage::CommitPrepared(c1),
+    ) = (&msgs[0], &msgs[4], &msgs[5])
     else {
         panic!("{msgs:#?}")
     };

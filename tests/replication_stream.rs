@@ -1,12 +1,14 @@
 //! A real PostgreSQL streams pgoutput through pgwire-replication; the walbox decoder
 //! must read every column of every row exactly as the server renders it.
 
+mod common;
+
 use std::time::Duration;
 
+use common::Relations;
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
 use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, OldTupleKind, TupleValue};
 use walbox_testkit::PgCluster;
-use walbox_tests::Relations;
 
 /// Columns of the sample table: one of each commonly used type.
 const COLUMNS: &[(&str, &str)] = &[
@@ -36,10 +38,8 @@ const COLUMNS: &[(&str, &str)] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_column_of_every_row_decodes_as_the_server_renders_it() {
-    let pg = PgCluster::start_with(
-        walbox_testkit::PgOptions::default().setting("timezone", "UTC"),
-    )
-    .expect("postgres starts");
+    let pg = PgCluster::start_with(walbox_testkit::PgOptions::default().setting("timezone", "UTC"))
+        .expect("postgres starts");
     let db = pg.connect("postgres").await.expect("connect");
 
     let ddl: Vec<String> = COLUMNS.iter().map(|(n, t)| format!("{n} {t}")).collect();
@@ -115,7 +115,10 @@ async fn every_column_of_every_row_decodes_as_the_server_renders_it() {
     // simple query protocol returns exactly that).
     let names: Vec<&str> = COLUMNS.iter().map(|(n, _)| *n).collect();
     let expected: Vec<Vec<Option<String>>> = db
-        .simple_query(&format!("SELECT {} FROM sample ORDER BY id", names.join(", ")))
+        .simple_query(&format!(
+            "SELECT {} FROM sample ORDER BY id",
+            names.join(", ")
+        ))
         .await
         .unwrap()
         .into_iter()
@@ -142,7 +145,9 @@ async fn every_column_of_every_row_decodes_as_the_server_renders_it() {
     .with_stop_lsn(pgwire_replication::Lsn(end.as_u64()))
     .with_status_interval(Duration::from_secs(1));
     cfg.options = Some("-c timezone=UTC".into());
-    let mut repl = ReplicationClient::connect(cfg).await.expect("replication connects");
+    let mut repl = ReplicationClient::connect(cfg)
+        .await
+        .expect("replication connects");
 
     let mut decoder = Decoder::new();
     let mut relations = Relations::default();
@@ -160,7 +165,9 @@ async fn every_column_of_every_row_decodes_as_the_server_renders_it() {
                 let msg = decoder.decode(&data).expect("real pgoutput decodes");
                 relations.observe(&msg);
                 match msg {
-                    LogicalMessage::Insert(i) if relations.name(i.relation_oid) == "public.sample" => {
+                    LogicalMessage::Insert(i)
+                        if relations.name(i.relation_oid) == "public.sample" =>
+                    {
                         inserts.push(i.new);
                     }
                     m => other.push(m),
@@ -199,7 +206,12 @@ async fn every_column_of_every_row_decodes_as_the_server_renders_it() {
                 .unwrap();
             (row.get(0), row.get(1))
         };
-        assert_eq!((c.type_oid, c.type_modifier), (oid, typmod), "column {}", c.name);
+        assert_eq!(
+            (c.type_oid, c.type_modifier),
+            (oid, typmod),
+            "column {}",
+            c.name
+        );
         assert_eq!(c.is_key(), c.name == "id", "key flag of {}", c.name);
     }
 
@@ -249,7 +261,11 @@ async fn every_column_of_every_row_decodes_as_the_server_renders_it() {
             assert_eq!(u.relation_oid, sample_oid);
             assert!(u.old.is_none());
             assert_eq!(u.new[7].as_text(), Some("touched"));
-            assert_eq!(u.new[11], TupleValue::UnchangedToast, "1 MB jsonb not resent");
+            assert_eq!(
+                u.new[11],
+                TupleValue::UnchangedToast,
+                "1 MB jsonb not resent"
+            );
         }
         m => panic!("expected the update, got {m:?}"),
     }
@@ -279,7 +295,9 @@ async fn every_column_of_every_row_decodes_as_the_server_renders_it() {
         }
         m => panic!("expected the full-identity delete, got {m:?}"),
     }
-    assert!(matches!(it.next(), Some(LogicalMessage::Insert(i)) if i.new[0].as_text() == Some("2")));
+    assert!(
+        matches!(it.next(), Some(LogicalMessage::Insert(i)) if i.new[0].as_text() == Some("2"))
+    );
     match it.next() {
         Some(LogicalMessage::Truncate(t)) => assert_eq!(t.relation_oids, vec![audit_oid]),
         m => panic!("expected the truncate, got {m:?}"),

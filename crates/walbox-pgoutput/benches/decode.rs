@@ -76,7 +76,14 @@ fn outbox_stream() -> Vec<Bytes> {
                 xid: None,
                 relation_oid: 16_390,
                 new: vec![
-                    text(format!("{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}", n, n % 65_536, n % 4096, n % 4096, n)),
+                    text(format!(
+                        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+                        n,
+                        n % 65_536,
+                        n % 4096,
+                        n % 4096,
+                        n
+                    )),
                     text("order".into()),
                     text(format!("order-{}", n % 1_000)),
                     text("OrderPlaced".into()),
@@ -130,9 +137,13 @@ fn bench(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("outbox_stream");
     g.throughput(Throughput::Bytes(bytes as u64));
-    g.bench_function("decode/bytes", |b| b.iter(|| black_box(decode_all(black_box(&messages)))));
+    g.bench_function("decode/bytes", |b| {
+        b.iter(|| black_box(decode_all(black_box(&messages))))
+    });
     g.throughput(Throughput::Elements(messages.len() as u64));
-    g.bench_function("decode/messages", |b| b.iter(|| black_box(decode_all(black_box(&messages)))));
+    g.bench_function("decode/messages", |b| {
+        b.iter(|| black_box(decode_all(black_box(&messages))))
+    });
     g.finish();
 }
 

@@ -2,10 +2,10 @@
 
 use bytes::Bytes;
 
+use crate::Lsn;
 use crate::error::{DecodeError, DecodeErrorKind};
 use crate::message::*;
 use crate::reader::Reader;
-use crate::Lsn;
 
 /// Decodes one pgoutput message (the payload of one XLogData).
 ///
@@ -270,7 +270,11 @@ fn one_of(
     if allowed.contains(&found) {
         Ok(found)
     } else {
-        Err(r.error_at(field, at, DecodeErrorKind::UnexpectedByte { found, expected }))
+        Err(r.error_at(
+            field,
+            at,
+            DecodeErrorKind::UnexpectedByte { found, expected },
+        ))
     }
 }
 

@@ -174,7 +174,11 @@ fn tuple(out: &mut BytesMut, values: &Tuple) {
             TupleValue::Null => out.put_u8(b'n'),
             TupleValue::UnchangedToast => out.put_u8(b'u'),
             TupleValue::Text(b) | TupleValue::Binary(b) => {
-                out.put_u8(if matches!(v, TupleValue::Text(_)) { b't' } else { b'b' });
+                out.put_u8(if matches!(v, TupleValue::Text(_)) {
+                    b't'
+                } else {
+                    b'b'
+                });
                 out.put_i32(len32(b.len()));
                 out.put_slice(b);
             }

@@ -64,7 +64,11 @@ impl fmt::Display for DecodeErrorKind {
             Self::InvalidUtf8 => f.write_str("string is not valid UTF-8"),
             Self::NegativeLength(n) => write!(f, "negative length {n}"),
             Self::UnexpectedByte { found, expected } => {
-                write!(f, "unexpected byte {}, expected {expected}", show_byte(*found))
+                write!(
+                    f,
+                    "unexpected byte {}, expected {expected}",
+                    show_byte(*found)
+                )
             }
             Self::TrailingBytes(n) => write!(f, "{n} unexpected bytes after the last field"),
         }

@@ -34,7 +34,10 @@
 //! ```
 
 #![deny(clippy::indexing_slicing, clippy::unwrap_used, clippy::panic)]
-#![cfg_attr(test, allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing))]
+#![cfg_attr(
+    test,
+    allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing)
+)]
 
 mod decode;
 mod encode;
@@ -43,7 +46,7 @@ mod lsn;
 mod message;
 mod reader;
 
-pub use decode::{decode, Decoder};
+pub use decode::{Decoder, decode};
 pub use encode::encode;
 pub use error::{DecodeError, DecodeErrorKind};
 pub use lsn::{Lsn, ParseLsnError};

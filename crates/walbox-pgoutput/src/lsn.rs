@@ -104,7 +104,14 @@ mod tests {
         assert_eq!("16/B374D848".parse::<Lsn>().unwrap(), Lsn(0x16_B374_D848));
         assert_eq!("16/b374d848".parse::<Lsn>().unwrap(), Lsn(0x16_B374_D848));
         assert_eq!("0/0".parse::<Lsn>().unwrap(), Lsn::ZERO);
-        for v in [0, 1, 0xFFFF_FFFF, 0x1_0000_0000, u64::MAX, 0xDEAD_BEEF_0000_0001] {
+        for v in [
+            0,
+            1,
+            0xFFFF_FFFF,
+            0x1_0000_0000,
+            u64::MAX,
+            0xDEAD_BEEF_0000_0001,
+        ] {
             assert_eq!(Lsn(v).to_string().parse::<Lsn>().unwrap(), Lsn(v));
         }
     }
@@ -112,7 +119,17 @@ mod tests {
     #[test]
     fn rejects_malformed() {
         for bad in [
-            "", "/", "1/", "/1", "1", "1/2/3", "G/0", "0/-1", "+1/0", "123456789/0", " 1/0",
+            "",
+            "/",
+            "1/",
+            "/1",
+            "1",
+            "1/2/3",
+            "G/0",
+            "0/-1",
+            "+1/0",
+            "123456789/0",
+            " 1/0",
         ] {
             let err = bad.parse::<Lsn>().unwrap_err();
             assert!(err.to_string().contains("invalid LSN"), "{bad}: {err}");

@@ -131,7 +131,10 @@ fn relation_with_key_column() {
     };
     assert_eq!(r.xid, None);
     assert_eq!(r.oid, 16_384);
-    assert_eq!((r.namespace.as_str(), r.name.as_str()), ("public", "outbox"));
+    assert_eq!(
+        (r.namespace.as_str(), r.name.as_str()),
+        ("public", "outbox")
+    );
     assert_eq!(r.replica_identity, ReplicaIdentity::Default);
     assert_eq!(r.columns.len(), 2);
     assert!(r.columns[0].is_key());
@@ -157,7 +160,10 @@ fn relation_replica_identities() {
     let e = err(Wire::tag(b'R').u32(1).str("").str("t").u8(b'x').i16(0));
     assert_eq!(e.field, "replica identity");
     assert_eq!(e.offset, 8);
-    assert!(matches!(e.kind, DecodeErrorKind::UnexpectedByte { found: b'x', .. }));
+    assert!(matches!(
+        e.kind,
+        DecodeErrorKind::UnexpectedByte { found: b'x', .. }
+    ));
 }
 
 #[test]
@@ -267,8 +273,14 @@ fn truncate() {
 
 #[test]
 fn logical_decoding_message() {
-    let LogicalMessage::Message(m) =
-        ok(Wire::tag(b'M').u8(1).u64(0x50).str("walbox").i32(3).u8(1).u8(2).u8(3))
+    let LogicalMessage::Message(m) = ok(Wire::tag(b'M')
+        .u8(1)
+        .u64(0x50)
+        .str("walbox")
+        .i32(3)
+        .u8(1)
+        .u8(2)
+        .u8(3))
     else {
         panic!()
     };
@@ -289,9 +301,15 @@ fn streamed_messages_carry_xid() {
         panic!()
     };
     assert_eq!(i.xid, Some(900));
-    let LogicalMessage::Relation(r) =
-        ok_streamed(Wire::tag(b'R').u32(900).u32(5).str("s").str("t").u8(b'f').i16(0))
-    else {
+    let LogicalMessage::Relation(r) = ok_streamed(
+        Wire::tag(b'R')
+            .u32(900)
+            .u32(5)
+            .str("s")
+            .str("t")
+            .u8(b'f')
+            .i16(0),
+    ) else {
         panic!()
     };
     assert_eq!((r.xid, r.oid), (Some(900), 5));
@@ -347,7 +365,13 @@ fn stream_control_messages() {
         })
     );
     let e = err(Wire::tag(b'A').u32(77).u32(78).u32(1));
-    assert!(matches!(e.kind, DecodeErrorKind::UnexpectedEnd { needed: 8, available: 4 }));
+    assert!(matches!(
+        e.kind,
+        DecodeErrorKind::UnexpectedEnd {
+            needed: 8,
+            available: 4
+        }
+    ));
 }
 
 #[test]
@@ -390,7 +414,14 @@ fn two_phase_messages() {
         })
     );
     assert_eq!(
-        ok(Wire::tag(b'r').u8(0).u64(5).u64(6).i64(7).i64(8).u32(9).str("g")),
+        ok(Wire::tag(b'r')
+            .u8(0)
+            .u64(5)
+            .u64(6)
+            .i64(7)
+            .i64(8)
+            .u32(9)
+            .str("g")),
         LogicalMessage::RollbackPrepared(RollbackPrepared {
             flags: 0,
             prepare_end_lsn: Lsn(5),
@@ -430,7 +461,13 @@ fn errors_name_message_field_and_offset() {
     assert_eq!(e.kind, DecodeErrorKind::NegativeLength(-1));
     assert_eq!(e.field, "tuple column count");
 
-    let e = err(Wire::tag(b'I').u32(1).u8(b'N').i16(1).u8(b't').i32(100).u8(b'x'));
+    let e = err(Wire::tag(b'I')
+        .u32(1)
+        .u8(b'N')
+        .i16(1)
+        .u8(b't')
+        .i32(100)
+        .u8(b'x'));
     assert_eq!(e.field, "column value");
     assert_eq!(
         e.kind,

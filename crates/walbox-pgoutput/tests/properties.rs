@@ -89,7 +89,10 @@ fn tuple() -> impl Strategy<Value = Tuple> {
 }
 
 fn old_tuple() -> impl Strategy<Value = OldTuple> {
-    (prop_oneof![Just(OldTupleKind::Key), Just(OldTupleKind::Full)], tuple())
+    (
+        prop_oneof![Just(OldTupleKind::Key), Just(OldTupleKind::Full)],
+        tuple(),
+    )
         .prop_map(|(kind, tuple)| OldTuple { kind, tuple })
 }
 
@@ -114,24 +117,88 @@ fn message() -> impl Strategy<Value = (LogicalMessage, bool)> {
         },
     );
     let streamable = prop_oneof![
-        (xid.clone(), any::<u32>(), name(), name(), identity(), proptest::collection::vec(column, 0..6))
+        (
+            xid.clone(),
+            any::<u32>(),
+            name(),
+            name(),
+            identity(),
+            proptest::collection::vec(column, 0..6)
+        )
             .prop_map(|(xid, oid, namespace, name, replica_identity, columns)| {
-                LogicalMessage::Relation(Relation { xid, oid, namespace, name, replica_identity, columns })
+                LogicalMessage::Relation(Relation {
+                    xid,
+                    oid,
+                    namespace,
+                    name,
+                    replica_identity,
+                    columns,
+                })
             }),
-        (xid.clone(), any::<u32>(), name(), name())
-            .prop_map(|(xid, oid, namespace, name)| LogicalMessage::Type(TypeMessage { xid, oid, namespace, name })),
-        (xid.clone(), any::<u32>(), tuple())
-            .prop_map(|(xid, relation_oid, new)| LogicalMessage::Insert(Insert { xid, relation_oid, new })),
-        (xid.clone(), any::<u32>(), proptest::option::of(old_tuple()), tuple())
-            .prop_map(|(xid, relation_oid, old, new)| LogicalMessage::Update(Update { xid, relation_oid, old, new })),
-        (xid.clone(), any::<u32>(), old_tuple())
-            .prop_map(|(xid, relation_oid, old)| LogicalMessage::Delete(Delete { xid, relation_oid, old })),
-        (xid.clone(), any::<u8>(), proptest::collection::vec(any::<u32>(), 0..6))
-            .prop_map(|(xid, options, relation_oids)| LogicalMessage::Truncate(Truncate { xid, options, relation_oids })),
-        (xid, any::<u8>(), lsn(), name(), proptest::collection::vec(any::<u8>(), 0..64))
-            .prop_map(|(xid, flags, lsn, prefix, content)| LogicalMessage::Message(DecodingMessage {
-                xid, flags, lsn, prefix, content: content.into()
-            })),
+        (xid.clone(), any::<u32>(), name(), name()).prop_map(|(xid, oid, namespace, name)| {
+            LogicalMessage::Type(TypeMessage {
+                xid,
+                oid,
+                namespace,
+                name,
+            })
+        }),
+        (xid.clone(), any::<u32>(), tuple()).prop_map(|(xid, relation_oid, new)| {
+            LogicalMessage::Insert(Insert {
+                xid,
+                relation_oid,
+                new,
+            })
+        }),
+        (
+            xid.clone(),
+            any::<u32>(),
+            proptest::option::of(old_tuple()),
+            tuple()
+        )
+            .prop_map(
+                |(xid, relation_oid, old, new)| LogicalMessage::Update(Update {
+                    xid,
+                    relation_oid,
+                    old,
+                    new
+                })
+            ),
+        (xid.clone(), any::<u32>(), old_tuple()).prop_map(|(xid, relation_oid, old)| {
+            LogicalMessage::Delete(Delete {
+                xid,
+                relation_oid,
+                old,
+            })
+        }),
+        (
+            xid.clone(),
+            any::<u8>(),
+            proptest::collection::vec(any::<u32>(), 0..6)
+        )
+            .prop_map(
+                |(xid, options, relation_oids)| LogicalMessage::Truncate(Truncate {
+                    xid,
+                    options,
+                    relation_oids
+                })
+            ),
+        (
+            xid,
+            any::<u8>(),
+            lsn(),
+            name(),
+            proptest::collection::vec(any::<u8>(), 0..64)
+        )
+            .prop_map(
+                |(xid, flags, lsn, prefix, content)| LogicalMessage::Message(DecodingMessage {
+                    xid,
+                    flags,
+                    lsn,
+                    prefix,
+                    content: content.into()
+                })
+            ),
     ]
     .prop_map(|m| {
         let streamed = match &m {
@@ -146,50 +213,110 @@ fn message() -> impl Strategy<Value = (LogicalMessage, bool)> {
         };
         (m, streamed)
     });
-    let prepare = || (any::<u8>(), lsn(), lsn(), ts(), any::<u32>(), name()).prop_map(
-        |(flags, prepare_lsn, end_lsn, timestamp, xid, gid)| Prepare {
-            flags,
-            prepare_lsn,
-            end_lsn,
-            timestamp,
-            xid,
-            gid,
-        },
-    );
-    let control = prop_oneof![
-        (lsn(), ts(), any::<u32>())
-            .prop_map(|(final_lsn, timestamp, xid)| LogicalMessage::Begin(Begin { final_lsn, timestamp, xid })),
-        (any::<u8>(), lsn(), lsn(), ts()).prop_map(|(flags, commit_lsn, end_lsn, timestamp)| {
-            LogicalMessage::Commit(Commit { flags, commit_lsn, end_lsn, timestamp })
-        }),
-        (lsn(), name()).prop_map(|(commit_lsn, name)| LogicalMessage::Origin(Origin { commit_lsn, name })),
-        (any::<u32>(), any::<bool>())
-            .prop_map(|(xid, first_segment)| LogicalMessage::StreamStart(StreamStart { xid, first_segment })),
-        Just(LogicalMessage::StreamStop),
-        (any::<u32>(), any::<u8>(), lsn(), lsn(), ts()).prop_map(|(xid, flags, commit_lsn, end_lsn, timestamp)| {
-            LogicalMessage::StreamCommit(StreamCommit { xid, flags, commit_lsn, end_lsn, timestamp })
-        }),
-        (any::<u32>(), any::<u32>(), proptest::option::of((lsn(), ts())))
-            .prop_map(|(xid, subxid, abort)| LogicalMessage::StreamAbort(StreamAbort { xid, subxid, abort })),
-        (lsn(), lsn(), ts(), any::<u32>(), name()).prop_map(|(prepare_lsn, end_lsn, timestamp, xid, gid)| {
-            LogicalMessage::BeginPrepare(BeginPrepare { prepare_lsn, end_lsn, timestamp, xid, gid })
-        }),
-        prepare().prop_map(LogicalMessage::Prepare),
-        prepare().prop_map(LogicalMessage::StreamPrepare),
+    let prepare = || {
         (any::<u8>(), lsn(), lsn(), ts(), any::<u32>(), name()).prop_map(
-            |(flags, commit_lsn, end_lsn, timestamp, xid, gid)| {
-                LogicalMessage::CommitPrepared(CommitPrepared { flags, commit_lsn, end_lsn, timestamp, xid, gid })
-            }
-        ),
-        (any::<u8>(), lsn(), lsn(), ts(), ts(), any::<u32>(), name()).prop_map(
-            |(flags, prepare_end_lsn, rollback_end_lsn, prepare_timestamp, rollback_timestamp, xid, gid)| {
-                LogicalMessage::RollbackPrepared(RollbackPrepared {
-                    flags, prepare_end_lsn, rollback_end_lsn, prepare_timestamp, rollback_timestamp, xid, gid,
+            |(flags, prepare_lsn, end_lsn, timestamp, xid, gid)| Prepare {
+                flags,
+                prepare_lsn,
+                end_lsn,
+                timestamp,
+                xid,
+                gid,
+            },
+        )
+    };
+    let control =
+        prop_oneof![
+            (lsn(), ts(), any::<u32>()).prop_map(|(final_lsn, timestamp, xid)| {
+                LogicalMessage::Begin(Begin {
+                    final_lsn,
+                    timestamp,
+                    xid,
                 })
-            }
-        ),
-    ]
-    .prop_map(|m| (m, false));
+            }),
+            (any::<u8>(), lsn(), lsn(), ts()).prop_map(
+                |(flags, commit_lsn, end_lsn, timestamp)| {
+                    LogicalMessage::Commit(Commit {
+                        flags,
+                        commit_lsn,
+                        end_lsn,
+                        timestamp,
+                    })
+                }
+            ),
+            (lsn(), name())
+                .prop_map(|(commit_lsn, name)| LogicalMessage::Origin(Origin { commit_lsn, name })),
+            (any::<u32>(), any::<bool>()).prop_map(|(xid, first_segment)| {
+                LogicalMessage::StreamStart(StreamStart { xid, first_segment })
+            }),
+            Just(LogicalMessage::StreamStop),
+            (any::<u32>(), any::<u8>(), lsn(), lsn(), ts()).prop_map(
+                |(xid, flags, commit_lsn, end_lsn, timestamp)| {
+                    LogicalMessage::StreamCommit(StreamCommit {
+                        xid,
+                        flags,
+                        commit_lsn,
+                        end_lsn,
+                        timestamp,
+                    })
+                }
+            ),
+            (
+                any::<u32>(),
+                any::<u32>(),
+                proptest::option::of((lsn(), ts()))
+            )
+                .prop_map(|(xid, subxid, abort)| LogicalMessage::StreamAbort(
+                    StreamAbort { xid, subxid, abort }
+                )),
+            (lsn(), lsn(), ts(), any::<u32>(), name()).prop_map(
+                |(prepare_lsn, end_lsn, timestamp, xid, gid)| {
+                    LogicalMessage::BeginPrepare(BeginPrepare {
+                        prepare_lsn,
+                        end_lsn,
+                        timestamp,
+                        xid,
+                        gid,
+                    })
+                }
+            ),
+            prepare().prop_map(LogicalMessage::Prepare),
+            prepare().prop_map(LogicalMessage::StreamPrepare),
+            (any::<u8>(), lsn(), lsn(), ts(), any::<u32>(), name()).prop_map(
+                |(flags, commit_lsn, end_lsn, timestamp, xid, gid)| {
+                    LogicalMessage::CommitPrepared(CommitPrepared {
+                        flags,
+                        commit_lsn,
+                        end_lsn,
+                        timestamp,
+                        xid,
+                        gid,
+                    })
+                }
+            ),
+            (any::<u8>(), lsn(), lsn(), ts(), ts(), any::<u32>(), name()).prop_map(
+                |(
+                    flags,
+                    prepare_end_lsn,
+                    rollback_end_lsn,
+                    prepare_timestamp,
+                    rollback_timestamp,
+                    xid,
+                    gid,
+                )| {
+                    LogicalMessage::RollbackPrepared(RollbackPrepared {
+                        flags,
+                        prepare_end_lsn,
+                        rollback_end_lsn,
+                        prepare_timestamp,
+                        rollback_timestamp,
+                        xid,
+                        gid,
+                    })
+                }
+            ),
+        ]
+        .prop_map(|m| (m, false));
     prop_oneof![streamable, control]
 }
 
@@ -208,7 +335,11 @@ fn decode_checked(buf: &Bytes, in_stream: bool) -> Result<LogicalMessage, Decode
         buf.len()
     );
     if let Ok(msg) = &result {
-        assert_eq!(&wire(msg)[..], &buf[..], "decoded {msg:?} does not re-encode to its input");
+        assert_eq!(
+            &wire(msg)[..],
+            &buf[..],
+            "decoded {msg:?} does not re-encode to its input"
+        );
     }
     result
 }

@@ -70,7 +70,10 @@ impl Broker {
 
     /// Starts a broker (or uses `WALBOX_TEST_KAFKA`).
     pub fn start_with(options: BrokerOptions) -> Result<Self> {
-        if let Some(addr) = std::env::var("WALBOX_TEST_KAFKA").ok().filter(|a| !a.is_empty()) {
+        if let Some(addr) = std::env::var("WALBOX_TEST_KAFKA")
+            .ok()
+            .filter(|a| !a.is_empty())
+        {
             return Ok(Broker {
                 inner: Inner::External(addr),
             });
@@ -90,7 +93,11 @@ impl Broker {
         for _ in 0..5 {
             tansu.port = process::free_port()?;
             match tansu.launch() {
-                Ok(()) => return Ok(Broker { inner: Inner::Tansu(tansu) }),
+                Ok(()) => {
+                    return Ok(Broker {
+                        inner: Inner::Tansu(tansu),
+                    });
+                }
                 Err(e) => last = Some(e),
             }
         }
@@ -120,7 +127,9 @@ impl Broker {
             Inner::Tansu(t) => Ok(t),
             Inner::External(addr) => Err(TestkitError::MissingProgram {
                 program: format!("a local broker to {action}"),
-                hint: format!("the external Kafka at {addr} (WALBOX_TEST_KAFKA) cannot be controlled"),
+                hint: format!(
+                    "the external Kafka at {addr} (WALBOX_TEST_KAFKA) cannot be controlled"
+                ),
             }),
         }
     }
@@ -128,7 +137,9 @@ impl Broker {
     /// Stops the broker gracefully (SIGTERM) and waits until it is gone.
     pub fn stop(&mut self) -> Result<()> {
         let t = self.local("stop")?;
-        let Some(mut child) = t.child.take() else { return Ok(()) };
+        let Some(mut child) = t.child.take() else {
+            return Ok(());
+        };
         signal_group(&child, Signal::SIGTERM)?;
         process::wait_group_gone(&mut child, "broker", BROKER_TIMEOUT)
     }
@@ -136,7 +147,9 @@ impl Broker {
     /// Kills the broker with SIGKILL and waits until it is gone.
     pub fn kill9(&mut self) -> Result<()> {
         let t = self.local("kill")?;
-        let Some(mut child) = t.child.take() else { return Ok(()) };
+        let Some(mut child) = t.child.take() else {
+            return Ok(());
+        };
         signal_group(&child, Signal::SIGKILL)?;
         process::wait_group_gone(&mut child, "broker", BROKER_TIMEOUT)
     }
@@ -184,7 +197,9 @@ impl Tansu {
             .append(true)
             .open(&log_path)
             .map_err(TestkitError::io("opening", &log_path))?;
-        let log_err = log.try_clone().map_err(TestkitError::io("opening", &log_path))?;
+        let log_err = log
+            .try_clone()
+            .map_err(TestkitError::io("opening", &log_path))?;
         let mut cmd = process::command(&self.program, None);
         cmd.arg("broker")
             .args(["--listener-url", &url, "--advertised-listener-url", &url])
@@ -193,11 +208,16 @@ impl Tansu {
             .env_remove("LISTENER_URL")
             .env_remove("ADVERTISED_LISTENER_URL")
             .env_remove("STORAGE_ENGINE")
-            .env("RUST_LOG", std::env::var("WALBOX_BROKER_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("WALBOX_BROKER_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err);
-        let child = cmd.spawn().map_err(TestkitError::io("starting", &self.program))?;
+        let child = cmd
+            .spawn()
+            .map_err(TestkitError::io("starting", &self.program))?;
         self.child = Some(child);
         let addr = format!("127.0.0.1:{}", self.port);
         let listening = wait_until("the broker to listen", BROKER_TIMEOUT, || {
@@ -219,9 +239,11 @@ impl Tansu {
             .set("bootstrap.servers", &addr)
             .set("log_level", "3")
             .create()?;
-        wait_until("the broker to answer metadata requests", BROKER_TIMEOUT, || {
-            consumer.fetch_metadata(None, Duration::from_secs(2)).ok()
-        })?;
+        wait_until(
+            "the broker to answer metadata requests",
+            BROKER_TIMEOUT,
+            || consumer.fetch_metadata(None, Duration::from_secs(2)).ok(),
+        )?;
         Ok(())
     }
 }

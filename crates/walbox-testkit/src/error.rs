@@ -81,8 +81,15 @@ pub enum TestkitError {
 }
 
 impl TestkitError {
-    pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
-        move |source| TestkitError::Io { action, path, source }
+        move |source| TestkitError::Io {
+            action,
+            path,
+            source,
+        }
     }
 }

@@ -38,13 +38,17 @@ impl Record {
     /// The key as UTF-8 text.
     #[must_use]
     pub fn key_str(&self) -> Option<&str> {
-        self.key.as_deref().and_then(|k| std::str::from_utf8(k).ok())
+        self.key
+            .as_deref()
+            .and_then(|k| std::str::from_utf8(k).ok())
     }
 
     /// The value as UTF-8 text.
     #[must_use]
     pub fn value_str(&self) -> Option<&str> {
-        self.value.as_deref().and_then(|v| std::str::from_utf8(v).ok())
+        self.value
+            .as_deref()
+            .and_then(|v| std::str::from_utf8(v).ok())
     }
 
     /// The first header called `name`, as UTF-8 text.
@@ -104,7 +108,9 @@ pub fn read_at_least(
     count: usize,
     timeout: Duration,
 ) -> Result<Vec<Record>> {
-    read(bootstrap, topic, timeout, |records, _| records.len() >= count)
+    read(bootstrap, topic, timeout, |records, _| {
+        records.len() >= count
+    })
 }
 
 /// Reads `topic` from the start until `done(records, every_partition_at_end)`.

@@ -149,7 +149,10 @@ impl PgCluster {
             let _ = writeln!(conf, "{k} = '{}'", v.replace('\'', "''"));
         };
         set("listen_addresses", "127.0.0.1");
-        set("unix_socket_directories", &self.dir.path().display().to_string());
+        set(
+            "unix_socket_directories",
+            &self.dir.path().display().to_string(),
+        );
         set("wal_level", "logical");
         set("max_replication_slots", "20");
         set("max_wal_senders", "20");
@@ -185,7 +188,11 @@ impl PgCluster {
 
         // Local socket: trust (the kit's own admin access). TCP: trust, SCRAM, or
         // SCRAM over TLS only, for normal and replication connections alike.
-        let method = if o.password.is_some() { "scram-sha-256" } else { "trust" };
+        let method = if o.password.is_some() {
+            "scram-sha-256"
+        } else {
+            "trust"
+        };
         let host = if o.tls { "hostssl" } else { "host" };
         let mut hba = String::from("local all all trust\nlocal replication all trust\n");
         for db in ["all", "replication"] {
@@ -221,7 +228,9 @@ impl PgCluster {
             .open(&log_path)
             .map_err(TestkitError::io("opening", &log_path))?;
         give_to(self.user.as_ref(), &log_path)?;
-        let log_err = log.try_clone().map_err(TestkitError::io("opening", &log_path))?;
+        let log_err = log
+            .try_clone()
+            .map_err(TestkitError::io("opening", &log_path))?;
         let mut cmd = command(&self.bindir.join("postgres"), self.user.as_ref());
         cmd.arg("-D")
             .arg(self.data_dir())
@@ -312,7 +321,11 @@ impl PgCluster {
             let _ = write!(s, " password={p}");
         }
         if let Some(tls) = &self.tls {
-            let _ = write!(s, " sslmode=verify-full sslrootcert={}", tls.ca_cert.display());
+            let _ = write!(
+                s,
+                " sslmode=verify-full sslrootcert={}",
+                tls.ca_cert.display()
+            );
         }
         s
     }
@@ -412,7 +425,10 @@ fn bindir() -> Result<PathBuf> {
     if let Ok(dir) = std::env::var("WALBOX_PG_BINDIR") {
         return Ok(PathBuf::from(dir));
     }
-    if let Ok(out) = std::process::Command::new("pg_config").arg("--bindir").output() {
+    if let Ok(out) = std::process::Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+    {
         let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
         if out.status.success() && dir.join("initdb").is_file() {
             return Ok(dir);

@@ -39,13 +39,17 @@ impl TlsFiles {
         let issuer = Issuer::new(ca_params, ca_key);
 
         let mut server = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()])?;
-        server.distinguished_name.push(DnType::CommonName, "localhost");
+        server
+            .distinguished_name
+            .push(DnType::CommonName, "localhost");
         server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let server_key = KeyPair::generate()?;
         let server_cert = server.signed_by(&server_key, &issuer)?;
 
         let mut client = CertificateParams::new(Vec::<String>::new())?;
-        client.distinguished_name.push(DnType::CommonName, client_user);
+        client
+            .distinguished_name
+            .push(DnType::CommonName, client_user);
         client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         let client_key = KeyPair::generate()?;
         let client_cert = client.signed_by(&client_key, &issuer)?;

@@ -31,7 +31,11 @@ pub fn wait_until<T>(
 }
 
 /// The async form of [`wait_until`].
-pub async fn wait_until_async<T, F, Fut>(what: &str, timeout: Duration, mut condition: F) -> Result<T>
+pub async fn wait_until_async<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    mut condition: F,
+) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,

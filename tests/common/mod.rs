@@ -1,4 +1,6 @@
 //! Helpers shared by the end-to-end tests in this directory.
+
+#![allow(dead_code)] // each test binary uses a different part
 //!
 //! Each test file starts its own PostgreSQL cluster and broker through
 //! `walbox-testkit`; nothing here talks to a server the test did not start, except
