@@ -240,6 +240,7 @@ impl PgCluster {
         let child = cmd
             .spawn()
             .map_err(TestkitError::io("starting", self.bindir.join("postgres")))?;
+        let pid = child.id();
         self.child = Some(child);
         let pidfile = self.data_dir().join("postmaster.pid");
         let result = wait_until("postgres to accept connections", SERVER_TIMEOUT, || {
@@ -248,9 +249,12 @@ impl PgCluster {
                     return Some(Err(status));
                 }
             }
-            // Line 8 of postmaster.pid is the server's status.
+            // postmaster.pid: line 1 is the pid (a file left by a killed server
+            // names another), line 8 the server's status.
             let text = std::fs::read_to_string(&pidfile).ok()?;
-            (text.lines().nth(7).map(str::trim) == Some("ready")).then_some(Ok(()))
+            let mut lines = text.lines().map(str::trim);
+            let ours = lines.next() == Some(pid.to_string().as_str());
+            (ours && lines.nth(6) == Some("ready")).then_some(Ok(()))
         })?;
         match result {
             Ok(()) => Ok(()),
