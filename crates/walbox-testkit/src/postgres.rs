@@ -244,10 +244,8 @@ impl PgCluster {
         self.child = Some(child);
         let pidfile = self.data_dir().join("postmaster.pid");
         let result = wait_until("postgres to accept connections", SERVER_TIMEOUT, || {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    return Some(Err(status));
-                }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                return Some(Err(status));
             }
             // postmaster.pid: line 1 is the pid (a file left by a killed server
             // names another), line 8 the server's status.
