@@ -1,0 +1,22 @@
+//! The outbox mapping: from a decoded outbox row to an event ready for a sink.
+//!
+//! A [`TableConfig`] says which table is an outbox and which columns play which role
+//! (event id, aggregate type, aggregate id = key, event type, payload, headers,
+//! occurrence time, schema version), how the topic is named (a template over row
+//! fields, or a column) and whether the value is built as walbox's envelope or taken
+//! as-is from a column. [`Mapper::compile`] checks that against a table's shape from
+//! a pgoutput Relation message once; [`Mapper::map`] then turns each inserted row into
+//! an [`Event`] or a [`RowError`] that names the column and what is wrong with it
+//! (never the value: rows can hold personal data).
+//!
+//! No I/O: the crate is pure data transformation.
+
+mod config;
+mod event;
+mod mapper;
+mod template;
+
+pub use config::{ColumnNames, TableConfig, ValueFormat};
+pub use event::{Event, Position, header};
+pub use mapper::{Mapper, MappingError, RowError};
+pub use template::{TemplateError, TopicTemplate, validate_topic};

@@ -1,0 +1,604 @@
+//! Compiling a [`TableConfig`] against a table's shape and mapping its rows.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use walbox_pgoutput::{Oid, Relation, TupleValue};
+
+use crate::config::{TableConfig, ValueFormat};
+use crate::event::{Event, Position, header};
+use crate::template::{TemplateError, TopicTemplate, validate_topic};
+
+const BYTEA: Oid = 17;
+const TEXT: Oid = 25;
+const JSON: Oid = 114;
+const BPCHAR: Oid = 1042;
+const VARCHAR: Oid = 1043;
+const JSONB: Oid = 3802;
+
+/// The configuration does not fit the table: found once per Relation message, it
+/// stops walbox before any row is taken.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MappingError {
+    /// A column the mapping needs is not in the table (or not published).
+    #[error("outbox table {table}: no column {column:?} for the {role} (columns: {available})")]
+    MissingColumn {
+        /// The table.
+        table: String,
+        /// What the column is for.
+        role: &'static str,
+        /// The configured name.
+        column: String,
+        /// The table's published columns.
+        available: String,
+    },
+    /// A column has a type the role cannot use.
+    #[error(
+        "outbox table {table}: column {column:?} ({role}) has type oid {type_oid}; expected {expected}"
+    )]
+    WrongType {
+        /// The table.
+        table: String,
+        /// What the column is for.
+        role: &'static str,
+        /// The column.
+        column: String,
+        /// Its type.
+        type_oid: Oid,
+        /// What would work.
+        expected: &'static str,
+    },
+    /// The topic template is malformed.
+    #[error("outbox table {table}: {source}")]
+    Template {
+        /// The table.
+        table: String,
+        /// The problem.
+        #[source]
+        source: TemplateError,
+    },
+    /// A fixed topic name is not a valid Kafka topic.
+    #[error("outbox table {table}: topic {topic:?} is invalid: {reason}")]
+    InvalidTopic {
+        /// The table.
+        table: String,
+        /// The topic.
+        topic: String,
+        /// Why.
+        reason: &'static str,
+    },
+}
+
+/// A row that cannot become an event. Names columns and roles, never values.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RowError {
+    /// A required column is NULL.
+    #[error("column {column:?} ({role}) is NULL")]
+    Null {
+        /// What the column is for.
+        role: &'static str,
+        /// The column.
+        column: String,
+    },
+    /// A column's value was not sent (unchanged TOAST), which an insert never does.
+    #[error("column {column:?} ({role}) has no value in the change")]
+    Missing {
+        /// What the column is for.
+        role: &'static str,
+        /// The column.
+        column: String,
+    },
+    /// A text value is not valid UTF-8.
+    #[error("column {column:?} ({role}) is not valid UTF-8")]
+    NotUtf8 {
+        /// What the column is for.
+        role: &'static str,
+        /// The column.
+        column: String,
+    },
+    /// The payload is not JSON.
+    #[error("payload column {column:?} is not valid JSON: {reason}")]
+    PayloadNotJson {
+        /// The column.
+        column: String,
+        /// The parser's complaint (position and kind, no content).
+        reason: String,
+    },
+    /// The headers column is not a JSON object.
+    #[error("headers column {column:?} is not a JSON object")]
+    HeadersNotObject {
+        /// The column.
+        column: String,
+    },
+    /// The topic the row names is not a valid topic.
+    #[error("topic {topic:?} is invalid: {reason}")]
+    InvalidTopic {
+        /// The topic the row produced.
+        topic: String,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The change has a different number of columns than its Relation announced.
+    #[error("row has {got} columns, the table has {expected}")]
+    Shape {
+        /// Columns in the Relation.
+        expected: usize,
+        /// Columns in the row.
+        got: usize,
+    },
+}
+
+impl RowError {
+    /// A short, stable name of the error's class (for dead-letter headers and metrics).
+    #[must_use]
+    pub fn class(&self) -> &'static str {
+        match self {
+            Self::Null { .. } => "null_column",
+            Self::Missing { .. } => "missing_value",
+            Self::NotUtf8 { .. } => "not_utf8",
+            Self::PayloadNotJson { .. } => "payload_not_json",
+            Self::HeadersNotObject { .. } => "headers_not_object",
+            Self::InvalidTopic { .. } => "invalid_topic",
+            Self::Shape { .. } => "row_shape",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PayloadKind {
+    /// json / jsonb: the server produced it, so it is JSON; checked anyway.
+    Json,
+    /// text types that must hold JSON.
+    Text,
+    /// bytea (`\x` hex text form) that must hold JSON.
+    Bytea,
+}
+
+#[derive(Debug, Clone)]
+struct Col {
+    index: usize,
+    name: String,
+}
+
+#[derive(Debug, Clone)]
+enum TopicSource {
+    Fixed(String),
+    Template(TopicTemplate, Vec<Col>),
+    Column(Col),
+}
+
+/// A [`TableConfig`] resolved against one table shape: column indexes, payload
+/// kind, topic source. Recompile when a new Relation message arrives for the table.
+#[derive(Debug, Clone)]
+pub struct Mapper {
+    table: String,
+    columns: usize,
+    producer_json: String,
+    id: Col,
+    key: Option<Col>,
+    aggregate_type: Option<Col>,
+    event_type: Option<Col>,
+    payload: Option<(Col, PayloadKind)>,
+    headers: Option<Col>,
+    occurred_at: Option<Col>,
+    schema_version: Option<Col>,
+    topic: TopicSource,
+    value_column: Option<Col>,
+}
+
+impl Mapper {
+    /// Resolves `config` against `relation`; `producer` names this relay in envelopes.
+    pub fn compile(
+        config: &TableConfig,
+        producer: &str,
+        relation: &Relation,
+    ) -> Result<Self, MappingError> {
+        let table = format!("{}.{}", relation.namespace, relation.name);
+        let available = || {
+            relation
+                .columns
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let find = |name: &str| relation.columns.iter().position(|c| c.name == name);
+        let required = |role: &'static str, configured: &Option<String>, default: &str| {
+            let name = configured.as_deref().unwrap_or(default);
+            find(name)
+                .map(|index| Col {
+                    index,
+                    name: name.to_owned(),
+                })
+                .ok_or_else(|| MappingError::MissingColumn {
+                    table: table.clone(),
+                    role,
+                    column: name.to_owned(),
+                    available: available(),
+                })
+        };
+        let optional =
+            |role: &'static str, configured: &Option<String>, default: &str| match configured {
+                Some(_) => required(role, configured, default).map(Some),
+                None => Ok(find(default).map(|index| Col {
+                    index,
+                    name: default.to_owned(),
+                })),
+            };
+        let type_of = |c: &Col| relation.columns.get(c.index).map_or(0, |c| c.type_oid);
+        let c = &config.columns;
+
+        let id = required("event id", &c.id, "id")?;
+        let envelope = matches!(config.value, ValueFormat::Envelope);
+        let (key, event_type, payload) = if envelope {
+            let payload = required("payload", &c.payload, "payload")?;
+            let kind = match type_of(&payload) {
+                JSON | JSONB => PayloadKind::Json,
+                TEXT | VARCHAR | BPCHAR => PayloadKind::Text,
+                BYTEA => PayloadKind::Bytea,
+                other => {
+                    return Err(MappingError::WrongType {
+                        table,
+                        role: "payload",
+                        column: payload.name,
+                        type_oid: other,
+                        expected: "json, jsonb, text, varchar or bytea",
+                    });
+                }
+            };
+            (
+                Some(required(
+                    "aggregate id (key)",
+                    &c.aggregate_id,
+                    "aggregate_id",
+                )?),
+                Some(required("event type", &c.event_type, "event_type")?),
+                Some((payload, kind)),
+            )
+        } else {
+            (
+                optional("aggregate id (key)", &c.aggregate_id, "aggregate_id")?,
+                optional("event type", &c.event_type, "event_type")?,
+                None,
+            )
+        };
+        let headers = optional("headers", &c.headers, "headers")?;
+        if let Some(h) = &headers
+            && !matches!(type_of(h), JSON | JSONB)
+        {
+            return Err(MappingError::WrongType {
+                table,
+                role: "headers",
+                column: h.name.clone(),
+                type_oid: type_of(h),
+                expected: "json or jsonb",
+            });
+        }
+        let aggregate_type = optional("aggregate type", &c.aggregate_type, "aggregate_type")?;
+        let occurred_at = optional("occurrence time", &c.occurred_at, "occurred_at")?;
+        let schema_version = optional("schema version", &c.schema_version, "schema_version")?;
+        let value_column = match &config.value {
+            ValueFormat::Envelope => None,
+            ValueFormat::Column(name) => Some(required("value", &Some(name.clone()), name)?),
+        };
+
+        let topic = if let Some(col) = &config.topic_column {
+            TopicSource::Column(required("topic", &Some(col.clone()), col)?)
+        } else {
+            let template =
+                TopicTemplate::parse(&config.topic).map_err(|source| MappingError::Template {
+                    table: table.clone(),
+                    source,
+                })?;
+            if template.is_fixed() {
+                validate_topic(&config.topic).map_err(|reason| MappingError::InvalidTopic {
+                    table: table.clone(),
+                    topic: config.topic.clone(),
+                    reason,
+                })?;
+                TopicSource::Fixed(config.topic.clone())
+            } else {
+                let mut cols = Vec::new();
+                for field in template.fields() {
+                    // A placeholder names a role (using its configured column) or a column.
+                    let configured = match field {
+                        "id" | "event_id" => c.id.clone(),
+                        "aggregate_type" => c.aggregate_type.clone(),
+                        "aggregate_id" => c.aggregate_id.clone(),
+                        "event_type" => c.event_type.clone(),
+                        _ => None,
+                    };
+                    let default = if field == "event_id" { "id" } else { field };
+                    cols.push(required("topic template field", &configured, default)?);
+                }
+                TopicSource::Template(template, cols)
+            }
+        };
+
+        Ok(Mapper {
+            table,
+            columns: relation.columns.len(),
+            producer_json: serde_json::Value::from(producer).to_string(),
+            id,
+            key,
+            aggregate_type,
+            event_type,
+            payload,
+            headers,
+            occurred_at,
+            schema_version,
+            topic,
+            value_column,
+        })
+    }
+
+    /// The table this mapper belongs to, `schema.name`.
+    #[must_use]
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// Maps an inserted row.
+    pub fn map(&self, row: &[TupleValue], position: Position) -> Result<Event, RowError> {
+        if row.len() != self.columns {
+            return Err(RowError::Shape {
+                expected: self.columns,
+                got: row.len(),
+            });
+        }
+        let event_id = text(row, &self.id, "event id")?;
+        let key = match &self.key {
+            Some(c) => Some(bytes(row, c, "aggregate id (key)")?.clone()),
+            None => None,
+        };
+        let event_type = opt_text(row, self.event_type.as_ref(), "event type")?;
+        let aggregate_type = opt_text(row, self.aggregate_type.as_ref(), "aggregate type")?;
+        let schema_version = opt_text(row, self.schema_version.as_ref(), "schema version")?;
+
+        let topic = match &self.topic {
+            TopicSource::Fixed(t) => t.clone(),
+            TopicSource::Column(c) => text(row, c, "topic")?.to_owned(),
+            TopicSource::Template(t, cols) => t.render(|i, _| match cols.get(i) {
+                Some(c) => text(row, c, "topic template field"),
+                None => Err(RowError::Shape {
+                    expected: cols.len(),
+                    got: i,
+                }),
+            })?,
+        };
+        if let Err(reason) = validate_topic(&topic) {
+            return Err(RowError::InvalidTopic { topic, reason });
+        }
+
+        let mut headers: Vec<(String, Bytes)> = Vec::with_capacity(8);
+        headers.push((
+            header::EVENT_ID.into(),
+            Bytes::copy_from_slice(event_id.as_bytes()),
+        ));
+        if let Some(t) = event_type {
+            headers.push((
+                header::EVENT_TYPE.into(),
+                Bytes::copy_from_slice(t.as_bytes()),
+            ));
+        }
+        if let Some(v) = schema_version {
+            headers.push((
+                header::SCHEMA_VERSION.into(),
+                Bytes::copy_from_slice(v.as_bytes()),
+            ));
+        }
+        if let Some(a) = aggregate_type {
+            headers.push((
+                header::AGGREGATE_TYPE.into(),
+                Bytes::copy_from_slice(a.as_bytes()),
+            ));
+        }
+        if let Some(c) = &self.headers {
+            match row.get(c.index) {
+                Some(TupleValue::Null) | None => {}
+                Some(_) => {
+                    let raw = bytes(row, c, "headers")?;
+                    let map: serde_json::Map<String, serde_json::Value> =
+                        serde_json::from_slice(raw).map_err(|_| RowError::HeadersNotObject {
+                            column: c.name.clone(),
+                        })?;
+                    for (k, v) in map {
+                        if let serde_json::Value::String(s) = v {
+                            headers.push((k, Bytes::from(s)));
+                        }
+                    }
+                }
+            }
+        }
+        headers.push((
+            header::COMMIT_LSN.into(),
+            Bytes::from(position.commit_lsn.to_string()),
+        ));
+        headers.push((
+            header::INDEX.into(),
+            Bytes::from(position.index.to_string()),
+        ));
+        headers.push((header::XID.into(), Bytes::from(position.xid.to_string())));
+
+        let value = match (&self.value_column, &self.payload) {
+            (Some(c), _) => bytes(row, c, "value")?.clone(),
+            (None, Some((c, kind))) => {
+                let payload = payload_json(row, c, *kind)?;
+                let occurred_at = opt_text(row, self.occurred_at.as_ref(), "occurrence time")?;
+                envelope(
+                    event_id,
+                    event_type,
+                    schema_version,
+                    occurred_at,
+                    &self.producer_json,
+                    &payload,
+                )
+            }
+            (None, None) => Bytes::new(),
+        };
+
+        Ok(Event {
+            event_id: event_id.to_owned(),
+            topic,
+            key,
+            value,
+            headers,
+            position,
+        })
+    }
+}
+
+fn bytes<'a>(row: &'a [TupleValue], c: &Col, role: &'static str) -> Result<&'a Bytes, RowError> {
+    match row.get(c.index) {
+        Some(TupleValue::Text(b) | TupleValue::Binary(b)) => Ok(b),
+        Some(TupleValue::Null) => Err(RowError::Null {
+            role,
+            column: c.name.clone(),
+        }),
+        Some(TupleValue::UnchangedToast) | None => Err(RowError::Missing {
+            role,
+            column: c.name.clone(),
+        }),
+    }
+}
+
+fn text<'a>(row: &'a [TupleValue], c: &Col, role: &'static str) -> Result<&'a str, RowError> {
+    std::str::from_utf8(bytes(row, c, role)?).map_err(|_| RowError::NotUtf8 {
+        role,
+        column: c.name.clone(),
+    })
+}
+
+/// An optional role: absent column or NULL value give `None`.
+fn opt_text<'a>(
+    row: &'a [TupleValue],
+    c: Option<&Col>,
+    role: &'static str,
+) -> Result<Option<&'a str>, RowError> {
+    match c {
+        None => Ok(None),
+        Some(c) if matches!(row.get(c.index), Some(TupleValue::Null)) => Ok(None),
+        Some(c) => text(row, c, role).map(Some),
+    }
+}
+
+/// The payload as JSON bytes, checked.
+fn payload_json(row: &[TupleValue], c: &Col, kind: PayloadKind) -> Result<Bytes, RowError> {
+    let raw = bytes(row, c, "payload")?;
+    let json = match kind {
+        PayloadKind::Json | PayloadKind::Text => raw.clone(),
+        PayloadKind::Bytea => {
+            let hex = raw
+                .strip_prefix(b"\\x")
+                .ok_or_else(|| RowError::PayloadNotJson {
+                    column: c.name.clone(),
+                    reason: "bytea value is not in hex output format".into(),
+                })?;
+            Bytes::from(decode_hex(hex).ok_or_else(|| RowError::PayloadNotJson {
+                column: c.name.clone(),
+                reason: "bytea value is not valid hex".into(),
+            })?)
+        }
+    };
+    serde_json::from_slice::<serde::de::IgnoredAny>(&json).map_err(|e| {
+        RowError::PayloadNotJson {
+            column: c.name.clone(),
+            reason: format!(
+                "{} at line {} column {}",
+                classify(&e),
+                e.line(),
+                e.column()
+            ),
+        }
+    })?;
+    Ok(json)
+}
+
+fn classify(e: &serde_json::Error) -> &'static str {
+    match e.classify() {
+        serde_json::error::Category::Io => "I/O error",
+        serde_json::error::Category::Syntax => "syntax error",
+        serde_json::error::Category::Data => "unexpected data",
+        serde_json::error::Category::Eof => "unexpected end",
+    }
+}
+
+fn decode_hex(hex: &[u8]) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    let nibble = |b: u8| match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    };
+    hex.chunks_exact(2)
+        .map(|pair| match pair {
+            [hi, lo] => Some(nibble(*hi)? << 4 | nibble(*lo)?),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `2026-11-29 19:40:00.123456+00` (PostgreSQL ISO output) to RFC 3339
+/// (`2026-11-29T19:40:00.123456+00:00`); other forms pass through unchanged.
+fn rfc3339(pg: &str) -> String {
+    let b = pg.as_bytes();
+    if b.len() < 19 || b.get(10) != Some(&b' ') {
+        return pg.to_owned();
+    }
+    let mut s = String::with_capacity(pg.len() + 3);
+    s.push_str(&pg[..10]);
+    s.push('T');
+    s.push_str(&pg[11..]);
+    // A zone offset of hours only (+00, -05) gets its minutes.
+    let n = s.len();
+    if n >= 3 && matches!(s.as_bytes()[n - 3], b'+' | b'-') {
+        s.push_str(":00");
+    }
+    s
+}
+
+fn json_str(out: &mut BytesMut, s: &str) {
+    // serde_json's string escaping, written straight into the buffer.
+    let _ = serde_json::to_writer(out.writer(), s);
+}
+
+fn envelope(
+    event_id: &str,
+    event_type: Option<&str>,
+    schema_version: Option<&str>,
+    occurred_at: Option<&str>,
+    producer_json: &str,
+    payload: &[u8],
+) -> Bytes {
+    let mut out = BytesMut::with_capacity(payload.len() + 192);
+    out.put_slice(b"{\"event_id\":");
+    json_str(&mut out, event_id);
+    out.put_slice(b",\"event_type\":");
+    match event_type {
+        Some(t) => json_str(&mut out, t),
+        None => out.put_slice(b"null"),
+    }
+    out.put_slice(b",\"schema_version\":");
+    match schema_version {
+        Some(v) if v.parse::<i64>().is_ok() => out.put_slice(v.as_bytes()),
+        Some(v) => json_str(&mut out, v),
+        None => out.put_slice(b"null"),
+    }
+    out.put_slice(b",\"occurred_at\":");
+    match occurred_at {
+        Some(t) => json_str(&mut out, &rfc3339(t)),
+        None => out.put_slice(b"null"),
+    }
+    out.put_slice(b",\"producer\":");
+    out.put_slice(producer_json.as_bytes());
+    out.put_slice(b",\"payload\":");
+    out.put_slice(payload);
+    out.put_slice(b"}");
+    out.freeze()
+}
+
+#[cfg(test)]
+mod tests;
