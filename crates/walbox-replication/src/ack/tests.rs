@@ -1,0 +1,160 @@
+use proptest::prelude::*;
+
+use super::*;
+
+#[test]
+fn confirms_a_transaction_only_when_all_its_events_are_acked() {
+    let mut t = AckTracker::new(Lsn(100));
+    let tx = t.begin();
+    let a = t.event(tx);
+    let b = t.event(tx);
+    t.commit(tx, Lsn(200));
+    assert_eq!(t.confirmed(), Lsn(100));
+    t.ack(b);
+    assert_eq!(t.confirmed(), Lsn(100), "one event still in flight");
+    t.ack(a);
+    assert_eq!(t.confirmed(), Lsn(200));
+    assert_eq!(t.in_flight(), 0);
+}
+
+#[test]
+fn a_later_transaction_waits_for_earlier_ones() {
+    let mut t = AckTracker::new(Lsn(0));
+    let t1 = t.begin();
+    let e1 = t.event(t1);
+    t.commit(t1, Lsn(10));
+    let t2 = t.begin();
+    let e2 = t.event(t2);
+    t.commit(t2, Lsn(20));
+    t.ack(e2);
+    assert_eq!(t.confirmed(), Lsn(0), "t1 not acked yet");
+    t.ack(e1);
+    assert_eq!(t.confirmed(), Lsn(20));
+}
+
+#[test]
+fn transactions_without_events_confirm_at_once_or_fold_behind_pending_ones() {
+    let mut t = AckTracker::new(Lsn(0));
+    let empty = t.begin();
+    t.commit(empty, Lsn(5));
+    assert_eq!(t.confirmed(), Lsn(5));
+
+    let t1 = t.begin();
+    let e1 = t.event(t1);
+    t.commit(t1, Lsn(10));
+    for end in [20, 30, 40] {
+        let tx = t.begin();
+        t.commit(tx, Lsn(end));
+    }
+    assert_eq!(
+        t.txns.len(),
+        1,
+        "empty transactions fold into the pending one"
+    );
+    assert_eq!(t.confirmed(), Lsn(5));
+    t.ack(e1);
+    assert_eq!(t.confirmed(), Lsn(40));
+}
+
+#[test]
+fn an_open_transaction_blocks_idle_confirmation() {
+    let mut t = AckTracker::new(Lsn(0));
+    t.idle_wal_end(Lsn(50));
+    assert_eq!(t.confirmed(), Lsn(50), "idle: follow the server");
+    let tx = t.begin();
+    t.idle_wal_end(Lsn(90));
+    assert_eq!(
+        t.confirmed(),
+        Lsn(50),
+        "a keepalive inside a transaction moves nothing"
+    );
+    let e = t.event(tx);
+    t.commit(tx, Lsn(100));
+    t.idle_wal_end(Lsn(120));
+    assert_eq!(t.confirmed(), Lsn(50), "an event in flight moves nothing");
+    t.ack(e);
+    assert_eq!(t.confirmed(), Lsn(100));
+    t.idle_wal_end(Lsn(120));
+    assert_eq!(t.confirmed(), Lsn(120));
+    t.idle_wal_end(Lsn(110));
+    assert_eq!(t.confirmed(), Lsn(120), "never backwards");
+}
+
+#[test]
+fn a_failed_delivery_freezes_the_position_below_it() {
+    let mut t = AckTracker::new(Lsn(0));
+    let t1 = t.begin();
+    let ok = t.event(t1);
+    t.commit(t1, Lsn(10));
+    let t2 = t.begin();
+    let bad = t.event(t2);
+    let after = t.event(t2);
+    t.commit(t2, Lsn(20));
+    let t3 = t.begin();
+    let later = t.event(t3);
+    t.commit(t3, Lsn(30));
+    t.fail(bad);
+    t.ack(after);
+    t.ack(later);
+    t.ack(ok);
+    t.idle_wal_end(Lsn(99));
+    assert!(t.has_failed());
+    assert!(t.confirmed() < Lsn(20), "never past the failed event");
+}
+
+/// A random interleaving of transactions, events and acknowledgements.
+#[derive(Debug, Clone)]
+enum Step {
+    Txn { events: u8 },
+    Ack(prop::sample::Index),
+    Keepalive,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (0u8..4).prop_map(|events| Step::Txn { events }),
+        any::<prop::sample::Index>().prop_map(Step::Ack),
+        Just(Step::Keepalive),
+    ]
+}
+
+proptest! {
+    /// The confirmed position never passes an unacknowledged event, never goes
+    /// backwards, and reaches the last commit once everything is acknowledged.
+    #[test]
+    fn never_confirms_past_an_unacked_event(steps in proptest::collection::vec(step(), 1..200)) {
+        let mut t = AckTracker::new(Lsn(0));
+        let mut lsn = 0u64;
+        // (end_lsn of its transaction, ticket) for every event not acked yet.
+        let mut pending: Vec<(Lsn, Ticket)> = Vec::new();
+        let mut last = Lsn(0);
+        for s in steps {
+            match s {
+                Step::Txn { events } => {
+                    let tx = t.begin();
+                    let tickets: Vec<Ticket> = (0..events).map(|_| t.event(tx)).collect();
+                    lsn += 100;
+                    t.commit(tx, Lsn(lsn));
+                    pending.extend(tickets.into_iter().map(|k| (Lsn(lsn), k)));
+                }
+                Step::Ack(i) if !pending.is_empty() => {
+                    let (_, ticket) = pending.swap_remove(i.index(pending.len()));
+                    t.ack(ticket);
+                }
+                Step::Ack(_) => {}
+                Step::Keepalive => t.idle_wal_end(Lsn(lsn + 7)),
+            }
+            let c = t.confirmed();
+            prop_assert!(c >= last, "went backwards");
+            last = c;
+            if let Some(oldest) = pending.iter().map(|(end, _)| *end).min() {
+                prop_assert!(c < oldest, "confirmed {c} with an event of the transaction ending {oldest} unacked");
+            }
+            prop_assert_eq!(t.in_flight(), pending.len() as u64);
+        }
+        for (_, ticket) in pending.drain(..) {
+            t.ack(ticket);
+        }
+        prop_assert!(t.confirmed() >= Lsn(lsn));
+    }
+}
