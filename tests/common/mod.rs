@@ -1,10 +1,10 @@
 //! Helpers shared by the end-to-end tests in this directory.
-
-#![allow(dead_code)] // each test binary uses a different part
 //!
 //! Each test file starts its own PostgreSQL cluster and broker through
 //! `walbox-testkit`; nothing here talks to a server the test did not start, except
 //! a real Kafka named by `WALBOX_TEST_KAFKA`.
+
+#![allow(dead_code)] // each test binary uses a different part
 
 use std::collections::HashMap;
 
@@ -40,5 +40,290 @@ impl Relations {
     pub fn name(&self, oid: Oid) -> String {
         let r = self.get(oid);
         format!("{}.{}", r.namespace, r.name)
+    }
+}
+
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use walbox_testkit::{Broker, PgCluster, kafka::Record, wait_until};
+
+/// The outbox table the relay tests use: the default column names, a per-key
+/// sequence in the payload for order checks.
+pub const OUTBOX_DDL: &str = "
+    CREATE TABLE outbox (
+        id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+        aggregate_type text NOT NULL,
+        aggregate_id text NOT NULL,
+        event_type text NOT NULL,
+        payload jsonb NOT NULL,
+        headers jsonb,
+        occurred_at timestamptz NOT NULL DEFAULT now(),
+        schema_version int
+    )";
+
+/// A `walbox` process started by a test, with its output in a log file.
+pub struct Walbox {
+    child: Option<Child>,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Walbox {
+    /// Starts `walbox <args>` with `env` (and a quiet-enough log level).
+    pub fn spawn(args: &[&str], env: &[(&str, String)]) -> Walbox {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("walbox.log");
+        let out = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_walbox"));
+        cmd.args(args)
+            .env("WALBOX_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Walbox {
+            child: Some(cmd.spawn().unwrap()),
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// What the process has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends `signal` to the process.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
+        let _ = nix::sys::signal::kill(pid, signal);
+    }
+
+    /// Waits for the process to exit.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let status = wait_until("walbox to exit", timeout, || {
+            child.try_wait().ok().flatten()
+        })
+        .unwrap_or_else(|e| panic!("{e}; log:\n{}", self.log()));
+        self.child = None;
+        status
+    }
+
+    /// Whether the process is still running.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// SIGKILL, and wait for it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Walbox {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Environment for `walbox` against this cluster and broker.
+pub fn walbox_env(pg: &PgCluster, broker: &Broker) -> Vec<(&'static str, String)> {
+    vec![
+        ("WALBOX_DSN", pg.conninfo("postgres")),
+        ("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap()),
+        ("WALBOX_CREATE_TOPICS", "true".into()),
+        ("WALBOX_SLOT", "walbox".into()),
+        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
+    ]
+}
+
+/// Runs `walbox setup` and checks it succeeded.
+pub fn setup(env: &[(&str, String)]) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_walbox"));
+    cmd.arg("setup");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "walbox setup: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The server's current WAL position.
+pub async fn current_lsn(db: &tokio_postgres::Client) -> walbox_pgoutput::Lsn {
+    let s: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    s.parse().unwrap()
+}
+
+/// The slot's confirmed position.
+pub async fn confirmed_lsn(db: &tokio_postgres::Client, slot: &str) -> walbox_pgoutput::Lsn {
+    let s: String = db
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    s.parse().unwrap()
+}
+
+/// Waits until the slot's confirmed position reaches `target`.
+pub async fn wait_confirmed(
+    db: &tokio_postgres::Client,
+    slot: &str,
+    target: walbox_pgoutput::Lsn,
+    timeout: Duration,
+) {
+    walbox_testkit::wait_until_async("the slot to confirm the last commit", timeout, || async {
+        (confirmed_lsn(db, slot).await >= target).then_some(())
+    })
+    .await
+    .unwrap();
+}
+
+/// The event ids of the outbox table.
+pub async fn outbox_ids(db: &tokio_postgres::Client) -> std::collections::HashSet<String> {
+    db.query("SELECT id::text FROM outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Reads topic records from a blocking thread.
+pub async fn read_topic(bootstrap: &str, topic: &str, at_least: usize) -> Vec<Record> {
+    let (b, t) = (bootstrap.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let mut records =
+            walbox_testkit::kafka::read_at_least(&b, &t, at_least, Duration::from_secs(120))?;
+        // Then everything else the topic holds.
+        let all = walbox_testkit::kafka::read_all(&b, &t, Duration::from_secs(120))?;
+        if all.len() > records.len() {
+            records = all;
+        }
+        Ok::<_, walbox_testkit::TestkitError>(records)
+    })
+    .await
+    .unwrap()
+    .unwrap()
+}
+
+/// Missing ids, and ids seen more than once, between the table and the records.
+pub fn audit(
+    ids: &std::collections::HashSet<String>,
+    records: &[Record],
+) -> (Vec<String>, Vec<String>) {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for r in records {
+        *seen
+            .entry(r.header("event_id").unwrap_or_default().to_owned())
+            .or_default() += 1;
+    }
+    let missing = ids
+        .iter()
+        .filter(|id| !seen.contains_key(*id))
+        .cloned()
+        .collect();
+    let dup = seen
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, _)| id.clone())
+        .collect();
+    (missing, dup)
+}
+
+/// Checks per-key order: within each key, the payload's `seq` grows by one from 0
+/// in partition offset order (repeats allowed only as exact replays when
+/// `allow_replay`).
+pub fn assert_per_key_order(records: &[Record], allow_replay: bool) {
+    let mut sorted: Vec<&Record> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.partition, r.offset));
+    let mut next: HashMap<String, (i32, i64)> = HashMap::new();
+    for r in sorted {
+        let key = r.key_str().expect("key").to_owned();
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+        let seq = v["payload"]["seq"].as_i64().unwrap();
+        let (partition, expected) = next.entry(key.clone()).or_insert((r.partition, 0));
+        assert_eq!(*partition, r.partition, "key {key} on two partitions");
+        if seq == *expected {
+            *expected += 1;
+        } else if allow_replay && seq < *expected {
+            // A replay after a restart starts again from an earlier event.
+            *expected = seq + 1;
+        } else {
+            panic!("key {key}: seq {seq} where {expected} was expected");
+        }
+    }
+}
+
+/// Exit status code, for assertions.
+pub fn code(s: ExitStatus) -> Option<i32> {
+    s.code()
+}
+
+/// Writers that commit outbox events concurrently. Writer `w` owns the keys
+/// `k` with `k % writers == w`, so each key's commit order is its writer's order,
+/// recorded as `seq` in the payload.
+pub async fn write_events(
+    pg: &PgCluster,
+    writers: usize,
+    txns_per_writer: usize,
+    events_per_txn: usize,
+    keys: usize,
+) {
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let mut db = pg.connect("postgres").await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            let own: Vec<usize> = (0..keys).filter(|k| k % writers == w).collect();
+            let mut seq = vec![0i64; own.len()];
+            let mut n = 0usize;
+            for _ in 0..txns_per_writer {
+                let tx = db.transaction().await.unwrap();
+                for _ in 0..events_per_txn {
+                    let slot = n % own.len();
+                    n += 1;
+                    let key = format!("order-{}", own[slot]);
+                    let payload = format!(r#"{{"seq": {}, "writer": {w}, "note": "Grüße"}}"#, seq[slot]);
+                    seq[slot] += 1;
+                    tx.execute(
+                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)
+                         VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb,
+                                 jsonb_build_object('traceparent', '00-' || md5($1) || '-00f067aa0ba902b7-01'), 1)",
+                        &[&key, &payload],
+                    )
+                    .await
+                    .unwrap();
+                }
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
     }
 }

@@ -22,17 +22,13 @@ pub mod header {
 /// Where an event came from in the WAL.
 ///
 /// Several messages of one transaction can share an LSN, so an event's identity in
-/// the stream is `(commit_lsn, index)`, never an LSN alone. `end_lsn` is the position
-/// that may be confirmed to the server once every event of the transaction (and of
-/// all earlier ones) is acknowledged.
+/// the stream is `(commit_lsn, index)`, never an LSN alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Position {
     /// LSN of the transaction's commit record.
     pub commit_lsn: Lsn,
-    /// Index of the change within its transaction, from 0.
+    /// Index of the event within its transaction, from 0.
     pub index: u32,
-    /// End of the transaction's commit record.
-    pub end_lsn: Lsn,
     /// Transaction id.
     pub xid: Xid,
 }

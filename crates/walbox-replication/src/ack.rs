@@ -13,6 +13,20 @@ pub struct TxnId(u64);
 #[must_use = "every event must be acknowledged or failed"]
 pub struct Ticket(u64);
 
+impl Ticket {
+    /// The ticket as a number, to carry through a sink's opaque token.
+    #[must_use]
+    pub fn into_raw(self) -> u64 {
+        self.0
+    }
+
+    /// The ticket back from [`into_raw`](Self::into_raw). Only pass values that
+    /// came from `into_raw` of a ticket of the same tracker, once.
+    pub fn from_raw(raw: u64) -> Self {
+        Ticket(raw)
+    }
+}
+
 #[derive(Debug)]
 struct Txn {
     seq: u64,
@@ -70,6 +84,7 @@ impl AckTracker {
     }
 
     /// A transaction starts (Begin).
+    #[must_use]
     pub fn begin(&mut self) -> TxnId {
         let seq = self.next_seq;
         self.next_seq += 1;

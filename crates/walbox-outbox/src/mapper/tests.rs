@@ -55,7 +55,6 @@ fn pos() -> Position {
     Position {
         commit_lsn: Lsn(0x16_B374_D848),
         index: 3,
-        end_lsn: Lsn(0x16_B374_D900),
         xid: 991,
     }
 }

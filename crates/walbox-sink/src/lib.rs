@@ -1,0 +1,84 @@
+//! Where events go.
+//!
+//! A [`Sink`] takes [`Event`]s with an opaque token and later reports, once per
+//! event, whether it was durably accepted ([`Delivery`]). The relay uses the tokens
+//! to move its confirmed WAL position only over acknowledged events. Sinks never
+//! buffer without bound: the relay limits what is in flight, and a sink's own queue
+//! is sized above that limit.
+//!
+//! - [`KafkaSink`]: an idempotent rdkafka producer (`acks=all`), keys partitioned
+//!   with murmur2 as the Java client does, topics checked or created on first use.
+//! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
+//!   written and flushed.
+
+mod kafka;
+mod stdout;
+
+use tokio::sync::mpsc;
+use walbox_outbox::Event;
+
+pub use kafka::{KafkaSink, KafkaSinkConfig};
+pub use stdout::StdoutSink;
+
+/// The outcome of one event.
+#[derive(Debug)]
+pub struct Delivery {
+    /// The token given with the event.
+    pub token: usize,
+    /// Whether the destination acknowledged it.
+    pub result: Result<(), DeliveryError>,
+}
+
+/// Receives one [`Delivery`] per event sent.
+pub type Deliveries = mpsc::UnboundedReceiver<Delivery>;
+
+/// An event the destination did not accept.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("delivery of event {event_id} to {topic} failed ({class}): {reason}")]
+pub struct DeliveryError {
+    /// The event.
+    pub event_id: String,
+    /// Its topic.
+    pub topic: String,
+    /// Short class of the failure (for logs and dead-letter headers).
+    pub class: &'static str,
+    /// What the destination said.
+    pub reason: String,
+}
+
+/// A failure of the sink itself, not of one event.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SinkError {
+    /// A topic does not exist and may not be created.
+    #[error("topic {0:?} does not exist (set create_topics = true to create it)")]
+    MissingTopic(String),
+    /// Creating a topic failed.
+    #[error("creating topic {topic:?}: {reason}")]
+    CreateTopic {
+        /// The topic.
+        topic: String,
+        /// Why.
+        reason: String,
+    },
+    /// The producer or admin client could not be set up or reached.
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    /// Writing to standard output failed.
+    #[error("writing to stdout: {0}")]
+    Io(#[from] std::io::Error),
+    /// A configuration value is wrong.
+    #[error("sink configuration: {0}")]
+    Config(String),
+}
+
+/// A destination for events.
+#[allow(async_fn_in_trait)] // used with concrete types only
+pub trait Sink {
+    /// Hands `event` to the sink. Returns once the sink has taken it; the outcome
+    /// arrives later as a [`Delivery`] carrying `token`.
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError>;
+
+    /// Waits up to `timeout` for everything sent to be delivered or failed.
+    async fn flush(&mut self, timeout: std::time::Duration) -> Result<(), SinkError>;
+}

@@ -1,0 +1,378 @@
+//! Configuration: a TOML file, then `WALBOX_*` environment variables and flags on
+//! top. Unknown keys and bad values are refused with the key's name.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use walbox_outbox::TableConfig;
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Name of this relay in event envelopes (`producer`).
+    #[serde(default = "default_producer")]
+    pub producer: String,
+    /// Where the WAL comes from.
+    #[serde(default)]
+    pub source: SourceConfig,
+    /// The outbox tables (`[[outbox]]`); one `public.outbox` with defaults if none.
+    #[serde(default)]
+    pub outbox: Vec<TableConfig>,
+    /// Where events go.
+    #[serde(default)]
+    pub sink: SinkConfig,
+    /// Shutdown behaviour.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+}
+
+fn default_producer() -> String {
+    "walbox".into()
+}
+
+/// The PostgreSQL side.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// Connection string, libpq key=value or URI form.
+    pub dsn: Option<String>,
+    /// Logical replication slot (pgoutput).
+    #[serde(default = "default_slot")]
+    pub slot: String,
+    /// Publication containing the outbox table(s).
+    #[serde(default = "default_publication")]
+    pub publication: String,
+    /// Most often the position is reported to the server, in milliseconds.
+    #[serde(default = "default_status_interval_ms")]
+    pub status_interval_ms: u64,
+}
+
+fn default_slot() -> String {
+    "walbox".into()
+}
+fn default_publication() -> String {
+    "walbox_outbox".into()
+}
+fn default_status_interval_ms() -> u64 {
+    1_000
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        SourceConfig {
+            dsn: None,
+            slot: default_slot(),
+            publication: default_publication(),
+            status_interval_ms: default_status_interval_ms(),
+        }
+    }
+}
+
+/// Sink kinds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkKind {
+    /// Kafka (or any Kafka-protocol broker).
+    #[default]
+    Kafka,
+    /// JSON lines on standard output.
+    Stdout,
+}
+
+/// The destination.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinkConfig {
+    /// `kafka` or `stdout`.
+    #[serde(rename = "type", default)]
+    pub kind: SinkKind,
+    /// Create missing topics instead of stopping.
+    #[serde(default)]
+    pub create_topics: bool,
+    /// Partitions of created topics.
+    #[serde(default = "default_partitions")]
+    pub topic_partitions: i32,
+    /// Replication factor of created topics.
+    #[serde(default = "default_replication")]
+    pub topic_replication: i32,
+    /// Most events in flight (sent, not yet acknowledged) before WAL reading pauses.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
+    /// Most bytes in flight before WAL reading pauses.
+    #[serde(default = "default_max_in_flight_bytes")]
+    pub max_in_flight_bytes: usize,
+    /// librdkafka properties, passed through (`"bootstrap.servers" = "..."`).
+    #[serde(default)]
+    pub kafka: BTreeMap<String, toml::Value>,
+}
+
+fn default_partitions() -> i32 {
+    6
+}
+fn default_replication() -> i32 {
+    1
+}
+fn default_max_in_flight() -> usize {
+    10_000
+}
+fn default_max_in_flight_bytes() -> usize {
+    64 * 1024 * 1024
+}
+
+impl Default for SinkConfig {
+    fn default() -> Self {
+        SinkConfig {
+            kind: SinkKind::default(),
+            create_topics: false,
+            topic_partitions: default_partitions(),
+            topic_replication: default_replication(),
+            max_in_flight: default_max_in_flight(),
+            max_in_flight_bytes: default_max_in_flight_bytes(),
+            kafka: BTreeMap::new(),
+        }
+    }
+}
+
+impl SinkConfig {
+    /// The librdkafka properties as strings; tables and arrays are refused.
+    pub fn kafka_properties(&self) -> Result<Vec<(String, String)>> {
+        self.kafka
+            .iter()
+            .map(|(k, v)| {
+                let s = match v {
+                    toml::Value::String(s) => s.clone(),
+                    toml::Value::Integer(i) => i.to_string(),
+                    toml::Value::Float(f) => f.to_string(),
+                    toml::Value::Boolean(b) => b.to_string(),
+                    _ => bail!("sink.kafka.{k}: must be a string, number or boolean"),
+                };
+                Ok((k.clone(), s))
+            })
+            .collect()
+    }
+}
+
+/// How walbox stops.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// How long a stop waits for in-flight events to be acknowledged, in ms.
+    #[serde(default = "default_shutdown_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_shutdown_ms() -> u64 {
+    30_000
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            timeout_ms: default_shutdown_ms(),
+        }
+    }
+}
+
+/// Flags (and their `WALBOX_*` variables) that override the file.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct Overrides {
+    /// Configuration file (TOML).
+    #[arg(long, short = 'c', env = "WALBOX_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// PostgreSQL connection string (libpq key=value or URI).
+    #[arg(long, env = "WALBOX_DSN", hide_env_values = true)]
+    pub dsn: Option<String>,
+    /// Replication slot.
+    #[arg(long, env = "WALBOX_SLOT")]
+    pub slot: Option<String>,
+    /// Publication.
+    #[arg(long, env = "WALBOX_PUBLICATION")]
+    pub publication: Option<String>,
+    /// Outbox table (`schema.name`), when the file names none.
+    #[arg(long, env = "WALBOX_TABLE")]
+    pub table: Option<String>,
+    /// Topic template for that table, e.g. `outbox.{aggregate_type}`.
+    #[arg(long, env = "WALBOX_TOPIC")]
+    pub topic: Option<String>,
+    /// Sink type.
+    #[arg(long, env = "WALBOX_SINK", value_enum)]
+    pub sink: Option<SinkKind>,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "WALBOX_BOOTSTRAP_SERVERS")]
+    pub bootstrap_servers: Option<String>,
+    /// Create missing topics.
+    #[arg(long, env = "WALBOX_CREATE_TOPICS")]
+    pub create_topics: Option<bool>,
+    /// Producer name in envelopes.
+    #[arg(long, env = "WALBOX_PRODUCER")]
+    pub producer: Option<String>,
+}
+
+impl Config {
+    /// Parses a TOML document.
+    pub fn parse(text: &str, origin: &Path) -> Result<Self> {
+        toml::from_str(text).with_context(|| format!("configuration {}", origin.display()))
+    }
+
+    /// Loads the file (if any) and applies the overrides.
+    pub fn load(o: &Overrides) -> Result<Self> {
+        let mut c = match &o.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading configuration {}", path.display()))?;
+                Config::parse(&text, path)?
+            }
+            None => Config::parse("", Path::new("(defaults)"))?,
+        };
+        if let Some(v) = &o.dsn {
+            c.source.dsn = Some(v.clone());
+        }
+        if let Some(v) = &o.slot {
+            c.source.slot = v.clone();
+        }
+        if let Some(v) = &o.publication {
+            c.source.publication = v.clone();
+        }
+        if let Some(v) = o.sink {
+            c.sink.kind = v;
+        }
+        if let Some(v) = &o.bootstrap_servers {
+            c.sink
+                .kafka
+                .insert("bootstrap.servers".into(), toml::Value::String(v.clone()));
+        }
+        if let Some(v) = o.create_topics {
+            c.sink.create_topics = v;
+        }
+        if let Some(v) = &o.producer {
+            c.producer = v.clone();
+        }
+        if c.outbox.is_empty() {
+            c.outbox.push(TableConfig::new(
+                o.table.as_deref().unwrap_or("public.outbox"),
+            ));
+        } else if o.table.is_some() {
+            bail!("--table (WALBOX_TABLE) cannot be combined with [[outbox]] tables in the file");
+        }
+        if let Some(t) = &o.topic {
+            if c.outbox.len() != 1 {
+                bail!("--topic (WALBOX_TOPIC) needs exactly one outbox table");
+            }
+            if let Some(table) = c.outbox.first_mut() {
+                table.topic = t.clone();
+            }
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.source.slot.is_empty() {
+            bail!("source.slot: must not be empty");
+        }
+        if self.source.publication.is_empty() {
+            bail!("source.publication: must not be empty");
+        }
+        if self.sink.max_in_flight == 0 {
+            bail!("sink.max_in_flight: must be at least 1");
+        }
+        if self.sink.max_in_flight_bytes == 0 {
+            bail!("sink.max_in_flight_bytes: must be at least 1");
+        }
+        if self.source.status_interval_ms == 0 {
+            bail!("source.status_interval_ms: must be at least 1");
+        }
+        self.sink.kafka_properties()?;
+        Ok(())
+    }
+
+    /// The connection string, or an error saying how to give one.
+    pub fn dsn(&self) -> Result<&str> {
+        self.source
+            .dsn
+            .as_deref()
+            .context("no PostgreSQL connection string: set source.dsn, --dsn or WALBOX_DSN")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_file_parses() {
+        let c = Config::parse(
+            r#"
+            producer = "orders-service"
+            [source]
+            dsn = "host=db user=walbox dbname=app"
+            slot = "s"
+            publication = "p"
+            [[outbox]]
+            table = "public.outbox"
+            topic = "events.{aggregate_type}"
+            [outbox.columns]
+            payload = "body"
+            [sink]
+            type = "kafka"
+            create_topics = true
+            max_in_flight = 500
+            [sink.kafka]
+            "bootstrap.servers" = "k:9092"
+            "linger.ms" = 10
+            "enable.ssl.certificate.verification" = true
+            [shutdown]
+            timeout_ms = 5000
+            "#,
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.producer, "orders-service");
+        assert_eq!(c.outbox[0].columns.payload.as_deref(), Some("body"));
+        assert_eq!(c.sink.max_in_flight, 500);
+        let props = c.sink.kafka_properties().unwrap();
+        assert!(props.contains(&("linger.ms".into(), "10".into())));
+        assert!(props.contains(&("enable.ssl.certificate.verification".into(), "true".into())));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_key() {
+        let err = Config::parse("[source]\nslott = \"x\"", Path::new("t.toml")).unwrap_err();
+        assert!(format!("{err:#}").contains("slott"), "{err:#}");
+        let err =
+            Config::parse("[sink]\nmax_in_flight = \"many\"", Path::new("t.toml")).unwrap_err();
+        assert!(format!("{err:#}").contains("max_in_flight"), "{err:#}");
+        let err = Config::parse("[sink]\ntype = \"nats\"", Path::new("t.toml")).unwrap_err();
+        assert!(format!("{err:#}").contains("nats"), "{err:#}");
+        let err = Config::parse("bogus = 1", Path::new("t.toml")).unwrap_err();
+        assert!(format!("{err:#}").contains("bogus"), "{err:#}");
+        let c = Config::parse("[sink.kafka]\n\"x\" = [1]", Path::new("t.toml")).unwrap();
+        let err = c.validate().unwrap_err();
+        assert!(err.to_string().contains("sink.kafka.x"), "{err}");
+    }
+
+    #[test]
+    fn overrides_win_over_the_file() {
+        let dir = std::env::temp_dir().join(format!("walbox-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.toml");
+        std::fs::write(&path, "[source]\nslot = \"from_file\"\ndsn = \"host=a\"").unwrap();
+        let c = Config::load(&Overrides {
+            config: Some(path),
+            slot: Some("from_flag".into()),
+            bootstrap_servers: Some("b:1".into()),
+            topic: Some("fixed".into()),
+            ..Overrides::default()
+        })
+        .unwrap();
+        assert_eq!(c.source.slot, "from_flag");
+        assert_eq!(c.dsn().unwrap(), "host=a");
+        assert_eq!(c.outbox[0].table, "public.outbox");
+        assert_eq!(c.outbox[0].topic, "fixed");
+        assert_eq!(c.sink.kafka["bootstrap.servers"].as_str(), Some("b:1"));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,424 @@
+//! `walbox run`: outbox inserts from the slot to the sink; the slot's position
+//! confirmed only over acknowledged events.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use pgwire_replication::{ReplicationClient, ReplicationEvent};
+use tokio::sync::mpsc;
+use walbox_outbox::{Mapper, Position, TableConfig};
+use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, Xid};
+use walbox_replication::{AckTracker, Ticket, TxnId};
+use walbox_sink::{Deliveries, Delivery, KafkaSink, KafkaSinkConfig, Sink, StdoutSink};
+
+use crate::config::{Config, SinkKind};
+use crate::pg::ConnParams;
+
+/// Events read from the server but not yet taken by the relay; with each row one
+/// message, this bounds the memory of the read-ahead.
+const READ_AHEAD_EVENTS: usize = 256;
+/// How often progress is logged.
+const PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
+/// Runs the relay until a signal stops it or an error does.
+pub async fn run(config: Config) -> Result<()> {
+    let conn = ConnParams::parse(config.dsn()?)?;
+    let sql = conn.connect().await?;
+    let start = slot_start(&sql, &config.source.slot).await?;
+    drop(sql);
+    match config.sink.kind {
+        SinkKind::Kafka => {
+            let (sink, deliveries) = KafkaSink::new(KafkaSinkConfig {
+                properties: config.sink.kafka_properties()?,
+                create_topics: config.sink.create_topics,
+                topic_partitions: config.sink.topic_partitions,
+                topic_replication: config.sink.topic_replication,
+                max_in_flight: config.sink.max_in_flight,
+            })?;
+            relay(&config, &conn, start, sink, deliveries).await
+        }
+        SinkKind::Stdout => {
+            let (sink, deliveries) = StdoutSink::new();
+            relay(&config, &conn, start, sink, deliveries).await
+        }
+    }
+}
+
+/// The slot's confirmed position; refuses a missing, busy, lost or foreign slot.
+async fn slot_start(sql: &tokio_postgres::Client, slot: &str) -> Result<Lsn> {
+    let row = sql
+        .query_opt(
+            "SELECT plugin, database = current_database(), active_pid,
+                    confirmed_flush_lsn::text, wal_status
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .context("reading pg_replication_slots")?
+        .ok_or_else(|| {
+            anyhow!("replication slot {slot:?} does not exist; create it with `walbox setup`")
+        })?;
+    let plugin: Option<String> = row.get(0);
+    let same_db: Option<bool> = row.get(1);
+    let active: Option<i32> = row.get(2);
+    let confirmed: Option<String> = row.get(3);
+    let wal_status: Option<String> = row.get(4);
+    if plugin.as_deref() != Some("pgoutput") {
+        bail!("slot {slot:?} uses plugin {plugin:?}, walbox needs pgoutput");
+    }
+    if same_db != Some(true) {
+        bail!("slot {slot:?} belongs to another database");
+    }
+    if let Some(pid) = active {
+        bail!("slot {slot:?} is in use by pid {pid}");
+    }
+    if wal_status.as_deref() == Some("lost") {
+        bail!(
+            "slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed \
+             (max_slot_wal_keep_size). Events after its position may be missing; drop and \
+             recreate the slot to continue"
+        );
+    }
+    confirmed
+        .context("slot has no confirmed position")?
+        .parse()
+        .context("slot position")
+}
+
+/// Sink tokens of in-flight events: (ticket, bytes), reusing slots.
+#[derive(Debug, Default)]
+struct InFlight {
+    entries: Vec<Option<(u64, usize)>>,
+    free: Vec<usize>,
+    bytes: usize,
+}
+
+impl InFlight {
+    fn insert(&mut self, ticket: Ticket, size: usize) -> usize {
+        self.bytes += size;
+        let entry = Some((ticket.into_raw(), size));
+        if let Some(token) = self.free.pop()
+            && let Some(slot) = self.entries.get_mut(token)
+        {
+            *slot = entry;
+            return token;
+        }
+        self.entries.push(entry);
+        self.entries.len() - 1
+    }
+
+    fn remove(&mut self, token: usize) -> Option<Ticket> {
+        let (raw, size) = self.entries.get_mut(token)?.take()?;
+        self.free.push(token);
+        self.bytes -= size;
+        Some(Ticket::from_raw(raw))
+    }
+}
+
+#[derive(Debug)]
+struct OpenTxn {
+    id: TxnId,
+    commit_lsn: Lsn,
+    xid: Xid,
+    index: u32,
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    events: u64,
+    transactions: u64,
+    ignored_updates: u64,
+    ignored_deletes: u64,
+    ignored_truncates: u64,
+}
+
+struct Relay<'a, S: Sink> {
+    config: &'a Config,
+    sink: S,
+    tracker: AckTracker,
+    in_flight: InFlight,
+    decoder: Decoder,
+    mappers: HashMap<Oid, Mapper>,
+    txn: Option<OpenTxn>,
+    stats: Stats,
+}
+
+async fn relay<S: Sink>(
+    config: &Config,
+    conn: &ConnParams,
+    start: Lsn,
+    sink: S,
+    mut deliveries: Deliveries,
+) -> Result<()> {
+    let status_interval = Duration::from_millis(config.source.status_interval_ms);
+    let mut repl_cfg = conn
+        .replication(&config.source.slot, &config.source.publication)?
+        .with_start_lsn(pgwire_replication::Lsn(start.as_u64()))
+        .with_ack_lsn(pgwire_replication::Lsn(start.as_u64()))
+        .with_status_interval(status_interval)
+        .with_wakeup_interval(status_interval)
+        .with_buffer_size(READ_AHEAD_EVENTS)
+        .with_application_name("walbox");
+    // Pin how the server renders values, so envelopes do not depend on its settings.
+    repl_cfg.options = Some("-c TimeZone=UTC -c DateStyle=ISO,YMD".into());
+    let mut repl = ReplicationClient::connect(repl_cfg)
+        .await
+        .with_context(|| format!("replication connection to {}", conn.describe()))?;
+    repl.wait_started().await.with_context(|| {
+        format!(
+            "starting replication from slot {:?} on {}",
+            config.source.slot,
+            conn.describe()
+        )
+    })?;
+    let tables: Vec<&str> = config.outbox.iter().map(|t| t.table.as_str()).collect();
+    tracing::info!(slot = %config.source.slot, publication = %config.source.publication,
+        start = %start, tables = ?tables, "streaming");
+
+    let mut relay = Relay {
+        config,
+        sink,
+        tracker: AckTracker::new(start),
+        in_flight: InFlight::default(),
+        decoder: Decoder::new(),
+        mappers: HashMap::new(),
+        txn: None,
+        stats: Stats::default(),
+    };
+    let mut signals = signals()?;
+    let mut reported = start;
+    let mut stopping: Option<Instant> = None;
+    let mut progress = tokio::time::interval(PROGRESS_EVERY);
+    progress.tick().await;
+    let max_events = config.sink.max_in_flight as u64;
+    let max_bytes = config.sink.max_in_flight_bytes;
+
+    let outcome: Result<()> = loop {
+        if let Some(deadline) = stopping {
+            if relay.tracker.in_flight() == 0 {
+                break Ok(());
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    in_flight = relay.tracker.in_flight(),
+                    "shutdown timeout: stopping with events unacknowledged; they will be sent again"
+                );
+                break Ok(());
+            }
+        }
+        let full = relay.tracker.in_flight() >= max_events || relay.in_flight.bytes >= max_bytes;
+        let deadline = stopping.unwrap_or_else(Instant::now);
+        let step: Result<()> = tokio::select! {
+            biased;
+            // 1. A stop signal: stop reading, drain acknowledgements.
+            Some(()) = signals.recv() => {
+                tracing::info!(in_flight = relay.tracker.in_flight(), "stopping: waiting for in-flight events");
+                stopping = Some(Instant::now() + Duration::from_millis(config.shutdown.timeout_ms));
+                Ok(())
+            }
+            // 2. Delivery reports before new input: they free room and move the position.
+            Some(d) = deliveries.recv() => relay.delivered(d),
+            // 3. The shutdown deadline.
+            () = tokio::time::sleep_until(deadline.into()), if stopping.is_some() => Ok(()),
+            // 4. New WAL, unless the in-flight bound is reached (backpressure) or stopping.
+            ev = repl.recv(), if !full && stopping.is_none() => match ev {
+                Ok(Some(ev)) => relay.handle(ev).await,
+                Ok(None) => Err(anyhow!("the replication stream ended")),
+                Err(e) => Err(anyhow!(e).context("replication stream")),
+            },
+            // 5. Progress in the log.
+            _ = progress.tick() => {
+                relay.log_progress();
+                Ok(())
+            }
+        };
+        let confirmed = relay.tracker.confirmed();
+        if confirmed > reported {
+            repl.update_applied_lsn(pgwire_replication::Lsn(confirmed.as_u64()));
+            reported = confirmed;
+        }
+        if let Err(e) = step {
+            break Err(e);
+        }
+    };
+
+    // Whatever happened, the tracker's position is safe: make sure the server has it.
+    let confirmed = relay.tracker.confirmed();
+    repl.update_applied_lsn(pgwire_replication::Lsn(confirmed.as_u64()));
+    let sent = walbox_wait(status_interval * 2 + Duration::from_secs(1), || {
+        repl.feedback_pending_since().is_none()
+    })
+    .await;
+    if !sent {
+        tracing::warn!(%confirmed, "final position may not have reached the server");
+    }
+    let _ = repl.shutdown().await;
+    relay.log_progress();
+    tracing::info!(%confirmed, "stopped");
+    outcome
+}
+
+/// Polls `done` until it holds or `timeout` passes; says which.
+async fn walbox_wait(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
+
+/// SIGINT / SIGTERM: the first asks for a clean stop; the second exits at once
+/// without confirming anything more.
+fn signals() -> Result<mpsc::UnboundedReceiver<()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate())?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut seen = 0;
+        loop {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            seen += 1;
+            if seen > 1 {
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+            let _ = tx.send(());
+        }
+    });
+    Ok(rx)
+}
+
+impl<S: Sink> Relay<'_, S> {
+    fn delivered(&mut self, d: Delivery) -> Result<()> {
+        let ticket = self
+            .in_flight
+            .remove(d.token)
+            .context("delivery report for an unknown event")?;
+        match d.result {
+            Ok(()) => {
+                self.tracker.ack(ticket);
+                Ok(())
+            }
+            Err(e) => {
+                self.tracker.fail(ticket);
+                Err(anyhow!(e).context(format!(
+                    "stopping; the slot stays at {} and the next start resumes there",
+                    self.tracker.confirmed()
+                )))
+            }
+        }
+    }
+
+    fn table_config(&self, namespace: &str, name: &str) -> Option<&TableConfig> {
+        self.config
+            .outbox
+            .iter()
+            .find(|t| t.qualified() == (namespace, name))
+    }
+
+    async fn handle(&mut self, ev: ReplicationEvent) -> Result<()> {
+        match ev {
+            ReplicationEvent::Begin { final_lsn, xid, .. } => {
+                self.txn = Some(OpenTxn {
+                    id: self.tracker.begin(),
+                    commit_lsn: Lsn(final_lsn.0),
+                    xid,
+                    index: 0,
+                });
+            }
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                let txn = self.txn.take().context("Commit without Begin")?;
+                self.tracker.commit(txn.id, Lsn(end_lsn.0));
+                self.stats.transactions += 1;
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                self.tracker.idle_wal_end(Lsn(wal_end.0));
+            }
+            ReplicationEvent::XLogData { data, .. } => {
+                let msg = self.decoder.decode(&data)?;
+                self.change(msg).await?;
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    async fn change(&mut self, msg: LogicalMessage) -> Result<()> {
+        match msg {
+            LogicalMessage::Relation(r) => {
+                if let Some(cfg) = self.table_config(&r.namespace, &r.name) {
+                    let mapper = Mapper::compile(cfg, &self.config.producer, &r)?;
+                    tracing::info!(
+                        table = mapper.table(),
+                        oid = r.oid,
+                        columns = r.columns.len(),
+                        "outbox table"
+                    );
+                    self.mappers.insert(r.oid, mapper);
+                } else {
+                    self.mappers.remove(&r.oid);
+                }
+            }
+            LogicalMessage::Insert(i) => {
+                let Some(mapper) = self.mappers.get(&i.relation_oid) else {
+                    return Ok(());
+                };
+                let txn = self.txn.as_mut().context("Insert outside a transaction")?;
+                let position = Position {
+                    commit_lsn: txn.commit_lsn,
+                    index: txn.index,
+                    xid: txn.xid,
+                };
+                let event = mapper.map(&i.new, position).map_err(|e| {
+                    anyhow!(
+                        "outbox row {}#{} (xid {}) in {} cannot be published ({}): {e}",
+                        position.commit_lsn,
+                        position.index,
+                        position.xid,
+                        mapper.table(),
+                        e.class()
+                    )
+                })?;
+                txn.index += 1;
+                let ticket = self.tracker.event(txn.id);
+                let token = self.in_flight.insert(ticket, event.size());
+                self.stats.events += 1;
+                self.sink.send(event, token).await?;
+            }
+            LogicalMessage::Update(u) if self.mappers.contains_key(&u.relation_oid) => {
+                self.stats.ignored_updates += 1;
+            }
+            LogicalMessage::Delete(d) if self.mappers.contains_key(&d.relation_oid) => {
+                self.stats.ignored_deletes += 1;
+            }
+            LogicalMessage::Truncate(t)
+                if t.relation_oids.iter().any(|o| self.mappers.contains_key(o)) =>
+            {
+                self.stats.ignored_truncates += 1;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn log_progress(&self) {
+        tracing::info!(
+            events = self.stats.events,
+            transactions = self.stats.transactions,
+            in_flight = self.tracker.in_flight(),
+            confirmed = %self.tracker.confirmed(),
+            ignored_updates = self.stats.ignored_updates,
+            ignored_deletes = self.stats.ignored_deletes,
+            ignored_truncates = self.stats.ignored_truncates,
+            "progress"
+        );
+    }
+}

@@ -1,0 +1,148 @@
+//! `walbox run` end to end: real PostgreSQL, real broker, walbox as a process.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use nix::sys::signal::Signal;
+use walbox_testkit::{Broker, PgCluster, PgOptions};
+
+const TOPIC: &str = "outbox.order";
+
+async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
+    let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC")).unwrap();
+    let broker = Broker::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    (pg, broker, db)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_thousand_events_from_four_writers_arrive_once_in_key_order() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    setup(&env); // idempotent
+    let mut walbox = Walbox::spawn(&["run"], &env);
+
+    write_events(&pg, 4, 500, 10, 200).await;
+    let last = current_lsn(&db).await;
+    let records = read_topic(&broker.bootstrap(), TOPIC, 20_000).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+
+    let ids = outbox_ids(&db).await;
+    assert_eq!(ids.len(), 20_000);
+    let (missing, dup) = audit(&ids, &records);
+    assert!(missing.is_empty(), "{} missing", missing.len());
+    assert!(dup.is_empty(), "{} duplicated", dup.len());
+    assert_eq!(records.len(), 20_000);
+    assert_per_key_order(&records, false);
+
+    // Envelope and headers of every record.
+    let mut keys = HashMap::new();
+    for r in &records {
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+        let id = r.header("event_id").unwrap();
+        assert_eq!(v["event_id"], id);
+        assert_eq!(v["event_type"], "OrderPlaced");
+        assert_eq!(v["schema_version"], 1);
+        assert_eq!(v["producer"], "walbox");
+        assert!(v["occurred_at"].as_str().unwrap().ends_with("+00:00"));
+        assert_eq!(v["payload"]["note"], "Grüße");
+        assert_eq!(r.header("event_type"), Some("OrderPlaced"));
+        assert_eq!(r.header("schema_version"), Some("1"));
+        assert!(r.header("traceparent").unwrap().starts_with("00-"));
+        assert!(r.header("walbox_commit_lsn").unwrap().contains('/'));
+        assert!(r.header("walbox_xid").unwrap().parse::<u32>().is_ok());
+        *keys.entry(r.key_str().unwrap().to_owned()).or_insert(0) += 1;
+    }
+    assert_eq!(keys.len(), 200);
+
+    walbox.signal(Signal::SIGTERM);
+    let status = walbox.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(0), "{}", walbox.log());
+    assert!(!walbox.log().contains("Grüße"), "no payload values in logs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollbacks_updates_and_insert_then_delete() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let insert = |key: &str, seq: i64| {
+        format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', '{key}', 'E', '{{\"seq\": {seq}}}')"
+        )
+    };
+    // Rolled back: nothing.
+    db.batch_execute(&format!("BEGIN; {}; ROLLBACK;", insert("rolled", 0)))
+        .await
+        .unwrap();
+    // Inserted and deleted in one transaction (an always-empty outbox): published.
+    db.batch_execute(&format!(
+        "BEGIN; {}; DELETE FROM outbox WHERE aggregate_id = 'ephemeral'; COMMIT;",
+        insert("ephemeral", 0)
+    ))
+    .await
+    .unwrap();
+    // Inserted, then updated: the insert only.
+    db.batch_execute(&insert("kept", 0)).await.unwrap();
+    db.batch_execute("UPDATE outbox SET event_type = 'Changed' WHERE aggregate_id = 'kept'")
+        .await
+        .unwrap();
+    db.batch_execute(&insert("kept", 1)).await.unwrap();
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+
+    let records = read_topic(&broker.bootstrap(), TOPIC, 3).await;
+    let keys: Vec<&str> = {
+        let mut sorted: Vec<_> = records.iter().collect();
+        sorted.sort_by_key(|r| (r.partition, r.offset));
+        sorted.iter().map(|r| r.key_str().unwrap()).collect()
+    };
+    assert_eq!(records.len(), 3, "{keys:?}");
+    assert!(!keys.contains(&"rolled"));
+    assert!(keys.contains(&"ephemeral"));
+    assert_eq!(keys.iter().filter(|k| **k == "kept").count(), 2);
+    assert!(records.iter().all(|r| r.header("event_type") == Some("E")));
+
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    let log = walbox.log();
+    assert!(log.contains("ignored_updates=1"), "{log}");
+    assert!(log.contains("ignored_deletes=1"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_outbox_does_not_hold_wal_while_other_tables_write() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let _walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute("CREATE TABLE busy (id bigserial PRIMARY KEY, filler text)")
+        .await
+        .unwrap();
+    // About 50 MB of WAL on a table walbox does not publish.
+    for _ in 0..10 {
+        db.batch_execute(
+            "INSERT INTO busy (filler) SELECT repeat(md5(g::text), 30) FROM generate_series(1, 5000) g",
+        )
+        .await
+        .unwrap();
+    }
+    let written = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", written, Duration::from_secs(60)).await;
+    let retained: i64 = db
+        .query_one(
+            "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = 'walbox'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(retained < 1024 * 1024, "{retained} bytes retained");
+}
