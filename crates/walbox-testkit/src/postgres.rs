@@ -320,13 +320,13 @@ impl PgCluster {
             SUPERUSER
         );
         if let Some(p) = &self.options.password {
-            let _ = write!(s, " password={p}");
+            let _ = write!(s, " password={}", quote(p));
         }
         if let Some(tls) = &self.tls {
             let _ = write!(
                 s,
                 " sslmode=verify-full sslrootcert={}",
-                tls.ca_cert.display()
+                quote(&tls.ca_cert.display().to_string())
             );
         }
         s
@@ -418,6 +418,11 @@ impl Drop for PgCluster {
         }
         // TempDir removes the files.
     }
+}
+
+/// A libpq key=value value, quoted and escaped.
+fn quote(value: &str) -> String {
+    format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
 /// Directory of the PostgreSQL server binaries: `WALBOX_PG_BINDIR`, else

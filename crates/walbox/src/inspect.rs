@@ -170,14 +170,7 @@ pub async fn run(args: Args) -> Result<()> {
     if args.slot.is_empty() || args.publication.is_empty() {
         bail!("--slot and --publication must not be empty");
     }
-    let (client, connection) = tokio_postgres::connect(&args.dsn, tokio_postgres::NoTls)
-        .await
-        .context("connecting to PostgreSQL")?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::warn!(error = %e, "connection closed");
-        }
-    });
+    let client = crate::pg::ConnParams::parse(&args.dsn)?.connect().await?;
     let summary = summarise(&client, &args).await?;
     let mut out = std::io::stdout().lock();
     if args.json {

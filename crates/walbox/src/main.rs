@@ -14,6 +14,7 @@ mod admin;
 mod config;
 mod inspect;
 mod pg;
+mod pg_tls;
 mod relay;
 
 use clap::{Parser, Subcommand};

@@ -113,26 +113,43 @@ impl ConnParams {
 
     /// Opens the SQL connection; its driver runs on the current runtime.
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
-        if matches!(
-            self.sslmode,
-            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull
-        ) {
-            bail!(
-                "sslmode={:?} on the SQL connection to {} is not available in this build; use disable or prefer",
+        let context = || format!("connecting to {}", self.describe());
+        let client = if self.sslmode == SslMode::Disable {
+            let (client, connection) = self
+                .pg
+                .connect(tokio_postgres::NoTls)
+                .await
+                .with_context(context)?;
+            tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::warn!(error = %e, "SQL connection closed");
+                }
+            });
+            client
+        } else {
+            let tls = crate::pg_tls::client_config(
                 self.sslmode,
-                self.describe()
-            );
-        }
-        let (client, connection) = self
-            .pg
-            .connect(tokio_postgres::NoTls)
-            .await
-            .with_context(|| format!("connecting to {}", self.describe()))?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::warn!(error = %e, "SQL connection closed");
-            }
-        });
+                self.sslrootcert.as_deref(),
+                self.sslcert.as_deref(),
+                self.sslkey.as_deref(),
+            )?;
+            let mut pg = self.pg.clone();
+            pg.ssl_mode(if self.sslmode == SslMode::Prefer {
+                tokio_postgres::config::SslMode::Prefer
+            } else {
+                tokio_postgres::config::SslMode::Require
+            });
+            let (client, connection) = pg
+                .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
+                .await
+                .with_context(context)?;
+            tokio::spawn(async move {
+                if let Err(e) = connection.await {
+                    tracing::warn!(error = %e, "SQL connection closed");
+                }
+            });
+            client
+        };
         Ok(client)
     }
 

@@ -23,6 +23,8 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 
 /// Runs the relay until a signal stops it or an error does.
 pub async fn run(config: Config) -> Result<()> {
+    // First, so a stop request during start-up is a clean stop too.
+    let signals = signals()?;
     let conn = ConnParams::parse(config.dsn()?)?;
     let sql = conn.connect().await?;
     let start = slot_start(&sql, &config.source.slot).await?;
@@ -36,11 +38,11 @@ pub async fn run(config: Config) -> Result<()> {
                 topic_replication: config.sink.topic_replication,
                 max_in_flight: config.sink.max_in_flight,
             })?;
-            relay(&config, &conn, start, sink, deliveries).await
+            relay(&config, &conn, start, sink, deliveries, signals).await
         }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
-            relay(&config, &conn, start, sink, deliveries).await
+            relay(&config, &conn, start, sink, deliveries, signals).await
         }
     }
 }
@@ -150,6 +152,7 @@ async fn relay<S: Sink>(
     start: Lsn,
     sink: S,
     mut deliveries: Deliveries,
+    mut signals: mpsc::UnboundedReceiver<()>,
 ) -> Result<()> {
     let status_interval = Duration::from_millis(config.source.status_interval_ms);
     let mut repl_cfg = conn
@@ -186,7 +189,6 @@ async fn relay<S: Sink>(
         txn: None,
         stats: Stats::default(),
     };
-    let mut signals = signals()?;
     let mut reported = start;
     let mut stopping: Option<Instant> = None;
     let mut progress = tokio::time::interval(PROGRESS_EVERY);
