@@ -198,7 +198,7 @@ async fn relay<S: Sink>(
 
     let outcome: Result<()> = loop {
         if let Some(deadline) = stopping {
-            if relay.tracker.in_flight() == 0 {
+            if relay.tracker.in_flight() == 0 && relay.txn.is_none() {
                 break Ok(());
             }
             if Instant::now() >= deadline {
@@ -223,8 +223,11 @@ async fn relay<S: Sink>(
             Some(d) = deliveries.recv() => relay.delivered(d),
             // 3. The shutdown deadline.
             () = tokio::time::sleep_until(deadline.into()), if stopping.is_some() => Ok(()),
-            // 4. New WAL, unless the in-flight bound is reached (backpressure) or stopping.
-            ev = repl.recv(), if !full && stopping.is_none() => match ev {
+            // 4. New WAL, unless the in-flight bound is reached (backpressure). When
+            //    stopping, only to the end of the transaction being read: its events
+            //    count as delivered only once its Commit is seen, so stopping inside
+            //    it would make the next start send them again.
+            ev = repl.recv(), if !full && (stopping.is_none() || relay.txn.is_some()) => match ev {
                 Ok(Some(ev)) => relay.handle(ev).await,
                 Ok(None) => Err(anyhow!("the replication stream ended")),
                 Err(e) => Err(anyhow!(e).context("replication stream")),
