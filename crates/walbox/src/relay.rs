@@ -2,6 +2,8 @@
 //! confirmed only over acknowledged events.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -155,6 +157,7 @@ async fn relay<S: Sink>(
     mut signals: mpsc::UnboundedReceiver<()>,
 ) -> Result<()> {
     let status_interval = Duration::from_millis(config.source.status_interval_ms);
+    let longest_feedback_ms = Arc::new(AtomicU64::new(0));
     let mut repl_cfg = conn
         .replication(&config.source.slot, &config.source.publication)?
         .with_start_lsn(pgwire_replication::Lsn(start.as_u64()))
@@ -162,7 +165,11 @@ async fn relay<S: Sink>(
         .with_status_interval(status_interval)
         .with_wakeup_interval(status_interval)
         .with_buffer_size(READ_AHEAD_EVENTS)
-        .with_application_name("walbox");
+        .with_application_name("walbox")
+        // With an observer the client tracks whether a raised position is still
+        // unreported, which the final status update on stop waits for. The
+        // observer itself keeps the longest delay for the progress log.
+        .with_feedback_observer(feedback_observer(Arc::clone(&longest_feedback_ms)));
     // Pin how the server renders values, so envelopes do not depend on its settings.
     repl_cfg.options = Some("-c TimeZone=UTC -c DateStyle=ISO,YMD".into());
     let mut repl = ReplicationClient::connect(repl_cfg)
@@ -260,8 +267,20 @@ async fn relay<S: Sink>(
     }
     let _ = repl.shutdown().await;
     relay.log_progress();
-    tracing::info!(%confirmed, "stopped");
+    tracing::info!(
+        %confirmed,
+        longest_feedback_delay_ms = longest_feedback_ms.load(Ordering::Relaxed),
+        "stopped"
+    );
     outcome
+}
+
+/// Records the longest time an acknowledged position waited before the server had it.
+fn feedback_observer(longest_ms: Arc<AtomicU64>) -> pgwire_replication::FeedbackObserver {
+    pgwire_replication::FeedbackObserver::new(move |sent| {
+        let ms = u64::try_from(sent.pending_for.as_millis()).unwrap_or(u64::MAX);
+        longest_ms.fetch_max(ms, Ordering::Relaxed);
+    })
 }
 
 /// Polls `done` until it holds or `timeout` passes; says which.

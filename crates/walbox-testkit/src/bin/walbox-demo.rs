@@ -1,19 +1,26 @@
-//! `make demo`: walbox on throwaway infrastructure.
+//! `make demo`: walbox end to end on throwaway infrastructure.
 //!
-//! Starts a PostgreSQL cluster with `wal_level=logical`, creates an outbox table, a
-//! publication and a pgoutput slot, lets four concurrent writers commit a few hundred
-//! outbox events, then runs `walbox inspect` to show what the slot captured from the
-//! WAL, and checks it against the table. Everything is removed on exit.
+//! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker,
+//! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
+//! concurrent writers commit a few hundred outbox events, reads them back from the
+//! topic and prints them with a summary: events, keys, per-key order, and the slot's
+//! confirmed position against the last commit. Everything is removed on exit.
 
 #![allow(clippy::print_stdout)] // this program's output is its purpose
 
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-use walbox_testkit::{PgCluster, PgOptions};
+use walbox_testkit::{Broker, PgCluster, PgOptions, kafka, wait_until_async};
 
 const WRITERS: usize = 4;
 const EVENTS_PER_WRITER: usize = 75;
+const KEYS: usize = 20;
+const TOPIC: &str = "outbox.order";
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
 
 fn walbox_binary() -> PathBuf {
     let mut args = std::env::args().skip(1);
@@ -30,16 +37,21 @@ fn walbox_binary() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("walbox"))
 }
 
+async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
+    Ok(db.query_one(sql, &[]).await?.get(0))
+}
+
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
-    println!("== starting a throwaway PostgreSQL (wal_level=logical)");
+    println!("== starting a throwaway PostgreSQL (wal_level=logical) and a Kafka-protocol broker");
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
+    let broker = Broker::start()?;
     println!(
-        "   listening on {}:{} ({})",
+        "   postgres {}:{}   broker {}",
         pg.host(),
         pg.port(),
-        pg.bindir().display()
+        broker.bootstrap()
     );
     let db = pg.connect("postgres").await?;
     db.batch_execute(
@@ -50,28 +62,62 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
              event_type text NOT NULL,
              payload jsonb NOT NULL,
              headers jsonb,
-             occurred_at timestamptz NOT NULL DEFAULT now()
-         );
-         CREATE PUBLICATION walbox_outbox FOR TABLE outbox;",
+             occurred_at timestamptz NOT NULL DEFAULT now(),
+             schema_version int
+         )",
     )
     .await?;
-    db.batch_execute("SELECT pg_create_logical_replication_slot('walbox', 'pgoutput')")
-        .await?;
-    println!("== outbox table, publication walbox_outbox and slot walbox created");
+    let env = [
+        ("WALBOX_DSN", pg.conninfo("postgres")),
+        ("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap()),
+        ("WALBOX_CREATE_TOPICS", "true".into()),
+        ("WALBOX_PRODUCER", "walbox-demo".into()),
+    ];
+
+    println!("== walbox setup");
+    let out = Command::new(&walbox)
+        .arg("setup")
+        .envs(env.clone())
+        .output()?;
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    if !out.status.success() {
+        return Err(format!(
+            "walbox setup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+
+    println!("== walbox run (its log: below, after the events)");
+    let log_dir = tempfile::tempdir()?;
+    let log_path = log_dir.path().join("walbox.log");
+    let log = std::fs::File::create(&log_path)?;
+    let mut relay = Command::new(&walbox)
+        .arg("run")
+        .envs(env.clone())
+        .stdout(Stdio::from(log.try_clone()?))
+        .stderr(Stdio::from(log))
+        .spawn()?;
 
     let mut writers = Vec::new();
     for w in 0..WRITERS {
         let client = pg.connect("postgres").await?;
         writers.push(tokio::spawn(async move {
             for n in 0..EVENTS_PER_WRITER {
-                let order = format!("order-{}", (w * EVENTS_PER_WRITER + n) % 40);
-                let payload = order_payload(w, n);
+                // Writer w owns the keys k with k % WRITERS == w, so each key's
+                // commit order is this loop's order, numbered by `step`.
+                let key = w + WRITERS * (n % (KEYS / WRITERS));
+                let step = n / (KEYS / WRITERS);
+                let payload = format!(
+                    r#"{{"order": "order-{key}", "step": {step}, "total_cents": {}}}"#,
+                    1000 + n * 17
+                );
                 client
                     .execute(
-                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
-                         VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb,
-                                 jsonb_build_object('traceparent', '00-' || md5($1) || '-00f067aa0ba902b7-01'))",
-                        &[&order, &payload],
+                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)
+                         VALUES ('order', $1, $2, $3::text::jsonb,
+                                 jsonb_build_object('traceparent', '00-' || md5($1 || $2) || '-00f067aa0ba902b7-01'), 1)",
+                        &[&format!("order-{key}"), &if step == 0 { "OrderPlaced" } else { "OrderUpdated" }, &payload],
                     )
                     .await?;
             }
@@ -85,52 +131,89 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .query_one("SELECT count(*) FROM outbox", &[])
         .await?
         .get(0);
-    println!("== {WRITERS} writers committed {rows} outbox events");
+    let last_commit = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
+    println!(
+        "== {WRITERS} concurrent writers committed {rows} outbox events (WAL now at {last_commit})"
+    );
 
-    println!("== walbox inspect: what the slot holds, decoded from pgoutput (no values shown)");
-    let out = Command::new(&walbox)
-        .args([
-            "inspect",
-            "--slot",
-            "walbox",
-            "--publication",
-            "walbox_outbox",
-        ])
-        .env("WALBOX_DSN", pg.conninfo("postgres"))
-        .output()?;
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    if !out.status.success() {
-        return Err(format!(
-            "walbox inspect failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
-    }
-    let json = Command::new(&walbox)
-        .args([
-            "inspect",
-            "--slot",
-            "walbox",
-            "--publication",
-            "walbox_outbox",
-            "--json",
-        ])
-        .env("WALBOX_DSN", pg.conninfo("postgres"))
-        .output()?;
-    let text = String::from_utf8_lossy(&json.stdout);
-    let expected = format!("\"inserts\":{rows}");
-    if text.contains(&expected) {
-        println!("== every committed outbox row is in the slot ({rows} inserts)");
-        Ok(())
-    } else {
-        Err(format!("slot summary does not show {rows} inserts: {text}").into())
-    }
-}
-
-/// A small order payload, built as text so the demo needs no JSON library.
-fn order_payload(writer: usize, n: usize) -> String {
-    format!(
-        r#"{{"writer": {writer}, "seq": {n}, "currency": "EUR", "total_cents": {}}}"#,
-        1000 + n * 17
+    let wanted = usize::try_from(rows)?;
+    let bootstrap = broker.bootstrap();
+    let records = tokio::task::spawn_blocking(move || {
+        kafka::read_at_least(&bootstrap, TOPIC, wanted, Duration::from_secs(120))
+    })
+    .await??;
+    wait_until_async("the slot to confirm the last commit", Duration::from_secs(60), || async {
+        let row = db
+            .query_one(
+                "SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots WHERE slot_name = 'walbox'",
+                &[&last_commit],
+            )
+            .await
+            .ok()?;
+        row.get::<_, bool>(0).then_some(())
+    })
+    .await?;
+    let confirmed = lsn(
+        &db,
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = 'walbox'",
     )
+    .await?;
+
+    println!("== the events, read back from topic {TOPIC} (partition @offset key event payload)");
+    let mut sorted: Vec<&kafka::Record> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.partition, r.offset));
+    let mut per_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in &sorted {
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap_or_default())?;
+        let key = r.key_str().unwrap_or("-").to_owned();
+        println!(
+            "  p{} @{:<4} {:<9} {:<13} {}",
+            r.partition,
+            r.offset,
+            key,
+            r.header("event_type").unwrap_or("-"),
+            v["payload"]
+        );
+        per_key
+            .entry(key)
+            .or_default()
+            .push(v["payload"]["step"].as_i64().unwrap_or(-1));
+    }
+    let ids: HashSet<&str> = records
+        .iter()
+        .filter_map(|r| r.header("event_id"))
+        .collect();
+    let in_order = per_key.values().all(|steps| {
+        steps
+            .iter()
+            .enumerate()
+            .all(|(i, s)| i64::try_from(i) == Ok(*s))
+    });
+
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(relay.id())?),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let status = relay.wait()?;
+    println!("== walbox log");
+    for line in std::fs::read_to_string(&log_path)?.lines() {
+        println!("  {line}");
+    }
+    println!("== summary");
+    println!(
+        "  events in the topic:      {} ({} distinct event ids) of {rows} committed",
+        records.len(),
+        ids.len()
+    );
+    println!(
+        "  keys:                     {} (each on one partition, in commit order: {})",
+        per_key.len(),
+        if in_order { "yes" } else { "NO" }
+    );
+    println!("  slot confirmed_flush_lsn: {confirmed} (last commit at or before {last_commit})");
+    println!("  walbox stopped on SIGTERM: {status}");
+    if records.len() != wanted || ids.len() != wanted || !in_order || !status.success() {
+        return Err("the demo's checks failed".into());
+    }
+    Ok(())
 }
