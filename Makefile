@@ -5,7 +5,7 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 60
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all build deps demo test fmt-check clippy unit bench bench-decoder fuzz clean
+.PHONY: all build deps demo test fmt-check clippy bench bench-decoder bench-relay fuzz clean
 
 all: build
 
@@ -32,7 +32,12 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## Benchmarks print their figures and the setup they ran on.
-bench: bench-decoder
+BENCH_EVENTS ?= 500000
+bench: bench-decoder bench-relay
+
+bench-relay: deps
+	$(CARGO) build --release -p walbox -p walbox-bench
+	./target/release/walbox-bench --events $(BENCH_EVENTS) --walbox ./target/release/walbox
 
 bench-decoder:
 	$(CARGO) bench -p walbox-pgoutput --bench decode

@@ -1,0 +1,343 @@
+//! `make bench`: how fast walbox drains a backlog, next to how fast PostgreSQL can
+//! hand the same changes out at all.
+//!
+//! One run, one machine, one backlog: N outbox events (default 500,000) committed
+//! in transactions of 10 rows before anything reads them, each row like a real
+//! service writes it (uuid id, aggregate type, one of 1,000 aggregate ids, event type,
+//! a ~300-byte jsonb payload, a headers jsonb with a traceparent). One slot per
+//! contender, all created before the load, so each drains identical WAL:
+//!
+//! - `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling;
+//! - `walbox run --sink stdout` to /dev/null: walbox without a broker;
+//! - `walbox run` to the broker.
+//!
+//! Each is timed from its start until the slot's `confirmed_flush_lsn` reaches the
+//! last commit; peak RSS (VmHWM) and CPU seconds come from /proc. Figures are
+//! printed with the setup they came from.
+
+#![allow(clippy::print_stdout)] // the report is the output
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use walbox_testkit::{Broker, PgCluster, PgOptions};
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+struct Args {
+    events: u64,
+    walbox: PathBuf,
+}
+
+fn args() -> Result<Args, Error> {
+    let mut a = Args {
+        events: 500_000,
+        walbox: std::env::current_exe()?
+            .parent()
+            .map(|d| d.join("walbox"))
+            .unwrap_or_else(|| PathBuf::from("walbox")),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--events" => a.events = it.next().ok_or("--events needs a number")?.parse()?,
+            "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
+            other => {
+                return Err(
+                    format!("unknown argument {other:?} (use --events N, --walbox PATH)").into(),
+                );
+            }
+        }
+    }
+    if a.events == 0 || !a.events.is_multiple_of(10) {
+        return Err("--events must be a positive multiple of 10".into());
+    }
+    Ok(a)
+}
+
+/// Peak RSS (kB) and CPU seconds of a running process.
+fn usage(pid: u32) -> (u64, f64) {
+    let hwm = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0);
+    let ticks = nix_ticks();
+    let cpu = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let after = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = after.split_whitespace().collect();
+            let utime: f64 = f.get(11)?.parse().ok()?;
+            let stime: f64 = f.get(12)?.parse().ok()?;
+            Some((utime + stime) / ticks)
+        })
+        .unwrap_or(0.0);
+    (hwm, cpu)
+}
+
+fn nix_ticks() -> f64 {
+    // Clock ticks per second; 100 on Linux unless configured otherwise.
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+struct Figures {
+    name: &'static str,
+    seconds: f64,
+    peak_rss_kb: u64,
+    cpu_seconds: f64,
+}
+
+async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
+    Ok(db.query_one(sql, &[]).await?.get(0))
+}
+
+/// Runs `child` until `slot` has confirmed `target`, sampling its usage.
+async fn drain(
+    name: &'static str,
+    db: &tokio_postgres::Client,
+    slot: &str,
+    target: &str,
+    mut child: Child,
+    started: Instant,
+) -> Result<Figures, Error> {
+    let pid = child.id();
+    let mut last = (0, 0.0);
+    // Sample every 20 ms (the timing resolution) until the slot has it all.
+    let deadline = started + Duration::from_secs(3600);
+    loop {
+        if child.try_wait()?.is_some() {
+            // pg_recvlogical exits by itself at --endpos (after confirming it).
+            break;
+        }
+        last = usage(pid);
+        let done: bool = db
+            .query_one(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot, &target],
+            )
+            .await?
+            .get(0);
+        if done {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{name} did not drain the backlog within an hour").into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if child.try_wait()?.is_none() {
+        last = usage(pid);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid)?),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        child.wait()?;
+    }
+    Ok(Figures {
+        name,
+        seconds,
+        peak_rss_kb: last.0,
+        cpu_seconds: last.1,
+    })
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Error> {
+    let a = args()?;
+    let pg = PgCluster::start_with(
+        PgOptions::default()
+            .setting("timezone", "UTC")
+            .setting("max_wal_size", "8GB")
+            .setting("shared_buffers", "256MB"),
+    )?;
+    let broker = Broker::start()?;
+    let db = pg.connect("postgres").await?;
+    let version: String = lsn(&db, "SHOW server_version").await?;
+    db.batch_execute(
+        "CREATE TABLE outbox (
+             id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+             aggregate_type text NOT NULL,
+             aggregate_id text NOT NULL,
+             event_type text NOT NULL,
+             payload jsonb NOT NULL,
+             headers jsonb,
+             occurred_at timestamptz NOT NULL DEFAULT now(),
+             schema_version int
+         );
+         CREATE PUBLICATION walbox_outbox FOR TABLE outbox;",
+    )
+    .await?;
+    for slot in ["ceiling", "walbox_stdout", "walbox_kafka"] {
+        db.execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await?;
+    }
+    let start_lsn = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
+    let load = Instant::now();
+    db.batch_execute(&format!(
+        "DO $$
+         BEGIN
+           FOR t IN 1..{txns} LOOP
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)
+             SELECT 'order', 'order-' || ((t * 10 + g) % 1000), 'OrderPlaced',
+                    jsonb_build_object(
+                      'order_id', 'ord-' || (t * 10 + g), 'customer_id', 'cus-' || ((t * 7 + g) % 5000),
+                      'currency', 'EUR', 'total_cents', (t * 13 + g) % 100000,
+                      'lines', jsonb_build_array(
+                        jsonb_build_object('sku', 'SKU-' || (t % 977), 'qty', 2, 'unit_cents', 1299),
+                        jsonb_build_object('sku', 'SKU-' || (g % 977), 'qty', 1, 'unit_cents', 4550)),
+                      'shipping', jsonb_build_object('method', 'standard', 'country', 'DE'),
+                      'note', 'leave at the door'),
+                    jsonb_build_object('traceparent', '00-' || md5(t::text || g::text) || '-00f067aa0ba902b7-01'),
+                    1
+             FROM generate_series(1, 10) g;
+             COMMIT;
+           END LOOP;
+         END $$;",
+        txns = a.events / 10
+    ))
+    .await?;
+    let target = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
+    let wal_bytes: i64 = db
+        .query_one(
+            "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
+            &[&target, &start_lsn],
+        )
+        .await?
+        .get(0);
+    let avg_row: f64 = db
+        .query_one(
+            "SELECT avg(pg_column_size(outbox.*))::float8 FROM outbox",
+            &[],
+        )
+        .await?
+        .get(0);
+    println!(
+        "backlog: {} events in {} transactions of 10, {:.1} MB of WAL, {avg_row:.0} bytes per row, loaded in {:.1} s",
+        a.events,
+        a.events / 10,
+        wal_bytes as f64 / 1e6,
+        load.elapsed().as_secs_f64()
+    );
+
+    let mut results = Vec::new();
+    // The ceiling: pg_recvlogical, protocol 1, to /dev/null.
+    let started = Instant::now();
+    let child = Command::new(pg.bindir().join("pg_recvlogical"))
+        .args([
+            "-h",
+            pg.host(),
+            "-p",
+            &pg.port().to_string(),
+            "-U",
+            pg.user(),
+            "-d",
+            "postgres",
+        ])
+        .args([
+            "--slot",
+            "ceiling",
+            "--start",
+            "--no-loop",
+            "-f",
+            "/dev/null",
+        ])
+        .args([
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=walbox_outbox",
+        ])
+        .args(["--endpos", &target, "-s", "1", "-F", "1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    results.push(
+        drain(
+            "pg_recvlogical (ceiling)",
+            &db,
+            "ceiling",
+            &target,
+            child,
+            started,
+        )
+        .await?,
+    );
+
+    for (name, slot, sink) in [
+        (
+            "walbox, stdout sink to /dev/null",
+            "walbox_stdout",
+            "stdout",
+        ),
+        ("walbox to the broker", "walbox_kafka", "kafka"),
+    ] {
+        let started = Instant::now();
+        let child = Command::new(&a.walbox)
+            .arg("run")
+            .env("WALBOX_DSN", pg.conninfo("postgres"))
+            .env("WALBOX_SLOT", slot)
+            .env("WALBOX_SINK", sink)
+            .env("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap())
+            .env("WALBOX_CREATE_TOPICS", "true")
+            .env("WALBOX_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        results.push(drain(name, &db, slot, &target, child, started).await?);
+    }
+
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_gb = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse::<f64>()
+                .ok()
+        })
+        .map_or(0.0, |kb| kb / 1024.0 / 1024.0);
+    println!();
+    println!(
+        "setup: {cores} cores, {mem_gb:.0} GiB RAM, PostgreSQL {version} (fsync off, one cluster), broker {}, \
+         walbox {} (release)",
+        if broker.is_external() {
+            "external Kafka"
+        } else {
+            "tansu 0.6.0 (memory storage)"
+        },
+        a.walbox.display()
+    );
+    println!();
+    println!("| contender | seconds | events/s | WAL MB/s | of ceiling | peak RSS MB | CPU s |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let ceiling = results.first().map_or(1.0, |r| r.seconds);
+    for r in &results {
+        println!(
+            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} |",
+            r.name,
+            r.seconds,
+            a.events as f64 / r.seconds,
+            wal_bytes as f64 / 1e6 / r.seconds,
+            ceiling / r.seconds,
+            r.peak_rss_kb as f64 / 1024.0,
+            r.cpu_seconds
+        );
+    }
+    Ok(())
+}
