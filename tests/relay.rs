@@ -43,6 +43,11 @@ async fn twenty_thousand_events_from_four_writers_arrive_once_in_key_order() {
     // Envelope and headers of every record.
     let mut keys = HashMap::new();
     for r in &records {
+        assert_eq!(
+            r.partition,
+            java_partition(r.key.as_deref().unwrap(), 6),
+            "partitioned as the Java client would"
+        );
         let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
         let id = r.header("event_id").unwrap();
         assert_eq!(v["event_id"], id);
@@ -339,4 +344,94 @@ fn rss_kb(pid: u32) -> u64 {
                 .and_then(|v| v.parse().ok())
         })
         .unwrap_or(0)
+}
+
+#[test]
+fn java_murmur2_matches_the_java_clients_reference_values() {
+    // From the Java client's UtilsTest.
+    assert_eq!(java_murmur2(b"21"), -973_932_308);
+    assert_eq!(java_murmur2(b"foobar"), -790_332_482);
+    assert_eq!(java_murmur2(b"a-little-bit-long-string"), -985_981_536);
+    assert_eq!(java_murmur2(b"a-little-bit-longer-string"), -1_486_304_829);
+    assert_eq!(
+        java_murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8"),
+        -58_897_971
+    );
+    assert_eq!(java_murmur2(b"abc"), 479_470_107);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_topic_stops_walbox_with_its_name_unless_creation_is_allowed() {
+    let (pg, broker, db) = start().await;
+    let mut env = walbox_env(&pg, &broker);
+    env.retain(|(k, _)| *k != "WALBOX_CREATE_TOPICS");
+    env.push(("WALBOX_CREATE_TOPICS", "false".into()));
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 1, 1, 1).await;
+    let status = walbox.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(1));
+    let log = walbox.log();
+    assert!(
+        log.contains("topic \"outbox.order\" does not exist"),
+        "{log}"
+    );
+    // Nothing was confirmed past the unpublished event.
+    let last = current_lsn(&db).await;
+    assert!(confirmed_lsn(&db, "walbox").await < last);
+
+    // `walbox slot drop` removes the slot; a second drop is a no-op.
+    for _ in 0..2 {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_walbox"))
+            .args(["slot", "drop"])
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let slots: i64 = db
+        .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(slots, 0);
+    // And `run` without a slot says how to get one.
+    let mut no_slot = Walbox::spawn(&["run"], &env);
+    assert_eq!(no_slot.wait(Duration::from_secs(60)).code(), Some(1));
+    assert!(no_slot.log().contains("walbox setup"), "{}", no_slot.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once_without_confirming() {
+    let (pg, mut broker, db) = start().await;
+    if broker.is_external() {
+        return;
+    }
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 1, 5, 5).await;
+    let first = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", first, Duration::from_secs(60)).await;
+    broker.kill9().unwrap();
+    write_events(&pg, 1, 1, 5, 5).await;
+    let held = confirmed_lsn(&db, "walbox").await;
+    walbox.signal(Signal::SIGTERM);
+    // The first signal waits for the events the broker cannot acknowledge.
+    walbox_testkit::wait_until_async(
+        "walbox to log the stop",
+        Duration::from_secs(30),
+        || async { walbox.log().contains("stopping").then_some(()) },
+    )
+    .await
+    .unwrap();
+    assert!(walbox.running(), "still draining");
+    walbox.signal(Signal::SIGTERM);
+    let status = walbox.wait(Duration::from_secs(10));
+    assert_eq!(status.code(), Some(130), "{}", walbox.log());
+    assert_eq!(confirmed_lsn(&db, "walbox").await, held);
 }
