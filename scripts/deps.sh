@@ -2,7 +2,8 @@
 # Installs what walbox's tests, demo and benchmarks need on a fresh Debian machine,
 # and does nothing when it is all present:
 #   - PostgreSQL server binaries (initdb, postgres, pg_recvlogical)
-#   - the C toolchain pieces librdkafka's bundled build uses
+#   - the C toolchain pieces librdkafka's bundled build uses (with OpenSSL, so
+#     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
 set -euo pipefail
@@ -31,6 +32,7 @@ command -v c++ >/dev/null 2>&1 || apt_packages+=(g++)
 command -v pkg-config >/dev/null 2>&1 || apt_packages+=(pkg-config)
 command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 [ -e /usr/include/zlib.h ] || apt_packages+=(zlib1g-dev)
+[ -e /usr/include/openssl/ssl.h ] || apt_packages+=(libssl-dev)
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
   log "installing ${apt_packages[*]}"

@@ -274,3 +274,59 @@ impl Sink for KafkaSink {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(props: &[(&str, &str)]) -> KafkaSinkConfig {
+        KafkaSinkConfig {
+            properties: props
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            ..KafkaSinkConfig::default()
+        }
+    }
+
+    #[test]
+    fn tls_sasl_and_compression_properties_are_available() {
+        // librdkafka refuses these at configuration time when built without them.
+        let sink = KafkaSink::new(config(&[
+            ("bootstrap.servers", "127.0.0.1:1"),
+            ("security.protocol", "sasl_ssl"),
+            ("sasl.mechanism", "SCRAM-SHA-512"),
+            ("sasl.username", "walbox"),
+            ("sasl.password", "secret"),
+            ("compression.type", "zstd"),
+        ]));
+        assert!(sink.is_ok(), "{:?}", sink.err());
+    }
+
+    #[test]
+    fn fixed_and_required_properties_are_enforced() {
+        let err = KafkaSink::new(config(&[
+            ("bootstrap.servers", "127.0.0.1:1"),
+            ("enable.idempotence", "false"),
+        ]))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("enable.idempotence must be true"),
+            "{err}"
+        );
+        let err =
+            KafkaSink::new(config(&[("acks", "1"), ("bootstrap.servers", "x:1")])).unwrap_err();
+        assert!(err.to_string().contains("acks must be all"), "{err}");
+        let err = KafkaSink::new(config(&[])).unwrap_err();
+        assert!(
+            err.to_string().contains("bootstrap.servers is required"),
+            "{err}"
+        );
+        let err = KafkaSink::new(config(&[
+            ("bootstrap.servers", "x:1"),
+            ("no.such.property", "1"),
+        ]))
+        .unwrap_err();
+        assert!(err.to_string().contains("no.such.property"), "{err}");
+    }
+}
