@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use nix::sys::signal::Signal;
-use walbox_testkit::{Broker, PgCluster, PgOptions};
+use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions};
 
 const TOPIC: &str = "outbox.order";
 

@@ -49,20 +49,6 @@ use std::time::Duration;
 
 use walbox_testkit::{Broker, PgCluster, kafka::Record, wait_until};
 
-/// The outbox table the relay tests use: the default column names, a per-key
-/// sequence in the payload for order checks.
-pub const OUTBOX_DDL: &str = "
-    CREATE TABLE outbox (
-        id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-        aggregate_type text NOT NULL,
-        aggregate_id text NOT NULL,
-        event_type text NOT NULL,
-        payload jsonb NOT NULL,
-        headers jsonb,
-        occurred_at timestamptz NOT NULL DEFAULT now(),
-        schema_version int
-    )";
-
 /// A `walbox` process started by a test, with its output in a log file.
 pub struct Walbox {
     child: Option<Child>,

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use walbox_testkit::{Broker, PgCluster, PgOptions};
+use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -164,19 +164,9 @@ async fn main() -> Result<(), Error> {
     let broker = Broker::start()?;
     let db = pg.connect("postgres").await?;
     let version: String = lsn(&db, "SHOW server_version").await?;
-    db.batch_execute(
-        "CREATE TABLE outbox (
-             id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-             aggregate_type text NOT NULL,
-             aggregate_id text NOT NULL,
-             event_type text NOT NULL,
-             payload jsonb NOT NULL,
-             headers jsonb,
-             occurred_at timestamptz NOT NULL DEFAULT now(),
-             schema_version int
-         );
-         CREATE PUBLICATION walbox_outbox FOR TABLE outbox;",
-    )
+    db.batch_execute(&format!(
+        "{OUTBOX_DDL}; CREATE PUBLICATION walbox_outbox FOR TABLE outbox;"
+    ))
     .await?;
     for slot in ["ceiling", "walbox_stdout", "walbox_kafka"] {
         db.execute(

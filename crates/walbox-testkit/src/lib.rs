@@ -27,5 +27,18 @@ pub use postgres::{PgCluster, PgOptions, StopMode};
 pub use tls::TlsFiles;
 pub use wait::{wait_until, wait_until_async};
 
+/// The outbox table of the tests, demo and benchmark: walbox's default column names.
+pub const OUTBOX_DDL: &str = "
+    CREATE TABLE outbox (
+        id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+        aggregate_type text NOT NULL,
+        aggregate_id text NOT NULL,
+        event_type text NOT NULL,
+        payload jsonb NOT NULL,
+        headers jsonb,
+        occurred_at timestamptz NOT NULL DEFAULT now(),
+        schema_version int
+    )";
+
 /// Result of a test-kit operation.
 pub type Result<T, E = TestkitError> = std::result::Result<T, E>;

@@ -120,11 +120,7 @@ impl ConnParams {
                 .connect(tokio_postgres::NoTls)
                 .await
                 .with_context(context)?;
-            tokio::spawn(async move {
-                if let Err(e) = connection.await {
-                    tracing::warn!(error = %e, "SQL connection closed");
-                }
-            });
+            drive(connection);
             client
         } else {
             let tls = crate::pg_tls::client_config(
@@ -143,11 +139,7 @@ impl ConnParams {
                 .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
                 .await
                 .with_context(context)?;
-            tokio::spawn(async move {
-                if let Err(e) = connection.await {
-                    tracing::warn!(error = %e, "SQL connection closed");
-                }
-            });
+            drive(connection);
             client
         };
         Ok(client)
@@ -194,6 +186,19 @@ impl ConnParams {
         cfg = cfg.with_tls(tls);
         Ok(cfg)
     }
+}
+
+/// Runs a connection's I/O on the current runtime until it closes.
+fn drive<S, T>(connection: tokio_postgres::Connection<S, T>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!(error = %e, "SQL connection closed");
+        }
+    });
 }
 
 /// Splits the TLS keys out of a key=value string; returns the rest re-joined.

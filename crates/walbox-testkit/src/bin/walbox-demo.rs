@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use walbox_testkit::{Broker, PgCluster, PgOptions, kafka, wait_until_async};
+use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions, kafka, wait_until_async};
 
 const WRITERS: usize = 4;
 const EVENTS_PER_WRITER: usize = 75;
@@ -54,19 +54,7 @@ async fn main() -> Result<(), Error> {
         broker.bootstrap()
     );
     let db = pg.connect("postgres").await?;
-    db.batch_execute(
-        "CREATE TABLE outbox (
-             id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
-             aggregate_type text NOT NULL,
-             aggregate_id text NOT NULL,
-             event_type text NOT NULL,
-             payload jsonb NOT NULL,
-             headers jsonb,
-             occurred_at timestamptz NOT NULL DEFAULT now(),
-             schema_version int
-         )",
-    )
-    .await?;
+    db.batch_execute(OUTBOX_DDL).await?;
     let env = [
         ("WALBOX_DSN", pg.conninfo("postgres")),
         ("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap()),
