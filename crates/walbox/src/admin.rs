@@ -1,4 +1,5 @@
-//! `walbox setup` and `walbox slot drop`: the publication and the slot.
+//! `walbox setup`, `walbox slot create | drop | status | list`: the publication and
+//! the slot.
 
 use anyhow::{Context, Result, bail};
 
@@ -82,28 +83,7 @@ pub async fn setup(config: &Config) -> Result<()> {
             quoted.join(", ")
         ));
     }
-    let slot = &config.source.slot;
-    let has_slot = sql
-        .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1",
-            &[slot],
-        )
-        .await?
-        .is_some();
-    if has_slot {
-        println_out(&format!("slot {slot} exists"));
-    } else {
-        let row = sql
-            .query_one(
-                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-                &[slot],
-            )
-            .await
-            .with_context(|| format!("creating replication slot {slot}"))?;
-        let lsn: String = row.get(0);
-        println_out(&format!("created slot {slot} at {lsn}"));
-    }
-    Ok(())
+    create_slot(&sql, &config.source.slot).await
 }
 
 /// Drops the slot; refuses while a reader holds it.
@@ -138,4 +118,150 @@ pub async fn drop_slot(config: &Config) -> Result<()> {
 #[allow(clippy::print_stdout)] // command output
 fn println_out(line: &str) {
     println!("{line}");
+}
+
+/// One slot as `walbox slot status` / `list` show it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SlotStatus {
+    slot: String,
+    plugin: Option<String>,
+    database: Option<String>,
+    active_pid: Option<i32>,
+    confirmed_flush_lsn: Option<String>,
+    restart_lsn: Option<String>,
+    wal_status: Option<String>,
+    /// WAL the slot keeps on the server's disk: current WAL position - restart_lsn.
+    retained_wal_bytes: Option<i64>,
+    /// How far the confirmed position is behind the server's WAL end.
+    lag_bytes: Option<i64>,
+    /// Tables of the configured publication (status only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    publication_tables: Option<Vec<String>>,
+}
+
+const SLOT_QUERY: &str = "
+    SELECT slot_name::text, plugin::text, database::text, active_pid,
+           confirmed_flush_lsn::text, restart_lsn::text, wal_status,
+           (pg_current_wal_lsn() - restart_lsn)::bigint,
+           (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+    FROM pg_replication_slots WHERE slot_type = 'logical'";
+
+fn slot_row(r: &tokio_postgres::Row) -> SlotStatus {
+    SlotStatus {
+        slot: r.get(0),
+        plugin: r.get(1),
+        database: r.get(2),
+        active_pid: r.get(3),
+        confirmed_flush_lsn: r.get(4),
+        restart_lsn: r.get(5),
+        wal_status: r.get(6),
+        retained_wal_bytes: r.get(7),
+        lag_bytes: r.get(8),
+        publication_tables: None,
+    }
+}
+
+fn or_dash<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+#[allow(clippy::print_stdout)] // command output
+fn print_slots(slots: &[SlotStatus], json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(slots)?);
+        return Ok(());
+    }
+    for s in slots {
+        println!("slot                 {}", s.slot);
+        println!("  plugin             {}", or_dash(s.plugin.as_ref()));
+        println!("  database           {}", or_dash(s.database.as_ref()));
+        println!("  active pid         {}", or_dash(s.active_pid));
+        println!(
+            "  confirmed_flush    {}",
+            or_dash(s.confirmed_flush_lsn.as_ref())
+        );
+        println!("  restart_lsn        {}", or_dash(s.restart_lsn.as_ref()));
+        println!("  wal_status         {}", or_dash(s.wal_status.as_ref()));
+        println!(
+            "  WAL retained       {} bytes",
+            or_dash(s.retained_wal_bytes)
+        );
+        println!("  lag behind server  {} bytes", or_dash(s.lag_bytes));
+        if let Some(tables) = &s.publication_tables {
+            println!("  publication tables {}", tables.join(", "));
+        }
+    }
+    Ok(())
+}
+
+/// `walbox slot status`: the configured slot.
+pub async fn slot_status(config: &Config, json: bool) -> Result<()> {
+    let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
+    let slot = &config.source.slot;
+    let row = sql
+        .query_opt(&format!("{SLOT_QUERY} AND slot_name = $1"), &[slot])
+        .await
+        .context("reading pg_replication_slots")?
+        .ok_or_else(|| {
+            anyhow::anyhow!("slot {slot:?} does not exist; create it with `walbox setup`")
+        })?;
+    let mut status = slot_row(&row);
+    status.publication_tables = Some(
+        sql.query(
+            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1 ORDER BY 1",
+            &[&config.source.publication],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect(),
+    );
+    print_slots(&[status], json)
+}
+
+/// `walbox slot list`: every logical slot of the server.
+pub async fn slot_list(config: &Config, json: bool) -> Result<()> {
+    let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
+    let rows = sql
+        .query(&format!("{SLOT_QUERY} ORDER BY slot_name"), &[])
+        .await
+        .context("reading pg_replication_slots")?;
+    let slots: Vec<SlotStatus> = rows.iter().map(slot_row).collect();
+    print_slots(&slots, json)
+}
+
+/// `walbox slot create`: the slot alone (idempotent).
+pub async fn slot_create(config: &Config) -> Result<()> {
+    let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
+    create_slot(&sql, &config.source.slot).await
+}
+
+async fn create_slot(sql: &tokio_postgres::Client, slot: &str) -> Result<()> {
+    let row = sql
+        .query_opt(
+            "SELECT plugin::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    match row {
+        Some(r) => {
+            let plugin: Option<String> = r.get(0);
+            if plugin.as_deref() != Some("pgoutput") {
+                bail!("slot {slot} exists with plugin {plugin:?}; walbox needs pgoutput");
+            }
+            println_out(&format!("slot {slot} exists"));
+        }
+        None => {
+            let row = sql
+                .query_one(
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&slot],
+                )
+                .await
+                .with_context(|| format!("creating replication slot {slot}"))?;
+            let lsn: String = row.get(0);
+            println_out(&format!("created slot {slot} at {lsn}"));
+        }
+    }
+    Ok(())
 }

@@ -4,7 +4,9 @@
 //!   replication slot to Kafka (or stdout) and confirms the slot's position only
 //!   over events the sink has acknowledged.
 //! - `walbox setup`: creates the publication and the slot, idempotently.
-//! - `walbox slot drop`: drops the slot.
+//! - `walbox slot create | drop | status | list`: the slot's lifecycle; `status`
+//!   shows its position, the WAL it retains and its lag (`--json` for scripts).
+//! - `walbox doctor`: checks a server before first use and says what to fix.
 //! - `walbox inspect`: what a slot holds, decoded, without consuming it.
 //!
 //! Configuration comes from a TOML file, `WALBOX_*` variables and flags
@@ -12,6 +14,7 @@
 
 mod admin;
 mod config;
+mod doctor;
 mod inspect;
 mod pg;
 mod pg_tls;
@@ -41,14 +44,31 @@ enum Command {
         #[command(subcommand)]
         action: SlotAction,
     },
+    /// Check a server before first use and say what to fix.
+    Doctor(config::Overrides),
     /// Show the changes a slot holds, without consuming them.
     Inspect(inspect::Args),
 }
 
 #[derive(Debug, Subcommand)]
 enum SlotAction {
+    /// Create the slot (pgoutput), if it does not exist.
+    Create(config::Overrides),
     /// Drop the slot (refused while a reader holds it).
     Drop(config::Overrides),
+    /// Show the slot: position, WAL it retains, lag, publication tables.
+    Status(SlotShow),
+    /// List every logical slot of the server.
+    List(SlotShow),
+}
+
+#[derive(Debug, clap::Args)]
+struct SlotShow {
+    #[command(flatten)]
+    overrides: config::Overrides,
+    /// Print JSON, for scripts.
+    #[arg(long)]
+    json: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -76,9 +96,17 @@ fn main() -> std::process::ExitCode {
         match cli.command {
             Command::Run(o) => relay::run(config::Config::load(&o)?).await,
             Command::Setup(o) => admin::setup(&config::Config::load(&o)?).await,
-            Command::Slot {
-                action: SlotAction::Drop(o),
-            } => admin::drop_slot(&config::Config::load(&o)?).await,
+            Command::Slot { action } => match action {
+                SlotAction::Create(o) => admin::slot_create(&config::Config::load(&o)?).await,
+                SlotAction::Drop(o) => admin::drop_slot(&config::Config::load(&o)?).await,
+                SlotAction::Status(s) => {
+                    admin::slot_status(&config::Config::load(&s.overrides)?, s.json).await
+                }
+                SlotAction::List(s) => {
+                    admin::slot_list(&config::Config::load(&s.overrides)?, s.json).await
+                }
+            },
+            Command::Doctor(o) => doctor::run(&config::Config::load(&o)?).await,
             Command::Inspect(args) => inspect::run(args).await,
         }
     });

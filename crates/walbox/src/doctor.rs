@@ -1,0 +1,246 @@
+//! `walbox doctor`: checks a server before first use and says what to fix.
+
+use std::fmt;
+
+use anyhow::{Result, bail};
+use walbox_outbox::Mapper;
+use walbox_pgoutput::{Relation, RelationColumn, ReplicaIdentity};
+
+use crate::config::Config;
+use crate::pg::ConnParams;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Verdict {
+    Ok,
+    Warn,
+    Fail,
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Verdict::Ok => "ok  ",
+            Verdict::Warn => "warn",
+            Verdict::Fail => "FAIL",
+        })
+    }
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    lines: Vec<(Verdict, String)>,
+}
+
+impl Report {
+    fn add(&mut self, verdict: Verdict, text: impl Into<String>) {
+        self.lines.push((verdict, text.into()));
+    }
+    fn check(&mut self, good: bool, ok: impl Into<String>, fail: impl Into<String>) {
+        if good {
+            self.add(Verdict::Ok, ok);
+        } else {
+            self.add(Verdict::Fail, fail);
+        }
+    }
+}
+
+async fn setting(sql: &tokio_postgres::Client, name: &str) -> Result<String> {
+    Ok(sql
+        .query_one("SELECT current_setting($1)", &[&name])
+        .await?
+        .get(0))
+}
+
+/// Runs every check, prints one line per check, fails when any check failed.
+pub async fn run(config: &Config) -> Result<()> {
+    let conn = ConnParams::parse(config.dsn()?)?;
+    let sql = conn.connect().await?;
+    let mut r = Report::default();
+    r.add(Verdict::Ok, format!("connected to {}", conn.describe()));
+
+    let wal_level = setting(&sql, "wal_level").await?;
+    r.check(
+        wal_level == "logical",
+        "wal_level = logical",
+        format!("wal_level = {wal_level}: set wal_level = logical and restart the server"),
+    );
+
+    let slot = &config.source.slot;
+    let slot_row = sql
+        .query_opt(
+            "SELECT plugin::text, wal_status FROM pg_replication_slots WHERE slot_name = $1",
+            &[slot],
+        )
+        .await?;
+    let (max_slots, used_slots): (i64, i64) = {
+        let row = sql
+            .query_one(
+                "SELECT current_setting('max_replication_slots')::bigint,
+                        (SELECT count(*) FROM pg_replication_slots)",
+                &[],
+            )
+            .await?;
+        (row.get(0), row.get(1))
+    };
+    match &slot_row {
+        Some(row) => {
+            let plugin: Option<String> = row.get(0);
+            let wal_status: Option<String> = row.get(1);
+            if plugin.as_deref() != Some("pgoutput") {
+                r.add(Verdict::Fail, format!("slot {slot} uses plugin {plugin:?}, not pgoutput"));
+            } else if wal_status.as_deref() == Some("lost") {
+                r.add(
+                    Verdict::Fail,
+                    format!("slot {slot} is invalidated (wal_status = lost): drop it and set up again"),
+                );
+            } else {
+                r.add(Verdict::Ok, format!("slot {slot} exists (pgoutput, wal_status {})", wal_status.unwrap_or_default()));
+            }
+        }
+        None => r.check(
+            used_slots < max_slots,
+            format!("max_replication_slots: {used_slots} of {max_slots} used, room for slot {slot}"),
+            format!("max_replication_slots: all {max_slots} used; raise it (restart) or drop an unused slot"),
+        ),
+    }
+    let (max_senders, used_senders): (i64, i64) = {
+        let row = sql
+            .query_one(
+                "SELECT current_setting('max_wal_senders')::bigint,
+                        (SELECT count(*) FROM pg_stat_replication)",
+                &[],
+            )
+            .await?;
+        (row.get(0), row.get(1))
+    };
+    r.check(
+        used_senders < max_senders,
+        format!("max_wal_senders: {used_senders} of {max_senders} in use"),
+        format!("max_wal_senders: all {max_senders} in use; raise it (restart)"),
+    );
+
+    let (user, replication, superuser): (String, bool, bool) = {
+        let row = sql
+            .query_one(
+                "SELECT current_user::text, rolreplication, rolsuper FROM pg_roles WHERE rolname = current_user",
+                &[],
+            )
+            .await?;
+        (row.get(0), row.get(1), row.get(2))
+    };
+    r.check(
+        replication || superuser,
+        format!("role {user} may replicate"),
+        format!("role {user} lacks REPLICATION: ALTER ROLE {user} REPLICATION"),
+    );
+
+    let keep = setting(&sql, "max_slot_wal_keep_size").await?;
+    if keep == "-1" {
+        r.add(
+            Verdict::Warn,
+            "max_slot_wal_keep_size = -1 (unlimited): a stopped walbox keeps WAL until the disk fills; \
+             set a limit the disk can hold",
+        );
+    } else {
+        r.add(Verdict::Ok, format!("max_slot_wal_keep_size = {keep}"));
+    }
+
+    let publication = &config.source.publication;
+    let has_pub = sql
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[publication],
+        )
+        .await?
+        .is_some();
+    if !has_pub {
+        r.add(
+            Verdict::Fail,
+            format!("publication {publication} does not exist: run `walbox setup`"),
+        );
+    }
+    for table in &config.outbox {
+        let (schema, name) = table.qualified();
+        let qualified = format!("{schema}.{name}");
+        let exists = sql
+            .query_opt(
+                "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                 WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')",
+                &[&schema, &name],
+            )
+            .await?
+            .map(|row| row.get::<_, u32>(0));
+        let Some(oid) = exists else {
+            r.add(
+                Verdict::Fail,
+                format!("outbox table {qualified} does not exist"),
+            );
+            continue;
+        };
+        let select: bool = sql
+            .query_one("SELECT has_table_privilege($1::oid, 'SELECT')", &[&oid])
+            .await?
+            .get(0);
+        r.check(
+            select,
+            format!("{user} may SELECT from {qualified}"),
+            format!("{user} cannot SELECT from {qualified}: GRANT SELECT ON {qualified} TO {user}"),
+        );
+        if has_pub {
+            let member = sql
+                .query_opt(
+                    "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+                    &[publication, &schema, &name],
+                )
+                .await?
+                .is_some();
+            r.check(
+                member,
+                format!("{qualified} is in publication {publication}"),
+                format!("{qualified} is not in publication {publication}: run `walbox setup`"),
+            );
+        }
+        // The table's columns against the mapping, as walbox will see them.
+        let columns = sql
+            .query(
+                "SELECT attname::text, atttypid, atttypmod FROM pg_attribute
+                 WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+                &[&oid],
+            )
+            .await?
+            .iter()
+            .map(|c| RelationColumn {
+                flags: 0,
+                name: c.get(0),
+                type_oid: c.get(1),
+                type_modifier: c.get(2),
+            })
+            .collect();
+        let relation = Relation {
+            xid: None,
+            oid,
+            namespace: schema.to_owned(),
+            name: name.to_owned(),
+            replica_identity: ReplicaIdentity::Default,
+            columns,
+        };
+        match Mapper::compile(table, &config.producer, &relation) {
+            Ok(_) => r.add(Verdict::Ok, format!("{qualified} columns fit the mapping")),
+            Err(e) => r.add(Verdict::Fail, e.to_string()),
+        }
+    }
+
+    print(&r);
+    let failed = r.lines.iter().filter(|(v, _)| *v == Verdict::Fail).count();
+    if failed > 0 {
+        bail!("{failed} check(s) failed");
+    }
+    Ok(())
+}
+
+#[allow(clippy::print_stdout)] // command output
+fn print(r: &Report) {
+    for (verdict, text) in &r.lines {
+        println!("{verdict} {text}");
+    }
+}
