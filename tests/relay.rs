@@ -435,3 +435,59 @@ async fn a_second_signal_exits_at_once_without_confirming() {
     assert_eq!(status.code(), Some(130), "{}", walbox.log());
     assert_eq!(confirmed_lsn(&db, "walbox").await, held);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_runs_as_a_role_that_is_not_a_superuser() {
+    let (pg, broker, db) = start().await;
+    // An administrator sets up once; walbox then runs with REPLICATION and SELECT.
+    setup(&walbox_env(&pg, &broker));
+    db.batch_execute(
+        "CREATE ROLE walbox_relay LOGIN REPLICATION;
+         GRANT SELECT ON outbox TO walbox_relay;",
+    )
+    .await
+    .unwrap();
+    let mut env = walbox_env(&pg, &broker);
+    env.retain(|(k, _)| *k != "WALBOX_DSN");
+    env.push((
+        "WALBOX_DSN",
+        format!(
+            "host={} port={} user=walbox_relay dbname=postgres",
+            pg.host(),
+            pg.port()
+        ),
+    ));
+    let doctor = std::process::Command::new(env!("CARGO_BIN_EXE_walbox"))
+        .arg("doctor")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap();
+    assert!(
+        doctor.status.success(),
+        "{}",
+        String::from_utf8_lossy(&doctor.stdout)
+    );
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 2, 20, 5, 10).await;
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    let records = read_topic(&broker.bootstrap(), TOPIC, 200).await;
+    let (missing, dup) = audit(&outbox_ids(&db).await, &records);
+    assert!(missing.is_empty() && dup.is_empty());
+    let superuser: bool = db
+        .query_one(
+            "SELECT rolsuper FROM pg_roles WHERE rolname = 'walbox_relay'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!superuser);
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(
+        walbox.wait(Duration::from_secs(60)).code(),
+        Some(0),
+        "{}",
+        walbox.log()
+    );
+}
