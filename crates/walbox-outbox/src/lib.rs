@@ -18,5 +18,5 @@ mod template;
 
 pub use config::{ColumnNames, TableConfig, ValueFormat};
 pub use event::{Event, Position, header};
-pub use mapper::{Mapper, MappingError, RowError};
+pub use mapper::{Mapper, MappingError, RowError, dead_letter_header};
 pub use template::{TemplateError, TopicTemplate, validate_topic};

@@ -184,6 +184,21 @@ pub struct Mapper {
     schema_version: Option<Col>,
     topic: TopicSource,
     value_column: Option<Col>,
+    column_names: Vec<String>,
+}
+
+/// Header names of dead-letter records.
+pub mod dead_letter_header {
+    /// Short class of the reason ([`RowError::class`](super::RowError::class)).
+    pub const ERROR_CLASS: &str = "walbox_error_class";
+    /// The reason, naming the column (never its value).
+    pub const ERROR: &str = "walbox_error";
+    /// `schema.table` the row came from.
+    pub const SOURCE_TABLE: &str = "walbox_source_table";
+    /// The topic the event was meant for, when it could be named.
+    pub const SOURCE_TOPIC: &str = "walbox_source_topic";
+    /// How many times walbox tried to publish the row.
+    pub const ATTEMPTS: &str = "walbox_attempts";
 }
 
 impl Mapper {
@@ -329,6 +344,7 @@ impl Mapper {
             schema_version,
             topic,
             value_column,
+            column_names: relation.columns.iter().map(|c| c.name.clone()).collect(),
         })
     }
 
@@ -336,6 +352,131 @@ impl Mapper {
     #[must_use]
     pub fn table(&self) -> &str {
         &self.table
+    }
+
+    /// The topic `row` names, validated.
+    fn topic(&self, row: &[TupleValue]) -> Result<String, RowError> {
+        let topic = match &self.topic {
+            TopicSource::Fixed(t) => t.clone(),
+            TopicSource::Column(c) => text(row, c, "topic")?.to_owned(),
+            TopicSource::Template(t, cols) => t.render(|i, _| match cols.get(i) {
+                Some(c) => text(row, c, "topic template field"),
+                None => Err(RowError::Shape {
+                    expected: cols.len(),
+                    got: i,
+                }),
+            })?,
+        };
+        if let Err(reason) = validate_topic(&topic) {
+            return Err(RowError::InvalidTopic { topic, reason });
+        }
+        Ok(topic)
+    }
+
+    /// A dead-letter record for a row that cannot be published because of `error`.
+    ///
+    /// Topic: `template` with `{topic}` replaced by the topic the event was meant for
+    /// or, when the row cannot name one, `walbox.<schema>.<table>` (`walbox.dlq` if
+    /// that is still not a valid topic). Key: the aggregate id when the row has one.
+    /// Value: `{"table", "columns": {name: text or null}}` with every column as the
+    /// server sent it. Headers: the event id when readable, the error class and
+    /// reason, the source table and topic, the position, the attempt count.
+    #[must_use]
+    pub fn dead_letter(
+        &self,
+        row: &[TupleValue],
+        position: Position,
+        error: &RowError,
+        template: &TopicTemplate,
+    ) -> Event {
+        let intended = self.topic(row).ok();
+        let base = intended.clone().unwrap_or_else(|| {
+            let safe: String = self
+                .table
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            format!("walbox.{safe}")
+        });
+        let topic = template
+            .render(|_, _| Ok::<_, std::convert::Infallible>(base.as_str()))
+            .unwrap_or_else(|never| match never {});
+        let topic = if validate_topic(&topic).is_ok() {
+            topic
+        } else {
+            "walbox.dlq".to_owned()
+        };
+        let event_id = text(row, &self.id, "event id")
+            .map(str::to_owned)
+            .unwrap_or_else(|_| format!("{}#{}", position.commit_lsn, position.index));
+        let key = self
+            .key
+            .as_ref()
+            .and_then(|c| row.get(c.index))
+            .and_then(|v| v.bytes().cloned());
+        let columns: serde_json::Map<String, serde_json::Value> = self
+            .column_names
+            .iter()
+            .zip(row)
+            .map(|(name, v)| {
+                let value = match v {
+                    TupleValue::Null => serde_json::Value::Null,
+                    TupleValue::UnchangedToast => {
+                        serde_json::Value::String("(unchanged TOAST value, not sent)".into())
+                    }
+                    TupleValue::Text(b) | TupleValue::Binary(b) => {
+                        serde_json::Value::String(String::from_utf8_lossy(b).into_owned())
+                    }
+                };
+                (name.clone(), value)
+            })
+            .collect();
+        let value = serde_json::json!({ "table": self.table, "columns": columns }).to_string();
+        let mut headers = vec![
+            (header::EVENT_ID.to_owned(), Bytes::from(event_id.clone())),
+            (
+                dead_letter_header::ERROR_CLASS.to_owned(),
+                Bytes::from_static(error.class().as_bytes()),
+            ),
+            (
+                dead_letter_header::ERROR.to_owned(),
+                Bytes::from(error.to_string()),
+            ),
+            (
+                dead_letter_header::SOURCE_TABLE.to_owned(),
+                Bytes::from(self.table.clone()),
+            ),
+        ];
+        if let Some(t) = intended {
+            headers.push((dead_letter_header::SOURCE_TOPIC.to_owned(), Bytes::from(t)));
+        }
+        headers.push((
+            header::COMMIT_LSN.into(),
+            Bytes::from(position.commit_lsn.to_string()),
+        ));
+        headers.push((
+            header::INDEX.into(),
+            Bytes::from(position.index.to_string()),
+        ));
+        headers.push((header::XID.into(), Bytes::from(position.xid.to_string())));
+        headers.push((
+            dead_letter_header::ATTEMPTS.to_owned(),
+            Bytes::from_static(b"1"),
+        ));
+        Event {
+            event_id,
+            topic,
+            key,
+            value: Bytes::from(value),
+            headers,
+            position,
+        }
     }
 
     /// Maps an inserted row.
@@ -355,20 +496,7 @@ impl Mapper {
         let aggregate_type = opt_text(row, self.aggregate_type.as_ref(), "aggregate type")?;
         let schema_version = opt_text(row, self.schema_version.as_ref(), "schema version")?;
 
-        let topic = match &self.topic {
-            TopicSource::Fixed(t) => t.clone(),
-            TopicSource::Column(c) => text(row, c, "topic")?.to_owned(),
-            TopicSource::Template(t, cols) => t.render(|i, _| match cols.get(i) {
-                Some(c) => text(row, c, "topic template field"),
-                None => Err(RowError::Shape {
-                    expected: cols.len(),
-                    got: i,
-                }),
-            })?,
-        };
-        if let Err(reason) = validate_topic(&topic) {
-            return Err(RowError::InvalidTopic { topic, reason });
-        }
+        let topic = self.topic(row)?;
 
         let mut headers: Vec<(String, Bytes)> = Vec::with_capacity(8);
         headers.push((

@@ -27,6 +27,61 @@ pub struct Config {
     /// Shutdown behaviour.
     #[serde(default)]
     pub shutdown: ShutdownConfig,
+    /// What happens to rows that cannot become events.
+    #[serde(default)]
+    pub dead_letter: DeadLetterConfig,
+}
+
+/// What happens to an outbox row that cannot become an event (payload not JSON,
+/// event id or key NULL, invalid topic, ...).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeadLetterConfig {
+    /// `topic`: publish it to a dead-letter topic and go on; `stop`: stop with an
+    /// error naming the row's event id and position.
+    #[serde(default)]
+    pub policy: DeadLetterPolicy,
+    /// Dead-letter topic; `{topic}` is the topic the event was meant for.
+    #[serde(default = "default_dead_letter_topic")]
+    pub topic: String,
+}
+
+/// Dead-letter policies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadLetterPolicy {
+    /// Publish to the dead-letter topic and go on.
+    #[default]
+    Topic,
+    /// Stop.
+    Stop,
+}
+
+fn default_dead_letter_topic() -> String {
+    "{topic}.dlq".into()
+}
+
+impl Default for DeadLetterConfig {
+    fn default() -> Self {
+        DeadLetterConfig {
+            policy: DeadLetterPolicy::default(),
+            topic: default_dead_letter_topic(),
+        }
+    }
+}
+
+impl DeadLetterConfig {
+    /// The topic template, checked: `{topic}` is its only placeholder.
+    pub fn template(&self) -> Result<walbox_outbox::TopicTemplate> {
+        let t = walbox_outbox::TopicTemplate::parse(&self.topic)
+            .with_context(|| "dead_letter.topic".to_owned())?;
+        if let Some(other) = t.fields().find(|f| *f != "topic") {
+            bail!(
+                "dead_letter.topic: unknown placeholder {{{other}}}; only {{topic}} is available"
+            );
+        }
+        Ok(t)
+    }
 }
 
 fn default_producer() -> String {
@@ -286,6 +341,7 @@ impl Config {
             bail!("source.status_interval_ms: must be at least 1");
         }
         self.sink.kafka_properties()?;
+        self.dead_letter.template()?;
         Ok(())
     }
 
@@ -347,6 +403,16 @@ mod tests {
         assert!(format!("{err:#}").contains("max_in_flight"), "{err:#}");
         let err = Config::parse("[sink]\ntype = \"nats\"", Path::new("t.toml")).unwrap_err();
         assert!(format!("{err:#}").contains("nats"), "{err:#}");
+        let c = Config::parse(
+            "[dead_letter]\ntopic = \"{table}.dlq\"",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let err = c.validate().unwrap_err();
+        assert!(err.to_string().contains("dead_letter.topic"), "{err}");
+        let err =
+            Config::parse("[dead_letter]\npolicy = \"ignore\"", Path::new("t.toml")).unwrap_err();
+        assert!(format!("{err:#}").contains("ignore"), "{err:#}");
         let err = Config::parse("bogus = 1", Path::new("t.toml")).unwrap_err();
         assert!(format!("{err:#}").contains("bogus"), "{err:#}");
         let c = Config::parse("[sink.kafka]\n\"x\" = [1]", Path::new("t.toml")).unwrap();

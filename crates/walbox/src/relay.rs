@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationClient, ReplicationEvent};
 use tokio::sync::mpsc;
-use walbox_outbox::{Mapper, Position, TableConfig};
+use walbox_outbox::{Mapper, Position, TableConfig, TopicTemplate};
 use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, Xid};
 use walbox_replication::{AckTracker, Ticket, TxnId};
 use walbox_sink::{Deliveries, Delivery, KafkaSink, KafkaSinkConfig, Sink, StdoutSink};
 
-use crate::config::{Config, SinkKind};
+use crate::config::{Config, DeadLetterPolicy, SinkKind};
 use crate::pg::ConnParams;
 
 /// Events read from the server but not yet taken by the relay; with each row one
@@ -135,6 +135,7 @@ struct Stats {
     ignored_updates: u64,
     ignored_deletes: u64,
     ignored_truncates: u64,
+    dead_lettered: u64,
 }
 
 struct Relay<'a, S: Sink> {
@@ -146,6 +147,7 @@ struct Relay<'a, S: Sink> {
     mappers: HashMap<Oid, Mapper>,
     txn: Option<OpenTxn>,
     stats: Stats,
+    dead_letter_topic: TopicTemplate,
 }
 
 async fn relay<S: Sink>(
@@ -195,6 +197,7 @@ async fn relay<S: Sink>(
         mappers: HashMap::new(),
         txn: None,
         stats: Stats::default(),
+        dead_letter_topic: config.dead_letter.template()?,
     };
     let mut reported = start;
     let mut stopping: Option<Instant> = None;
@@ -401,16 +404,35 @@ impl<S: Sink> Relay<'_, S> {
                     index: txn.index,
                     xid: txn.xid,
                 };
-                let event = mapper.map(&i.new, position).map_err(|e| {
-                    anyhow!(
-                        "outbox row {}#{} (xid {}) in {} cannot be published ({}): {e}",
-                        position.commit_lsn,
-                        position.index,
-                        position.xid,
-                        mapper.table(),
-                        e.class()
-                    )
-                })?;
+                let event = match mapper.map(&i.new, position) {
+                    Ok(event) => event,
+                    Err(e) => {
+                        let dead =
+                            mapper.dead_letter(&i.new, position, &e, &self.dead_letter_topic);
+                        if self.config.dead_letter.policy == DeadLetterPolicy::Stop {
+                            bail!(
+                                "outbox row with event id {} at {}#{} (xid {}) in {} cannot be published ({}): {e}",
+                                dead.event_id,
+                                position.commit_lsn,
+                                position.index,
+                                position.xid,
+                                mapper.table(),
+                                e.class()
+                            );
+                        }
+                        tracing::warn!(
+                            table = mapper.table(),
+                            event_id = %dead.event_id,
+                            position = %format_args!("{}#{}", position.commit_lsn, position.index),
+                            class = e.class(),
+                            reason = %e,
+                            topic = %dead.topic,
+                            "dead-lettered"
+                        );
+                        self.stats.dead_lettered += 1;
+                        dead
+                    }
+                };
                 txn.index += 1;
                 let ticket = self.tracker.event(txn.id);
                 let token = self.in_flight.insert(ticket, event.size());
@@ -442,6 +464,7 @@ impl<S: Sink> Relay<'_, S> {
             ignored_updates = self.stats.ignored_updates,
             ignored_deletes = self.stats.ignored_deletes,
             ignored_truncates = self.stats.ignored_truncates,
+            dead_lettered = self.stats.dead_lettered,
             "progress"
         );
     }

@@ -3,6 +3,7 @@ use walbox_pgoutput::{Lsn, Relation, RelationColumn, ReplicaIdentity, TupleValue
 
 use super::*;
 use crate::config::ColumnNames;
+use crate::template::TopicTemplate;
 
 fn relation(columns: &[(&str, Oid)]) -> Relation {
     Relation {
@@ -332,4 +333,56 @@ fn timestamps_become_rfc3339() {
     );
     assert_eq!(rfc3339("2026-11-29 19:40:00"), "2026-11-29T19:40:00");
     assert_eq!(rfc3339("infinity"), "infinity");
+}
+
+#[test]
+fn dead_letters_carry_the_row_the_reason_and_the_position() {
+    let m = Mapper::compile(&TableConfig::new("outbox"), "p", &relation(STANDARD)).unwrap();
+    let dlq = TopicTemplate::parse("{topic}.dlq").unwrap();
+
+    // Payload not JSON: the intended topic is known.
+    let mut row = standard_row();
+    row[4] = t("not json");
+    let err = m.map(&row, pos()).unwrap_err();
+    let d = m.dead_letter(&row, pos(), &err, &dlq);
+    assert_eq!(d.topic, "outbox.order.dlq");
+    assert_eq!(d.event_id, "7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11");
+    assert_eq!(d.key.as_deref(), Some(&b"order-42"[..]));
+    assert_eq!(header(&d, "walbox_error_class"), Some("payload_not_json"));
+    assert!(
+        header(&d, "walbox_error")
+            .unwrap()
+            .contains("payload column \"payload\"")
+    );
+    assert_eq!(header(&d, "walbox_source_table"), Some("public.outbox"));
+    assert_eq!(header(&d, "walbox_source_topic"), Some("outbox.order"));
+    assert_eq!(header(&d, "walbox_commit_lsn"), Some("16/B374D848"));
+    assert_eq!(header(&d, "walbox_attempts"), Some("1"));
+    let v: serde_json::Value = serde_json::from_slice(&d.value).unwrap();
+    assert_eq!(v["table"], "public.outbox");
+    assert_eq!(v["columns"]["payload"], "not json");
+    assert_eq!(v["columns"]["aggregate_id"], "order-42");
+
+    // The row cannot name its topic: the table's fallback topic.
+    let mut row = standard_row();
+    row[1] = TupleValue::Null;
+    let err = m.map(&row, pos()).unwrap_err();
+    let d = m.dead_letter(&row, pos(), &err, &dlq);
+    assert_eq!(d.topic, "walbox.public.outbox.dlq");
+    assert_eq!(header(&d, "walbox_source_topic"), None);
+    let v: serde_json::Value = serde_json::from_slice(&d.value).unwrap();
+    assert_eq!(v["columns"]["aggregate_type"], serde_json::Value::Null);
+
+    // No event id: the position stands in for it.
+    let mut row = standard_row();
+    row[0] = TupleValue::Null;
+    let err = m.map(&row, pos()).unwrap_err();
+    let d = m.dead_letter(
+        &row,
+        pos(),
+        &err,
+        &TopicTemplate::parse("dead.letters").unwrap(),
+    );
+    assert_eq!(d.event_id, "16/B374D848#3");
+    assert_eq!(d.topic, "dead.letters");
 }

@@ -1,0 +1,121 @@
+//! Poison rows: dead-lettered with the reason while the stream goes on, or, with
+//! `dead_letter.policy = "stop"`, a stop naming the row.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use nix::sys::signal::Signal;
+use walbox_testkit::{Broker, PgCluster};
+
+/// An outbox whose payload is text, so a row can hold something that is not JSON.
+const LOOSE_OUTBOX: &str = "
+    CREATE TABLE outbox (
+        id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+        aggregate_type text,
+        aggregate_id text,
+        event_type text NOT NULL,
+        payload text NOT NULL
+    )";
+
+fn insert(aggregate_type: &str, aggregate_id: Option<&str>, payload: &str) -> String {
+    let id = aggregate_id.map_or("NULL".to_owned(), |a| format!("'{a}'"));
+    format!(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('{aggregate_type}', {id}, 'E', '{payload}');"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_rows_go_to_dead_letter_topics_and_the_stream_goes_on() {
+    let pg = PgCluster::start().unwrap();
+    let broker = Broker::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(LOOSE_OUTBOX).await.unwrap();
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        &[
+            insert("order", Some("k1"), r#"{"seq": 0}"#),
+            insert("order", Some("k1"), "this is not json"),
+            insert("order", Some("k1"), r#"{"seq": 1}"#),
+            insert("order", None, r#"{"seq": 0}"#),
+            insert("bad topic!", Some("k3"), r#"{"seq": 0}"#),
+            insert("order", Some("k2"), r#"{"seq": 0}"#),
+        ]
+        .concat(),
+    )
+    .await
+    .unwrap();
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+
+    let good = read_topic(&broker.bootstrap(), "outbox.order", 3).await;
+    assert_eq!(good.len(), 3);
+    assert_per_key_order(&good, false);
+
+    let dlq = read_topic(&broker.bootstrap(), "outbox.order.dlq", 2).await;
+    assert_eq!(dlq.len(), 2);
+    let classes: Vec<&str> = dlq
+        .iter()
+        .map(|r| r.header("walbox_error_class").unwrap())
+        .collect();
+    assert!(classes.contains(&"payload_not_json"), "{classes:?}");
+    assert!(classes.contains(&"null_column"), "{classes:?}");
+    for r in &dlq {
+        assert_eq!(r.header("walbox_source_table"), Some("public.outbox"));
+        assert_eq!(r.header("walbox_source_topic"), Some("outbox.order"));
+        assert_eq!(r.header("walbox_attempts"), Some("1"));
+        assert!(r.header("walbox_commit_lsn").unwrap().contains('/'));
+        assert!(r.header("event_id").unwrap().len() == 36, "the row's uuid");
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+        assert_eq!(v["table"], "public.outbox");
+        assert!(v["columns"]["id"].is_string());
+    }
+    let bad_topic = read_topic(&broker.bootstrap(), "walbox.public.outbox.dlq", 1).await;
+    assert_eq!(bad_topic.len(), 1);
+    assert_eq!(
+        bad_topic[0].header("walbox_error_class"),
+        Some("invalid_topic")
+    );
+    assert_eq!(bad_topic[0].key_str(), Some("k3"));
+
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    let log = walbox.log();
+    assert!(log.contains("dead_lettered=3"), "{log}");
+    assert!(
+        !log.contains("this is not json"),
+        "no row values in logs: {log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_stop_policy_a_poison_row_stops_walbox_naming_it() {
+    let pg = PgCluster::start().unwrap();
+    let broker = Broker::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(LOOSE_OUTBOX).await.unwrap();
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("walbox.toml");
+    std::fs::write(&cfg, "[dead_letter]\npolicy = \"stop\"\n").unwrap();
+    let mut walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    db.batch_execute(&insert("order", Some("k1"), "not json"))
+        .await
+        .unwrap();
+    let id: String = db
+        .query_one("SELECT id::text FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let status = walbox.wait(Duration::from_secs(60));
+    assert_eq!(status.code(), Some(1));
+    let log = walbox.log();
+    assert!(log.contains(&format!("event id {id}")), "{log}");
+    assert!(log.contains("payload_not_json"), "{log}");
+    assert!(confirmed_lsn(&db, "walbox").await < current_lsn(&db).await);
+}
