@@ -411,14 +411,28 @@ async fn a_second_signal_exits_at_once_without_confirming() {
     if broker.is_external() {
         return;
     }
-    let env = walbox_env(&pg, &broker);
+    let mut env = walbox_env(&pg, &broker);
+    env.push(("WALBOX_LOG", "info,walbox=debug".into()));
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 1, 1, 5, 5).await;
     let first = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", first, Duration::from_secs(60)).await;
     broker.kill9().unwrap();
+    let before = outbox_ids(&db).await;
     write_events(&pg, 1, 1, 5, 5).await;
+    let new: Vec<String> = outbox_ids(&db).await.difference(&before).cloned().collect();
+    // Wait until walbox has handed the new events to the sink, where they stay.
+    walbox_testkit::wait_until_async(
+        "the new events in flight",
+        Duration::from_secs(30),
+        || async {
+            let log = walbox.log();
+            new.iter().all(|id| log.contains(id.as_str())).then_some(())
+        },
+    )
+    .await
+    .unwrap();
     let held = confirmed_lsn(&db, "walbox").await;
     walbox.signal(Signal::SIGTERM);
     // The first signal waits for the events the broker cannot acknowledge.

@@ -437,6 +437,12 @@ impl<S: Sink> Relay<'_, S> {
                 let ticket = self.tracker.event(txn.id);
                 let token = self.in_flight.insert(ticket, event.size());
                 self.stats.events += 1;
+                tracing::debug!(
+                    event_id = %event.event_id,
+                    topic = %event.topic,
+                    position = %format_args!("{}#{}", position.commit_lsn, position.index),
+                    "sent to the sink"
+                );
                 self.sink.send(event, token).await?;
             }
             LogicalMessage::Update(u) if self.mappers.contains_key(&u.relation_oid) => {
