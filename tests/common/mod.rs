@@ -281,6 +281,19 @@ pub async fn write_events(
     events_per_txn: usize,
     keys: usize,
 ) {
+    write_events_from(pg, writers, txns_per_writer, events_per_txn, keys, 0).await;
+}
+
+/// [`write_events`] on the keys `first_key..first_key + keys`, so that rounds of
+/// writes can use keys of their own.
+pub async fn write_events_from(
+    pg: &PgCluster,
+    writers: usize,
+    txns_per_writer: usize,
+    events_per_txn: usize,
+    keys: usize,
+    first_key: usize,
+) {
     let mut tasks = Vec::new();
     for w in 0..writers {
         let mut db = pg.connect("postgres").await.unwrap();
@@ -293,7 +306,7 @@ pub async fn write_events(
                 for _ in 0..events_per_txn {
                     let slot = n % own.len();
                     n += 1;
-                    let key = format!("order-{}", own[slot]);
+                    let key = format!("order-{}", first_key + own[slot]);
                     let payload = format!(r#"{{"seq": {}, "writer": {w}, "note": "Grüße"}}"#, seq[slot]);
                     seq[slot] += 1;
                     tx.execute(

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use walbox_outbox::{Mapper, Position, TableConfig, TopicTemplate};
 use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, Xid};
 use walbox_replication::{AckTracker, Ticket, TxnId};
-use walbox_sink::{Deliveries, Delivery, KafkaSink, KafkaSinkConfig, Sink, StdoutSink};
+use walbox_sink::{Deliveries, Delivery, KafkaSink, KafkaSinkConfig, Sink, SinkError, StdoutSink};
 
 use crate::config::{Config, DeadLetterPolicy, SinkKind};
 use crate::pg::ConnParams;
@@ -23,13 +23,98 @@ const READ_AHEAD_EVENTS: usize = 256;
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 
-/// Runs the relay until a signal stops it or an error does.
+/// An error after which a new session, resuming from the slot's confirmed
+/// position, can succeed: connection loss, a server restart, a delivery that timed
+/// out. Displays as the error it wraps.
+#[derive(Debug)]
+struct Transient(anyhow::Error);
+
+impl std::fmt::Display for Transient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for Transient {}
+
+fn transient(e: impl Into<anyhow::Error>) -> anyhow::Error {
+    anyhow::Error::new(Transient(e.into()))
+}
+
+fn is_transient(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<Transient>().is_some()
+}
+
+/// Backoff before session `attempt` (1, 2, ...): 250 ms doubling to 30 s, with
+/// up to 20% jitter so that several relays do not reconnect in step.
+fn backoff(attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let base = 250u64
+        .saturating_mul(1 << attempt.saturating_sub(1).min(10))
+        .min(30_000);
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    Duration::from_millis(base + random % (base / 5 + 1))
+}
+
+/// A session that ran this long resets the backoff.
+const HEALTHY_SESSION: Duration = Duration::from_secs(60);
+
+/// Runs the relay until a signal stops it or a fatal error does. Transient errors
+/// end the session; after a backoff a new one resumes from the slot's confirmed
+/// position (events after it are sent again, with the same ids).
 pub async fn run(config: Config) -> Result<()> {
     // First, so a stop request during start-up is a clean stop too.
-    let signals = signals()?;
+    let mut signals = signals()?;
     let conn = ConnParams::parse(config.dsn()?)?;
-    let sql = conn.connect().await?;
-    let start = slot_start(&sql, &config.source.slot).await?;
+    let mut attempt = 0u32;
+    loop {
+        let began = Instant::now();
+        let Err(e) = session(&config, &conn, attempt, &mut signals).await else {
+            return Ok(());
+        };
+        if !is_transient(&e) {
+            return Err(e);
+        }
+        if began.elapsed() >= HEALTHY_SESSION {
+            attempt = 0;
+        }
+        attempt += 1;
+        let delay = backoff(attempt);
+        tracing::warn!(
+            error = %format!("{e:#}"),
+            attempt,
+            retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            "session ended; resuming from the slot's confirmed position"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            Some(()) = signals.recv() => {
+                tracing::info!("stopped while waiting to reconnect");
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// One session: check the slot, create the sink, stream until stopped or failed.
+async fn session(
+    config: &Config,
+    conn: &ConnParams,
+    attempt: u32,
+    signals: &mut mpsc::UnboundedReceiver<()>,
+) -> Result<()> {
+    let sql = conn.connect().await.map_err(transient)?;
+    let start = match slot_start(&sql, &config.source.slot).await {
+        Ok(lsn) => lsn,
+        // After a lost connection the old walsender can hold the slot a little
+        // longer; at first start a holder is another reader.
+        Err(e) if attempt > 0 && format!("{e}").contains("is in use by pid") => {
+            return Err(transient(e));
+        }
+        Err(e) => return Err(e),
+    };
     drop(sql);
     match config.sink.kind {
         SinkKind::Kafka => {
@@ -40,11 +125,11 @@ pub async fn run(config: Config) -> Result<()> {
                 topic_replication: config.sink.topic_replication,
                 max_in_flight: config.sink.max_in_flight,
             })?;
-            relay(&config, &conn, start, sink, deliveries, signals).await
+            relay(config, conn, start, sink, deliveries, signals).await
         }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
-            relay(&config, &conn, start, sink, deliveries, signals).await
+            relay(config, conn, start, sink, deliveries, signals).await
         }
     }
 }
@@ -156,7 +241,7 @@ async fn relay<S: Sink>(
     start: Lsn,
     sink: S,
     mut deliveries: Deliveries,
-    mut signals: mpsc::UnboundedReceiver<()>,
+    signals: &mut mpsc::UnboundedReceiver<()>,
 ) -> Result<()> {
     let status_interval = Duration::from_millis(config.source.status_interval_ms);
     let longest_feedback_ms = Arc::new(AtomicU64::new(0));
@@ -176,14 +261,18 @@ async fn relay<S: Sink>(
     repl_cfg.options = Some("-c TimeZone=UTC -c DateStyle=ISO,YMD".into());
     let mut repl = ReplicationClient::connect(repl_cfg)
         .await
-        .with_context(|| format!("replication connection to {}", conn.describe()))?;
-    repl.wait_started().await.with_context(|| {
-        format!(
-            "starting replication from slot {:?} on {}",
-            config.source.slot,
-            conn.describe()
-        )
-    })?;
+        .with_context(|| format!("replication connection to {}", conn.describe()))
+        .map_err(transient)?;
+    repl.wait_started()
+        .await
+        .with_context(|| {
+            format!(
+                "starting replication from slot {:?} on {}",
+                config.source.slot,
+                conn.describe()
+            )
+        })
+        .map_err(transient)?;
     let tables: Vec<&str> = config.outbox.iter().map(|t| t.table.as_str()).collect();
     tracing::info!(slot = %config.source.slot, publication = %config.source.publication,
         start = %start, tables = ?tables, "streaming");
@@ -239,8 +328,8 @@ async fn relay<S: Sink>(
             //    it would make the next start send them again.
             ev = repl.recv(), if !full && (stopping.is_none() || relay.txn.is_some()) => match ev {
                 Ok(Some(ev)) => relay.handle(ev).await,
-                Ok(None) => Err(anyhow!("the replication stream ended")),
-                Err(e) => Err(anyhow!(e).context("replication stream")),
+                Ok(None) => Err(transient(anyhow!("the replication stream ended"))),
+                Err(e) => Err(transient(anyhow!(e).context("replication stream"))),
             },
             // 5. Progress in the log.
             _ = progress.tick() => {
@@ -336,10 +425,14 @@ impl<S: Sink> Relay<'_, S> {
             }
             Err(e) => {
                 self.tracker.fail(ticket);
-                Err(anyhow!(e).context(format!(
-                    "stopping; the slot stays at {} and the next start resumes there",
+                // A timeout or broker error may pass: resume from the confirmed
+                // position. A failure about the message itself would repeat.
+                let retry = matches!(e.class, "timeout" | "broker_error");
+                let e = anyhow!(e).context(format!(
+                    "delivery failed; the slot stays at {} and the next session resumes there",
                     self.tracker.confirmed()
-                )))
+                ));
+                Err(if retry { transient(e) } else { e })
             }
         }
     }
@@ -443,7 +536,10 @@ impl<S: Sink> Relay<'_, S> {
                     position = %format_args!("{}#{}", position.commit_lsn, position.index),
                     "sent to the sink"
                 );
-                self.sink.send(event, token).await?;
+                self.sink.send(event, token).await.map_err(|e| match e {
+                    SinkError::Kafka(_) => transient(e),
+                    other => anyhow!(other),
+                })?;
             }
             LogicalMessage::Update(u) if self.mappers.contains_key(&u.relation_oid) => {
                 self.stats.ignored_updates += 1;
