@@ -41,6 +41,46 @@ fn transient(e: impl Into<anyhow::Error>) -> anyhow::Error {
     anyhow::Error::new(Transient(e.into()))
 }
 
+/// A failed SQL connection is transient when the server may answer later (refused,
+/// reset, starting up, shutting down); wrong credentials, a missing database, a
+/// certificate that does not verify, or a bad TLS setup would only repeat.
+fn classify_sql(e: anyhow::Error) -> anyhow::Error {
+    let Some(pg) = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<tokio_postgres::Error>())
+    else {
+        return e; // not from the connection itself: configuration
+    };
+    if let Some(db) = pg.as_db_error() {
+        let code = db.code().code();
+        let lasting = code.starts_with("28") || code == "3D000" || code == "42501";
+        return if lasting { e } else { transient(e) };
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(pg);
+    while let Some(err) = source {
+        let tls = err.downcast_ref::<rustls::Error>().is_some()
+            || err
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some());
+        if tls {
+            return e;
+        }
+        source = err.source();
+    }
+    transient(e)
+}
+
+/// Replication errors: I/O and server errors (restart, shutdown, a lost
+/// connection) are transient; authentication, TLS and protocol errors are not.
+fn classify_replication(e: anyhow::Error) -> anyhow::Error {
+    use pgwire_replication::PgWireError;
+    match e.chain().find_map(|c| c.downcast_ref::<PgWireError>()) {
+        Some(PgWireError::Io(_) | PgWireError::Server(_)) => transient(e),
+        _ => e,
+    }
+}
+
 fn is_transient(e: &anyhow::Error) -> bool {
     e.downcast_ref::<Transient>().is_some()
 }
@@ -105,7 +145,7 @@ async fn session(
     attempt: u32,
     signals: &mut mpsc::UnboundedReceiver<()>,
 ) -> Result<()> {
-    let sql = conn.connect().await.map_err(transient)?;
+    let sql = conn.connect().await.map_err(classify_sql)?;
     let start = match slot_start(&sql, &config.source.slot).await {
         Ok(lsn) => lsn,
         // After a lost connection the old walsender can hold the slot a little
@@ -262,7 +302,7 @@ async fn relay<S: Sink>(
     let mut repl = ReplicationClient::connect(repl_cfg)
         .await
         .with_context(|| format!("replication connection to {}", conn.describe()))
-        .map_err(transient)?;
+        .map_err(classify_replication)?;
     repl.wait_started()
         .await
         .with_context(|| {
@@ -272,7 +312,7 @@ async fn relay<S: Sink>(
                 conn.describe()
             )
         })
-        .map_err(transient)?;
+        .map_err(classify_replication)?;
     let tables: Vec<&str> = config.outbox.iter().map(|t| t.table.as_str()).collect();
     tracing::info!(slot = %config.source.slot, publication = %config.source.publication,
         start = %start, tables = ?tables, "streaming");
@@ -329,7 +369,7 @@ async fn relay<S: Sink>(
             ev = repl.recv(), if !full && (stopping.is_none() || relay.txn.is_some()) => match ev {
                 Ok(Some(ev)) => relay.handle(ev).await,
                 Ok(None) => Err(transient(anyhow!("the replication stream ended"))),
-                Err(e) => Err(transient(anyhow!(e).context("replication stream"))),
+                Err(e) => Err(classify_replication(anyhow!(e).context("replication stream"))),
             },
             // 5. Progress in the log.
             _ = progress.tick() => {
