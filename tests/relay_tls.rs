@@ -64,7 +64,10 @@ async fn relay_over_verify_full_tls_with_scram() {
     assert_ne!(status.code(), Some(0));
     let log = refused.log();
     assert!(log.contains("connecting to postgres@127.0.0.1"), "{log}");
-    assert!(!log.contains("resuming"), "a certificate problem is not retried: {log}");
+    assert!(
+        !log.contains("resuming"),
+        "a certificate problem is not retried: {log}"
+    );
     assert!(!log.contains(PASSWORD), "{log}");
 
     // A wrong password: refused at once, not retried, and not echoed.
@@ -75,5 +78,8 @@ async fn relay_over_verify_full_tls_with_scram() {
     assert_eq!(refused.wait(Duration::from_secs(60)).code(), Some(1));
     let log = refused.log();
     assert!(log.contains("password authentication failed"), "{log}");
-    assert!(!log.contains("resuming") && !log.contains("wrong-horse"), "{log}");
+    assert!(
+        !log.contains("resuming") && !log.contains("wrong-horse"),
+        "{log}"
+    );
 }
