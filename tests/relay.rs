@@ -209,13 +209,7 @@ async fn kill_9_at_several_points_loses_nothing() {
         let kill = async {
             // Kill once the slot has moved: between an ack and the next status
             // update, or mid-transaction, wherever the writers happen to be.
-            walbox_testkit::wait_until_async(
-                "the slot to move",
-                Duration::from_secs(60),
-                || async { (confirmed_lsn(&db, "walbox").await > before).then_some(()) },
-            )
-            .await
-            .unwrap();
+            wait_slot_moves(&db, before).await;
             walbox.kill9();
         };
         tokio::join!(write, kill);
@@ -529,13 +523,7 @@ async fn postgres_restart_and_crash_mid_stream_lose_nothing() {
         let before = confirmed_lsn(&db, "walbox").await;
         let write = write_events_from(&pg, 1, 40, 10, 10, round * 10);
         let moved = async {
-            walbox_testkit::wait_until_async(
-                "the slot to move",
-                Duration::from_secs(60),
-                || async { (confirmed_lsn(&db, "walbox").await > before).then_some(()) },
-            )
-            .await
-            .unwrap();
+            wait_slot_moves(&db, before).await;
         };
         tokio::join!(write, moved);
         expected += 400;

@@ -362,3 +362,12 @@ pub fn java_murmur2(key: &[u8]) -> i32 {
 pub fn java_partition(key: &[u8], partitions: i32) -> i32 {
     (java_murmur2(key) & 0x7fff_ffff) % partitions
 }
+
+/// Waits until the slot's confirmed position passes `before`.
+pub async fn wait_slot_moves(db: &tokio_postgres::Client, before: walbox_pgoutput::Lsn) {
+    walbox_testkit::wait_until_async("the slot to move", Duration::from_secs(60), || async {
+        (confirmed_lsn(db, "walbox").await > before).then_some(())
+    })
+    .await
+    .unwrap();
+}

@@ -456,15 +456,7 @@ impl Mapper {
         if let Some(t) = intended {
             headers.push((dead_letter_header::SOURCE_TOPIC.to_owned(), Bytes::from(t)));
         }
-        headers.push((
-            header::COMMIT_LSN.into(),
-            Bytes::from(position.commit_lsn.to_string()),
-        ));
-        headers.push((
-            header::INDEX.into(),
-            Bytes::from(position.index.to_string()),
-        ));
-        headers.push((header::XID.into(), Bytes::from(position.xid.to_string())));
+        push_position(&mut headers, position);
         headers.push((
             dead_letter_header::ATTEMPTS.to_owned(),
             Bytes::from_static(b"1"),
@@ -538,15 +530,7 @@ impl Mapper {
                 }
             }
         }
-        headers.push((
-            header::COMMIT_LSN.into(),
-            Bytes::from(position.commit_lsn.to_string()),
-        ));
-        headers.push((
-            header::INDEX.into(),
-            Bytes::from(position.index.to_string()),
-        ));
-        headers.push((header::XID.into(), Bytes::from(position.xid.to_string())));
+        push_position(&mut headers, position);
 
         let value = match (&self.value_column, &self.payload) {
             (Some(c), _) => bytes(row, c, "value")?.clone(),
@@ -574,6 +558,19 @@ impl Mapper {
             position,
         })
     }
+}
+
+/// The source position headers: commit LSN, index, xid.
+fn push_position(headers: &mut Vec<(String, Bytes)>, position: Position) {
+    headers.push((
+        header::COMMIT_LSN.into(),
+        Bytes::from(position.commit_lsn.to_string()),
+    ));
+    headers.push((
+        header::INDEX.into(),
+        Bytes::from(position.index.to_string()),
+    ));
+    headers.push((header::XID.into(), Bytes::from(position.xid.to_string())));
 }
 
 fn bytes<'a>(row: &'a [TupleValue], c: &Col, role: &'static str) -> Result<&'a Bytes, RowError> {
