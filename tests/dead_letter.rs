@@ -19,6 +19,22 @@ const LOOSE_OUTBOX: &str = "
         payload text NOT NULL
     )";
 
+/// A cluster with the loose outbox set up for walbox, a broker, and walbox's env.
+async fn start() -> (
+    PgCluster,
+    Broker,
+    tokio_postgres::Client,
+    Vec<(&'static str, String)>,
+) {
+    let pg = PgCluster::start().unwrap();
+    let broker = Broker::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(LOOSE_OUTBOX).await.unwrap();
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    (pg, broker, db, env)
+}
+
 fn insert(aggregate_type: &str, aggregate_id: Option<&str>, payload: &str) -> String {
     let id = aggregate_id.map_or("NULL".to_owned(), |a| format!("'{a}'"));
     format!(
@@ -29,12 +45,7 @@ fn insert(aggregate_type: &str, aggregate_id: Option<&str>, payload: &str) -> St
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_rows_go_to_dead_letter_topics_and_the_stream_goes_on() {
-    let pg = PgCluster::start().unwrap();
-    let broker = Broker::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(LOOSE_OUTBOX).await.unwrap();
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
+    let (_pg, broker, db, env) = start().await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     db.batch_execute(
         &[
@@ -94,12 +105,7 @@ async fn poison_rows_go_to_dead_letter_topics_and_the_stream_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_stop_policy_a_poison_row_stops_walbox_naming_it() {
-    let pg = PgCluster::start().unwrap();
-    let broker = Broker::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(LOOSE_OUTBOX).await.unwrap();
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
+    let (_pg, _broker, db, env) = start().await;
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("walbox.toml");
     std::fs::write(&cfg, "[dead_letter]\npolicy = \"stop\"\n").unwrap();

@@ -216,17 +216,7 @@ async fn kill_9_at_several_points_loses_nothing() {
         assert!(!walbox.running(), "round {round}: killed");
     }
     let mut last_run = Walbox::spawn(&["run"], &env);
-    let last = current_lsn(&db).await;
-    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
-    let records = read_topic(&broker.bootstrap(), TOPIC, total).await;
-    let ids = outbox_ids(&db).await;
-    assert_eq!(ids.len(), total);
-    let (missing, _dup) = audit(&ids, &records);
-    assert!(
-        missing.is_empty(),
-        "{} missing after kill -9",
-        missing.len()
-    );
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, total, "kill -9").await;
     // Duplicates are replays of events after the last confirmed position: same
     // event id, same position headers, and per-key order restarts from them.
     let mut first_pos: std::collections::HashMap<String, (String, String)> = Default::default();
@@ -544,17 +534,7 @@ async fn postgres_restart_and_crash_mid_stream_lose_nothing() {
     write_events_from(&pg, 1, 10, 10, 10, 20).await;
     expected += 100;
     let db = pg.connect("postgres").await.unwrap();
-    let last = current_lsn(&db).await;
-    wait_confirmed(&db, "walbox", last, Duration::from_secs(120)).await;
-    let records = read_topic(&broker.bootstrap(), TOPIC, expected).await;
-    let ids = outbox_ids(&db).await;
-    assert_eq!(ids.len(), expected);
-    let (missing, _) = audit(&ids, &records);
-    assert!(
-        missing.is_empty(),
-        "{} missing after restarts",
-        missing.len()
-    );
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, expected, "restarts").await;
     assert_per_key_order(&records, true);
     let log = walbox.log();
     assert!(

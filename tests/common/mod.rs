@@ -371,3 +371,27 @@ pub async fn wait_slot_moves(db: &tokio_postgres::Client, before: walbox_pgoutpu
     .await
     .unwrap();
 }
+
+/// Waits until the slot has confirmed everything written so far, reads the topic,
+/// and checks that it holds every one of the `expected` outbox rows (duplicates
+/// are the caller's to judge). Returns the records.
+pub async fn assert_all_delivered(
+    db: &tokio_postgres::Client,
+    bootstrap: &str,
+    topic: &str,
+    expected: usize,
+    after: &str,
+) -> Vec<Record> {
+    let last = current_lsn(db).await;
+    wait_confirmed(db, "walbox", last, Duration::from_secs(120)).await;
+    let records = read_topic(bootstrap, topic, expected).await;
+    let ids = outbox_ids(db).await;
+    assert_eq!(ids.len(), expected);
+    let (missing, _) = audit(&ids, &records);
+    assert!(
+        missing.is_empty(),
+        "{} missing after {after}",
+        missing.len()
+    );
+    records
+}

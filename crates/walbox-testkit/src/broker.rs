@@ -192,14 +192,7 @@ impl Tansu {
             BrokerStorage::Sqlite => "sqlite://broker.db".to_owned(),
         };
         let log_path = self.log_path();
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(TestkitError::io("opening", &log_path))?;
-        let log_err = log
-            .try_clone()
-            .map_err(TestkitError::io("opening", &log_path))?;
+        let (log, log_err) = process::log_files(&log_path)?;
         let mut cmd = process::command(&self.program, None);
         cmd.arg("broker")
             .args(["--listener-url", &url, "--advertised-listener-url", &url])

@@ -222,15 +222,8 @@ impl PgCluster {
 
     fn launch(&mut self) -> Result<()> {
         let log_path = self.log_path();
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(TestkitError::io("opening", &log_path))?;
+        let (log, log_err) = process::log_files(&log_path)?;
         give_to(self.user.as_ref(), &log_path)?;
-        let log_err = log
-            .try_clone()
-            .map_err(TestkitError::io("opening", &log_path))?;
         let mut cmd = command(&self.bindir.join("postgres"), self.user.as_ref());
         cmd.arg("-D")
             .arg(self.data_dir())

@@ -113,6 +113,17 @@ pub(crate) fn wait_group_gone(child: &mut Child, what: &str, timeout: Duration) 
     Ok(())
 }
 
+/// The server log at `path`, opened for appending, twice: for stdout and stderr.
+pub(crate) fn log_files(path: &Path) -> Result<(std::fs::File, std::fs::File)> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(TestkitError::io("opening", path))?;
+    let err = log.try_clone().map_err(TestkitError::io("opening", path))?;
+    Ok((log, err))
+}
+
 /// The last `max` bytes of `text`, on a character boundary.
 pub(crate) fn tail(text: &str, max: usize) -> String {
     let mut start = text.len().saturating_sub(max);

@@ -6,6 +6,34 @@ use anyhow::{Context, Result, bail};
 use crate::config::Config;
 use crate::pg::ConnParams;
 
+/// Whether the publication exists.
+pub async fn publication_exists(sql: &tokio_postgres::Client, publication: &str) -> Result<bool> {
+    Ok(sql
+        .query_opt(
+            "SELECT 1 FROM pg_publication WHERE pubname = $1",
+            &[&publication],
+        )
+        .await?
+        .is_some())
+}
+
+/// Whether `schema.name` is in the publication.
+pub async fn in_publication(
+    sql: &tokio_postgres::Client,
+    publication: &str,
+    schema: &str,
+    name: &str,
+) -> Result<bool> {
+    Ok(sql
+        .query_opt(
+            "SELECT 1 FROM pg_publication_tables
+             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+            &[&publication, &schema, &name],
+        )
+        .await?
+        .is_some())
+}
+
 /// Double-quotes an identifier for SQL.
 fn ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
@@ -37,27 +65,14 @@ pub async fn setup(config: &Config) -> Result<()> {
             bail!("outbox table {schema}.{name} does not exist");
         }
     }
-    let has_pub = sql
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[publication],
-        )
-        .await?
-        .is_some();
+    let has_pub = publication_exists(&sql, publication).await?;
     let quoted: Vec<String> = tables
         .iter()
         .map(|(s, n)| format!("{}.{}", ident(s), ident(n)))
         .collect();
     if has_pub {
         for ((schema, name), q) in tables.iter().zip(&quoted) {
-            let member = sql
-                .query_opt(
-                    "SELECT 1 FROM pg_publication_tables
-                     WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-                    &[publication, schema, name],
-                )
-                .await?
-                .is_some();
+            let member = in_publication(&sql, publication, schema, name).await?;
             if !member {
                 sql.batch_execute(&format!(
                     "ALTER PUBLICATION {} ADD TABLE {q}",

@@ -146,13 +146,7 @@ pub async fn run(config: &Config) -> Result<()> {
     }
 
     let publication = &config.source.publication;
-    let has_pub = sql
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[publication],
-        )
-        .await?
-        .is_some();
+    let has_pub = crate::admin::publication_exists(&sql, publication).await?;
     if !has_pub {
         r.add(
             Verdict::Fail,
@@ -187,13 +181,7 @@ pub async fn run(config: &Config) -> Result<()> {
             format!("{user} cannot SELECT from {qualified}: GRANT SELECT ON {qualified} TO {user}"),
         );
         if has_pub {
-            let member = sql
-                .query_opt(
-                    "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-                    &[publication, &schema, &name],
-                )
-                .await?
-                .is_some();
+            let member = crate::admin::in_publication(&sql, publication, schema, name).await?;
             r.check(
                 member,
                 format!("{qualified} is in publication {publication}"),
