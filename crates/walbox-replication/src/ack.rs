@@ -83,6 +83,13 @@ impl AckTracker {
         self.failed
     }
 
+    /// Whether transaction `txn` committed and its events, and those of every
+    /// transaction before it, are all acknowledged.
+    #[must_use]
+    pub fn settled(&self, txn: TxnId) -> bool {
+        !self.failed && self.txns.front().is_none_or(|t| t.seq > txn.0)
+    }
+
     /// A transaction starts (Begin).
     #[must_use]
     pub fn begin(&mut self) -> TxnId {

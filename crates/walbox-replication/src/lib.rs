@@ -8,6 +8,15 @@
 //! the server's WAL end from keepalives, so a quiet outbox beside busy tables does
 //! not hold WAL back. A failed delivery freezes it below the failed event for good.
 
+//!
+//! [`CheckpointFile`] keeps walbox's own durable record of that position, with the
+//! identity of the cluster and slot it belongs to and the state of an initial
+//! snapshot.
+
 mod ack;
+mod checkpoint;
 
 pub use ack::{AckTracker, Ticket, TxnId};
+pub use checkpoint::{
+    CHECKPOINT_VERSION, Checkpoint, CheckpointError, CheckpointFile, SnapshotState,
+};

@@ -57,6 +57,36 @@ fn transactions_without_events_confirm_at_once_or_fold_behind_pending_ones() {
 }
 
 #[test]
+fn a_transaction_is_settled_once_it_and_all_before_it_are_acked() {
+    // A snapshot is one transaction committed at the slot's consistent point,
+    // which is also where the tracker starts: `confirmed` cannot tell when it is
+    // done, `settled` can.
+    let mut t = AckTracker::new(Lsn(50));
+    let snap = t.begin();
+    let rows: Vec<Ticket> = (0..3).map(|_| t.event(snap)).collect();
+    assert!(!t.settled(snap), "open");
+    t.commit(snap, Lsn(50));
+    let later = t.begin();
+    t.commit(later, Lsn(60)); // empty: folds into the snapshot
+    assert!(!t.settled(snap));
+    assert!(!t.settled(later));
+    for r in rows {
+        assert!(!t.settled(snap));
+        t.ack(r);
+    }
+    assert!(t.settled(snap));
+    assert!(t.settled(later));
+    assert_eq!(t.confirmed(), Lsn(60));
+
+    let mut f = AckTracker::new(Lsn(0));
+    let tx = f.begin();
+    let e = f.event(tx);
+    f.commit(tx, Lsn(10));
+    f.fail(e);
+    assert!(!f.settled(tx), "a failed event never settles");
+}
+
+#[test]
 fn an_open_transaction_blocks_idle_confirmation() {
     let mut t = AckTracker::new(Lsn(0));
     t.idle_wal_end(Lsn(50));

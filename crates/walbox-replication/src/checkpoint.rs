@@ -1,0 +1,291 @@
+//! walbox's own durable record of the acknowledged position.
+//!
+//! The slot's `confirmed_flush_lsn` is not enough on its own: Postgres persists it
+//! only at a checkpoint (after a crash the slot can go back and resend), a replay
+//! window keeps it behind on purpose, and a slot that was dropped and recreated
+//! looks like any other. The checkpoint file says what walbox itself has seen
+//! acknowledged, on which cluster and slot, and whether an initial snapshot
+//! finished. It is written before a position is reported to the server, so the
+//! server never holds a position walbox could forget.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use walbox_pgoutput::Lsn;
+
+/// Format version written into every file.
+pub const CHECKPOINT_VERSION: u32 = 1;
+
+/// The saved state of one relay (one slot on one cluster).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Checkpoint {
+    /// [`CHECKPOINT_VERSION`].
+    pub version: u32,
+    /// The cluster's system identifier (`IDENTIFY_SYSTEM`): a checkpoint never
+    /// applies to another cluster.
+    pub system_identifier: String,
+    /// Database of the slot.
+    pub database: String,
+    /// Slot name.
+    pub slot: String,
+    /// Resume position: the commit end LSN of the newest transaction whose
+    /// outbox events, and those of all transactions before it, were acknowledged.
+    #[serde(with = "lsn_text")]
+    pub lsn: Lsn,
+    /// The initial snapshot, when walbox created the slot with one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<SnapshotState>,
+}
+
+/// Progress of an initial snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotState {
+    /// The slot's consistent point; `None` until the slot exists.
+    #[serde(with = "opt_lsn_text", default)]
+    pub consistent_point: Option<Lsn>,
+    /// Every snapshot row was acknowledged. An incomplete snapshot is never
+    /// continued: it is taken again from a new slot.
+    pub complete: bool,
+    /// Rows published by the snapshot (when complete).
+    pub rows: u64,
+}
+
+impl Checkpoint {
+    /// Whether a snapshot was started and did not finish.
+    #[must_use]
+    pub fn snapshot_interrupted(&self) -> bool {
+        self.snapshot.as_ref().is_some_and(|s| !s.complete)
+    }
+}
+
+/// Why a checkpoint could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// The file system refused.
+    #[error("checkpoint {path}: cannot {op}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was attempted.
+        op: &'static str,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not a checkpoint.
+    #[error("checkpoint {path} is not valid: {source}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: serde_json::Error,
+    },
+    /// The file was written by a newer walbox.
+    #[error(
+        "checkpoint {path} has version {found}; this walbox reads version {CHECKPOINT_VERSION}"
+    )]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// Its version.
+        found: u32,
+    },
+}
+
+/// A checkpoint kept in one JSON file, replaced atomically: the new content goes
+/// to a temporary file beside it, which is flushed to disk and renamed over the
+/// old one, and the directory is flushed so the rename itself survives a crash.
+#[derive(Debug, Clone)]
+pub struct CheckpointFile {
+    path: PathBuf,
+}
+
+impl CheckpointFile {
+    /// The store at `path` (created on the first save).
+    #[must_use]
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        CheckpointFile { path: path.into() }
+    }
+
+    /// Where the checkpoint lives.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn io(&self, op: &'static str) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+        move |source| CheckpointError::Io {
+            path: self.path.clone(),
+            op,
+            source,
+        }
+    }
+
+    /// The saved checkpoint; `None` when there is none yet.
+    pub fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
+        let text = match fs::read(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(self.io("read")(e)),
+        };
+        #[derive(Deserialize)]
+        struct Versioned {
+            version: u32,
+        }
+        let invalid = |source| CheckpointError::Invalid {
+            path: self.path.clone(),
+            source,
+        };
+        let v: Versioned = serde_json::from_slice(&text).map_err(invalid)?;
+        if v.version != CHECKPOINT_VERSION {
+            return Err(CheckpointError::Version {
+                path: self.path.clone(),
+                found: v.version,
+            });
+        }
+        serde_json::from_slice(&text).map(Some).map_err(invalid)
+    }
+
+    /// Replaces the checkpoint durably.
+    pub fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+        let mut text =
+            serde_json::to_vec_pretty(checkpoint).map_err(|source| CheckpointError::Invalid {
+                path: self.path.clone(),
+                source,
+            })?;
+        text.push(b'\n');
+        let dir = match self.path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let mut tmp_name = self.path.file_name().unwrap_or_default().to_os_string();
+        tmp_name.push(".tmp");
+        let tmp = dir.join(tmp_name);
+        let mut f = File::create(&tmp).map_err(self.io("create its temporary file"))?;
+        f.write_all(&text).map_err(self.io("write"))?;
+        f.sync_all().map_err(self.io("flush to disk"))?;
+        drop(f);
+        fs::rename(&tmp, &self.path).map_err(self.io("replace"))?;
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(self.io("flush its directory"))?;
+        Ok(())
+    }
+
+    /// Deletes the checkpoint (no error when there is none).
+    pub fn remove(&self) -> Result<(), CheckpointError> {
+        match fs::remove_file(&self.path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(self.io("remove")(e)),
+            _ => Ok(()),
+        }
+    }
+}
+
+mod lsn_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use walbox_pgoutput::Lsn;
+
+    pub fn serialize<S: Serializer>(lsn: &Lsn, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(lsn)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Lsn, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+mod opt_lsn_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use walbox_pgoutput::Lsn;
+
+    #[allow(clippy::ref_option)] // the signature serde's `with` expects
+    pub fn serialize<S: Serializer>(lsn: &Option<Lsn>, s: S) -> Result<S::Ok, S::Error> {
+        match lsn {
+            Some(l) => s.collect_str(l),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Lsn>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|t| t.parse().map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Checkpoint {
+        Checkpoint {
+            version: CHECKPOINT_VERSION,
+            system_identifier: "7380000000000000001".into(),
+            database: "postgres".into(),
+            slot: "walbox".into(),
+            lsn: "0/16B3748".parse().unwrap(),
+            snapshot: Some(SnapshotState {
+                consistent_point: Some("0/16B0000".parse().unwrap()),
+                complete: false,
+                rows: 0,
+            }),
+        }
+    }
+
+    #[test]
+    fn saves_and_loads_and_replaces() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointFile::new(dir.path().join("cp.json"));
+        assert_eq!(store.load().unwrap(), None);
+        let mut cp = sample();
+        store.save(&cp).unwrap();
+        assert_eq!(store.load().unwrap(), Some(cp.clone()));
+        assert!(cp.snapshot_interrupted());
+        cp.lsn = "1/0".parse().unwrap();
+        cp.snapshot = None;
+        store.save(&cp).unwrap();
+        assert_eq!(store.load().unwrap(), Some(cp));
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            names,
+            vec![std::ffi::OsString::from("cp.json")],
+            "no temporary file left"
+        );
+        let text = fs::read_to_string(store.path()).unwrap();
+        assert!(text.contains("\"lsn\": \"1/0\""), "{text}");
+        store.remove().unwrap();
+        assert_eq!(store.load().unwrap(), None);
+        store.remove().unwrap();
+    }
+
+    #[test]
+    fn refuses_damaged_unknown_and_newer_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointFile::new(dir.path().join("cp.json"));
+        fs::write(store.path(), b"{\"version\": 1, \"lsn\": ").unwrap();
+        assert!(matches!(store.load(), Err(CheckpointError::Invalid { .. })));
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["extra"] = 1.into();
+        fs::write(store.path(), v.to_string()).unwrap();
+        let e = store.load().unwrap_err().to_string();
+        assert!(e.contains("extra"), "{e}");
+        v = serde_json::to_value(sample()).unwrap();
+        v["version"] = 2.into();
+        fs::write(store.path(), v.to_string()).unwrap();
+        assert!(matches!(
+            store.load(),
+            Err(CheckpointError::Version { found: 2, .. })
+        ));
+        v["version"] = 1.into();
+        v["lsn"] = "zz".into();
+        fs::write(store.path(), v.to_string()).unwrap();
+        assert!(matches!(store.load(), Err(CheckpointError::Invalid { .. })));
+    }
+}
