@@ -135,7 +135,23 @@ pub fn walbox_env(pg: &PgCluster, broker: &Broker) -> Vec<(&'static str, String)
         ("WALBOX_CREATE_TOPICS", "true".into()),
         ("WALBOX_SLOT", "walbox".into()),
         ("WALBOX_PUBLICATION", "walbox_outbox".into()),
+        (
+            "WALBOX_CHECKPOINT",
+            checkpoint_path(pg).display().to_string(),
+        ),
     ]
+}
+
+/// Where [`walbox_env`] keeps walbox's checkpoint.
+pub fn checkpoint_path(pg: &PgCluster) -> std::path::PathBuf {
+    pg.client_dir().join("walbox.checkpoint.json")
+}
+
+/// walbox's saved checkpoint.
+pub fn checkpoint(pg: &PgCluster) -> Option<walbox_replication::Checkpoint> {
+    walbox_replication::CheckpointFile::new(checkpoint_path(pg))
+        .load()
+        .unwrap()
 }
 
 /// Runs `walbox setup` and checks it succeeded.
@@ -394,4 +410,30 @@ pub async fn assert_all_delivered(
         missing.len()
     );
     records
+}
+
+/// Waits until walbox's checkpoint reaches `target`.
+pub async fn wait_checkpoint(pg: &PgCluster, target: walbox_pgoutput::Lsn, timeout: Duration) {
+    walbox_testkit::wait_until_async(
+        "the checkpoint to reach the last commit",
+        timeout,
+        || async { checkpoint(pg).filter(|c| c.lsn >= target).map(drop) },
+    )
+    .await
+    .unwrap();
+}
+
+/// Runs a walbox command to its end; returns (exit code, stdout, stderr).
+pub fn walbox_cmd(args: &[&str], env: &[(&str, String)]) -> (Option<i32>, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_walbox"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

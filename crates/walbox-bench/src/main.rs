@@ -280,6 +280,10 @@ async fn main() -> Result<(), Error> {
             .arg("run")
             .env("WALBOX_DSN", pg.conninfo("postgres"))
             .env("WALBOX_SLOT", slot)
+            .env(
+                "WALBOX_CHECKPOINT",
+                pg.client_dir().join(format!("{slot}.checkpoint.json")),
+            )
             .env("WALBOX_SINK", sink)
             .env("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap())
             .env("WALBOX_CREATE_TOPICS", "true")

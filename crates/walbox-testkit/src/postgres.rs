@@ -117,6 +117,8 @@ impl PgCluster {
         };
         cluster.write_config()?;
         give_to(cluster.user.as_ref(), cluster.dir.path())?;
+        let client = cluster.client_dir();
+        std::fs::create_dir(&client).map_err(TestkitError::io("creating", &client))?;
         // A free port can be taken by someone else before the server binds it; try
         // a few before giving up.
         let mut last = None;
@@ -276,6 +278,13 @@ impl PgCluster {
     #[must_use]
     pub fn socket_dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// A directory for a client's files (a checkpoint), removed with the
+    /// cluster: state that belongs to this cluster dies with it.
+    #[must_use]
+    pub fn client_dir(&self) -> PathBuf {
+        self.dir.path().join("client")
     }
 
     /// The superuser's name.

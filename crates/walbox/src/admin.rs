@@ -34,14 +34,11 @@ pub async fn in_publication(
         .is_some())
 }
 
-/// Double-quotes an identifier for SQL.
-fn ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
-}
+use crate::catalog::ident;
 
-/// Creates the publication (or adds missing tables to it) and the slot; does
-/// nothing that is already done.
-pub async fn setup(config: &Config) -> Result<()> {
+/// Creates the publication (or adds missing tables to it) and, with
+/// `create_slot`, the slot; does nothing that is already done.
+pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?;
     let sql = conn.connect().await?;
     let publication = &config.source.publication;
@@ -98,7 +95,10 @@ pub async fn setup(config: &Config) -> Result<()> {
             quoted.join(", ")
         ));
     }
-    create_slot(&sql, &config.source.slot).await
+    if create_slot_too {
+        create_slot(&sql, &config.source.slot).await?;
+    }
+    Ok(())
 }
 
 /// Drops the slot; refuses while a reader holds it.

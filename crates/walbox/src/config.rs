@@ -30,6 +30,118 @@ pub struct Config {
     /// What happens to rows that cannot become events.
     #[serde(default)]
     pub dead_letter: DeadLetterConfig,
+    /// Where walbox keeps its own record of the acknowledged position.
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    /// Publishing the rows that exist when the slot is created.
+    #[serde(default)]
+    pub snapshot: SnapshotConfig,
+}
+
+/// The checkpoint store.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// The checkpoint file; default `walbox-<slot>.checkpoint.json` in the working
+    /// directory. Keep it on storage that outlives the process (a volume).
+    pub path: Option<PathBuf>,
+}
+
+/// When the initial snapshot is taken.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SnapshotMode {
+    /// Only `walbox setup --snapshot` takes one.
+    #[default]
+    Never,
+    /// `walbox run` creates a missing slot with a snapshot of the outbox.
+    Initial,
+}
+
+/// The initial snapshot.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotConfig {
+    /// `never` or `initial`.
+    #[serde(default)]
+    pub mode: SnapshotMode,
+    /// SQL condition selecting the rows to publish, e.g. `published_at IS NULL`.
+    #[serde(rename = "where", default)]
+    pub filter: Option<String>,
+    /// Columns giving the order rows are published in (default: the primary key).
+    /// Per-aggregate order follows it: use a sequence or commit-ordered column
+    /// when the key is random (uuid v4).
+    #[serde(default)]
+    pub order_by: Vec<String>,
+    /// Rows fetched per round trip.
+    #[serde(default = "default_chunk_rows")]
+    pub chunk_rows: u32,
+}
+
+fn default_chunk_rows() -> u32 {
+    1_000
+}
+
+impl Default for SnapshotConfig {
+    fn default() -> Self {
+        SnapshotConfig {
+            mode: SnapshotMode::default(),
+            filter: None,
+            order_by: Vec::new(),
+            chunk_rows: default_chunk_rows(),
+        }
+    }
+}
+
+/// How far the slot's confirmed position stays behind the acknowledged one, so
+/// `walbox replay` can publish that range again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplayWindow {
+    /// The slot follows the acknowledged position.
+    #[default]
+    None,
+    /// Positions acknowledged at least this long ago.
+    Time(std::time::Duration),
+    /// This many bytes of WAL behind.
+    Bytes(u64),
+}
+
+impl std::str::FromStr for ReplayWindow {
+    type Err = anyhow::Error;
+
+    /// `0`, a duration (`500ms`, `90s`, `15min`, `2h`, `7d`) or a size with
+    /// Postgres' units (`64kB`, `512MB`, `2GB`, `1TB`; powers of 1024).
+    fn from_str(text: &str) -> Result<Self> {
+        let t = text.trim();
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (number, unit) = t.split_at(split);
+        let n: u64 = number.parse().with_context(|| {
+            format!("{text:?}: expected a number and a unit, like 15min or 1GB")
+        })?;
+        let unit = unit.trim();
+        let secs = |k: u64| ReplayWindow::Time(std::time::Duration::from_secs(n.saturating_mul(k)));
+        let window = match unit {
+            "" if n == 0 => ReplayWindow::None,
+            "ms" => ReplayWindow::Time(std::time::Duration::from_millis(n)),
+            "s" => secs(1),
+            "min" => secs(60),
+            "h" => secs(3_600),
+            "d" => secs(86_400),
+            "B" => ReplayWindow::Bytes(n),
+            "kB" => ReplayWindow::Bytes(n.saturating_mul(1 << 10)),
+            "MB" => ReplayWindow::Bytes(n.saturating_mul(1 << 20)),
+            "GB" => ReplayWindow::Bytes(n.saturating_mul(1 << 30)),
+            "TB" => ReplayWindow::Bytes(n.saturating_mul(1 << 40)),
+            _ => {
+                bail!("{text:?}: unknown unit {unit:?}; use ms, s, min, h, d or B, kB, MB, GB, TB")
+            }
+        };
+        Ok(match window {
+            ReplayWindow::Time(d) if d.is_zero() => ReplayWindow::None,
+            ReplayWindow::Bytes(0) => ReplayWindow::None,
+            w => w,
+        })
+    }
 }
 
 /// What happens to an outbox row that cannot become an event (payload not JSON,
@@ -103,6 +215,14 @@ pub struct SourceConfig {
     /// Most often the position is reported to the server, in milliseconds.
     #[serde(default = "default_status_interval_ms")]
     pub status_interval_ms: u64,
+    /// How far the slot stays behind the acknowledged position (`0`, `15min`,
+    /// `1GB`): the range `walbox replay` can publish again. Costs that much WAL.
+    #[serde(default = "default_replay_window")]
+    pub replay_window: String,
+}
+
+fn default_replay_window() -> String {
+    "0".into()
 }
 
 fn default_slot() -> String {
@@ -122,6 +242,7 @@ impl Default for SourceConfig {
             slot: default_slot(),
             publication: default_publication(),
             status_interval_ms: default_status_interval_ms(),
+            replay_window: default_replay_window(),
         }
     }
 }
@@ -264,6 +385,13 @@ pub struct Overrides {
     /// Producer name in envelopes.
     #[arg(long, env = "WALBOX_PRODUCER")]
     pub producer: Option<String>,
+    /// Checkpoint file.
+    #[arg(long, env = "WALBOX_CHECKPOINT")]
+    pub checkpoint: Option<PathBuf>,
+    /// Rows the initial snapshot publishes: an SQL condition, e.g.
+    /// "published_at IS NULL".
+    #[arg(long, env = "WALBOX_SNAPSHOT_WHERE")]
+    pub snapshot_where: Option<String>,
 }
 
 impl Config {
@@ -305,6 +433,12 @@ impl Config {
         if let Some(v) = &o.producer {
             c.producer = v.clone();
         }
+        if let Some(v) = &o.checkpoint {
+            c.checkpoint.path = Some(v.clone());
+        }
+        if let Some(v) = &o.snapshot_where {
+            c.snapshot.filter = Some(v.clone());
+        }
         if c.outbox.is_empty() {
             c.outbox.push(TableConfig::new(
                 o.table.as_deref().unwrap_or("public.outbox"),
@@ -325,8 +459,26 @@ impl Config {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.source.slot.is_empty() {
-            bail!("source.slot: must not be empty");
+        let slot = &self.source.slot;
+        if slot.is_empty()
+            || slot.len() > 63
+            || !slot
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            bail!("source.slot: {slot:?} is not a valid slot name (1-63 of a-z, 0-9 and _)");
+        }
+        self.replay_window()?;
+        if self.snapshot.chunk_rows == 0 {
+            bail!("snapshot.chunk_rows: must be at least 1");
+        }
+        if self
+            .snapshot
+            .filter
+            .as_deref()
+            .is_some_and(|f| f.trim().is_empty())
+        {
+            bail!("snapshot.where: must not be empty");
         }
         if self.source.publication.is_empty() {
             bail!("source.publication: must not be empty");
@@ -343,6 +495,21 @@ impl Config {
         self.sink.kafka_properties()?;
         self.dead_letter.template()?;
         Ok(())
+    }
+
+    /// `source.replay_window`, parsed.
+    pub fn replay_window(&self) -> Result<ReplayWindow> {
+        self.source
+            .replay_window
+            .parse()
+            .context("source.replay_window")
+    }
+
+    /// The checkpoint store.
+    pub fn checkpoint_store(&self) -> walbox_replication::CheckpointFile {
+        walbox_replication::CheckpointFile::new(self.checkpoint.path.clone().unwrap_or_else(|| {
+            PathBuf::from(format!("walbox-{}.checkpoint.json", self.source.slot))
+        }))
     }
 
     /// The connection string, or an error saying how to give one.
@@ -418,6 +585,62 @@ mod tests {
         let c = Config::parse("[sink.kafka]\n\"x\" = [1]", Path::new("t.toml")).unwrap();
         let err = c.validate().unwrap_err();
         assert!(err.to_string().contains("sink.kafka.x"), "{err}");
+    }
+
+    #[test]
+    fn replay_windows_parse_with_units() {
+        use std::time::Duration;
+        let w = |t: &str| t.parse::<ReplayWindow>();
+        assert_eq!(w("0").unwrap(), ReplayWindow::None);
+        assert_eq!(w("0s").unwrap(), ReplayWindow::None);
+        assert_eq!(
+            w("500ms").unwrap(),
+            ReplayWindow::Time(Duration::from_millis(500))
+        );
+        assert_eq!(
+            w("15min").unwrap(),
+            ReplayWindow::Time(Duration::from_secs(900))
+        );
+        assert_eq!(
+            w("2h").unwrap(),
+            ReplayWindow::Time(Duration::from_secs(7200))
+        );
+        assert_eq!(
+            w("7d").unwrap(),
+            ReplayWindow::Time(Duration::from_secs(604_800))
+        );
+        assert_eq!(w("64kB").unwrap(), ReplayWindow::Bytes(65_536));
+        assert_eq!(w("1GB").unwrap(), ReplayWindow::Bytes(1 << 30));
+        for bad in ["", "10", "ten min", "5 parsecs", "-1s", "1.5h"] {
+            assert!(w(bad).is_err(), "{bad:?} accepted");
+        }
+        let c =
+            Config::parse("[source]\nreplay_window = \"5 weeks\"", Path::new("t.toml")).unwrap();
+        let err = format!("{:#}", c.validate().unwrap_err());
+        assert!(
+            err.contains("source.replay_window") && err.contains("weeks"),
+            "{err}"
+        );
+        let c = Config::parse("[source]\nslot = \"Bad-Name\"", Path::new("t.toml")).unwrap();
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("source.slot")
+        );
+        let err = Config::parse("[snapshot]\nmode = \"always\"", Path::new("t.toml")).unwrap_err();
+        assert!(format!("{err:#}").contains("always"), "{err:#}");
+        let c = Config::parse(
+            "[snapshot]\nmode = \"initial\"\nwhere = \"published_at IS NULL\"\norder_by = [\"seq\"]",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.snapshot.mode, SnapshotMode::Initial);
+        assert_eq!(
+            c.checkpoint_store().path(),
+            Path::new("walbox-walbox.checkpoint.json")
+        );
     }
 
     #[test]

@@ -4,7 +4,6 @@ use std::fmt;
 
 use anyhow::{Result, bail};
 use walbox_outbox::Mapper;
-use walbox_pgoutput::{Relation, RelationColumn, ReplicaIdentity};
 
 use crate::config::Config;
 use crate::pg::ConnParams;
@@ -156,21 +155,14 @@ pub async fn run(config: &Config) -> Result<()> {
     for table in &config.outbox {
         let (schema, name) = table.qualified();
         let qualified = format!("{schema}.{name}");
-        let exists = sql
-            .query_opt(
-                "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                 WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')",
-                &[&schema, &name],
-            )
-            .await?
-            .map(|row| row.get::<_, u32>(0));
-        let Some(oid) = exists else {
+        let Some(found) = crate::catalog::table(&sql, schema, name).await? else {
             r.add(
                 Verdict::Fail,
                 format!("outbox table {qualified} does not exist"),
             );
             continue;
         };
+        let oid = found.relation.oid;
         let select: bool = sql
             .query_one("SELECT has_table_privilege($1::oid, 'SELECT')", &[&oid])
             .await?
@@ -189,29 +181,7 @@ pub async fn run(config: &Config) -> Result<()> {
             );
         }
         // The table's columns against the mapping, as walbox will see them.
-        let columns = sql
-            .query(
-                "SELECT attname::text, atttypid, atttypmod FROM pg_attribute
-                 WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-                &[&oid],
-            )
-            .await?
-            .iter()
-            .map(|c| RelationColumn {
-                flags: 0,
-                name: c.get(0),
-                type_oid: c.get(1),
-                type_modifier: c.get(2),
-            })
-            .collect();
-        let relation = Relation {
-            xid: None,
-            oid,
-            namespace: schema.to_owned(),
-            name: name.to_owned(),
-            replica_identity: ReplicaIdentity::Default,
-            columns,
-        };
+        let relation = found.relation;
         match Mapper::compile(table, &config.producer, &relation) {
             Ok(_) => r.add(Verdict::Ok, format!("{qualified} columns fit the mapping")),
             Err(e) => r.add(Verdict::Fail, e.to_string()),

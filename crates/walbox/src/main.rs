@@ -3,7 +3,11 @@
 //! - `walbox run`: the relay. Streams committed outbox inserts from a logical
 //!   replication slot to Kafka (or stdout) and confirms the slot's position only
 //!   over events the sink has acknowledged.
-//! - `walbox setup`: creates the publication and the slot, idempotently.
+//! - `walbox setup`: creates the publication and the slot, idempotently;
+//!   `--snapshot` creates the slot with a snapshot and publishes the rows already
+//!   in the outbox.
+//! - `walbox replay --from X [--to Y]`: publishes a range again that the replay
+//!   window kept (same event ids).
 //! - `walbox slot create | drop | status | list`: the slot's lifecycle; `status`
 //!   shows its position, the WAL it retains and its lag (`--json` for scripts).
 //! - `walbox doctor`: checks a server before first use and says what to fix.
@@ -13,12 +17,14 @@
 //! ([`config`]). Row values are never logged.
 
 mod admin;
+mod catalog;
 mod config;
 mod doctor;
 mod inspect;
 mod pg;
 mod pg_tls;
 mod relay;
+mod snapshot;
 
 use clap::{Parser, Subcommand};
 
@@ -36,9 +42,12 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Stream outbox inserts to the sink.
-    Run(config::Overrides),
+    Run(RunArgs),
     /// Create the publication and the replication slot (idempotent).
-    Setup(config::Overrides),
+    Setup(SetupArgs),
+    /// Publish again the outbox events committed in a range the replay window
+    /// still holds (same event ids); the slot must not be in use.
+    Replay(ReplayArgs),
     /// Manage the replication slot.
     Slot {
         #[command(subcommand)]
@@ -60,6 +69,45 @@ enum SlotAction {
     Status(SlotShow),
     /// List every logical slot of the server.
     List(SlotShow),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    #[command(flatten)]
+    overrides: config::Overrides,
+    /// Start at this LSN (X/Y) instead of the checkpoint; it must not be before
+    /// the slot's confirmed position.
+    #[arg(long, value_name = "LSN")]
+    from_lsn: Option<walbox_pgoutput::Lsn>,
+    /// If another reader holds the slot, wait and take over when it ends.
+    #[arg(long)]
+    wait_for_slot: bool,
+    /// Start at the slot's position even though it is ahead of the checkpoint:
+    /// accept that the events in between are not published by walbox.
+    #[arg(long)]
+    accept_slot_position: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct SetupArgs {
+    #[command(flatten)]
+    overrides: config::Overrides,
+    /// Create the slot with a snapshot and publish the rows already in the outbox
+    /// (those matching --snapshot-where); `walbox run` then streams from there.
+    #[arg(long)]
+    snapshot: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    overrides: config::Overrides,
+    /// First position (X/Y): transactions committing at or after it.
+    #[arg(long, value_name = "LSN")]
+    from: walbox_pgoutput::Lsn,
+    /// Last position (X/Y), default the checkpoint: transactions committing before it.
+    #[arg(long, value_name = "LSN")]
+    to: Option<walbox_pgoutput::Lsn>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,8 +142,25 @@ fn main() -> std::process::ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Run(o) => relay::run(config::Config::load(&o)?).await,
-            Command::Setup(o) => admin::setup(&config::Config::load(&o)?).await,
+            Command::Run(a) => {
+                let options = relay::RunOptions {
+                    from_lsn: a.from_lsn,
+                    wait_for_slot: a.wait_for_slot,
+                    accept_slot_position: a.accept_slot_position,
+                };
+                relay::run(config::Config::load(&a.overrides)?, options).await
+            }
+            Command::Setup(a) => {
+                let config = config::Config::load(&a.overrides)?;
+                admin::setup(&config, !a.snapshot).await?;
+                if a.snapshot {
+                    relay::setup_snapshot(&config).await?;
+                }
+                Ok(())
+            }
+            Command::Replay(a) => {
+                relay::replay(&config::Config::load(&a.overrides)?, a.from, a.to).await
+            }
             Command::Slot { action } => match action {
                 SlotAction::Create(o) => admin::slot_create(&config::Config::load(&o)?).await,
                 SlotAction::Drop(o) => admin::drop_slot(&config::Config::load(&o)?).await,

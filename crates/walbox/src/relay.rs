@@ -1,7 +1,8 @@
-//! `walbox run`: outbox inserts from the slot to the sink; the slot's position
-//! confirmed only over acknowledged events.
+//! `walbox run`, `walbox setup --snapshot`, `walbox replay`: outbox rows from the
+//! slot (and from an exported snapshot) to the sink; the checkpoint and the
+//! slot's position move only over acknowledged events.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -9,13 +10,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationClient, ReplicationEvent};
 use tokio::sync::mpsc;
-use walbox_outbox::{Mapper, Position, TableConfig, TopicTemplate};
-use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, Xid};
-use walbox_replication::{AckTracker, Ticket, TxnId};
+use walbox_outbox::{Event, Mapper, Position, TableConfig, TopicTemplate};
+use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, TupleValue, Xid};
+use walbox_replication::{
+    AckTracker, CHECKPOINT_VERSION, Checkpoint, CheckpointFile, SnapshotState, Ticket, TxnId,
+};
 use walbox_sink::{Deliveries, Delivery, KafkaSink, KafkaSinkConfig, Sink, SinkError, StdoutSink};
 
-use crate::config::{Config, DeadLetterPolicy, SinkKind};
+use crate::catalog;
+use crate::config::{Config, DeadLetterPolicy, ReplayWindow, SinkKind, SnapshotMode};
 use crate::pg::ConnParams;
+use crate::snapshot;
 
 /// Events read from the server but not yet taken by the relay; with each row one
 /// message, this bounds the memory of the read-ahead.
@@ -101,17 +106,48 @@ fn backoff(attempt: u32) -> Duration {
 /// A session that ran this long resets the backoff.
 const HEALTHY_SESSION: Duration = Duration::from_secs(60);
 
+/// What `walbox run` was asked on its command line.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Start here instead of at the checkpoint (the first session only).
+    pub from_lsn: Option<Lsn>,
+    /// Wait while another reader holds the slot, then take it over.
+    pub wait_for_slot: bool,
+    /// Start at the slot's position even when it is ahead of the checkpoint
+    /// (events between them were never published by walbox).
+    pub accept_slot_position: bool,
+}
+
+/// The configuration and the checkpoint store, shared by every phase.
+#[derive(Clone, Copy)]
+struct Ctx<'a> {
+    config: &'a Config,
+    conn: &'a ConnParams,
+    store: &'a CheckpointFile,
+}
+
 /// Runs the relay until a signal stops it or a fatal error does. Transient errors
-/// end the session; after a backoff a new one resumes from the slot's confirmed
-/// position (events after it are sent again, with the same ids).
-pub async fn run(config: Config) -> Result<()> {
+/// end the session; after a backoff a new one resumes from the checkpoint
+/// (events after it are sent again, with the same ids).
+pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
     // First, so a stop request during start-up is a clean stop too.
     let mut signals = signals()?;
     let conn = ConnParams::parse(config.dsn()?)?;
+    let store = config.checkpoint_store();
+    let ctx = Ctx {
+        config: &config,
+        conn: &conn,
+        store: &store,
+    };
     let mut attempt = 0u32;
     loop {
         let began = Instant::now();
-        let Err(e) = session(&config, &conn, attempt, &mut signals).await else {
+        let result = session(ctx, &options, attempt, &mut signals).await;
+        // An explicit start position applies once; later sessions resume from
+        // the checkpoint, which then reflects it.
+        options.from_lsn = None;
+        options.accept_slot_position = false;
+        let Err(e) = result else {
             return Ok(());
         };
         if !is_transient(&e) {
@@ -126,7 +162,7 @@ pub async fn run(config: Config) -> Result<()> {
             error = %format!("{e:#}"),
             attempt,
             retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-            "session ended; resuming from the slot's confirmed position"
+            "session ended; resuming from the checkpoint"
         );
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
@@ -138,25 +174,315 @@ pub async fn run(config: Config) -> Result<()> {
     }
 }
 
-/// One session: check the slot, create the sink, stream until stopped or failed.
-async fn session(
+/// The slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone)]
+struct SlotInfo {
+    plugin: Option<String>,
+    same_database: bool,
+    active_pid: Option<i32>,
+    confirmed: Option<Lsn>,
+    wal_status: Option<String>,
+}
+
+async fn slot_info(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<SlotInfo>> {
+    let row = sql
+        .query_opt(
+            "SELECT plugin::text, database = current_database(), active_pid,
+                    confirmed_flush_lsn::text, wal_status
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .context("reading pg_replication_slots")?;
+    row.map(|r| {
+        let confirmed: Option<String> = r.get(3);
+        Ok(SlotInfo {
+            plugin: r.get(0),
+            same_database: r.get::<_, Option<bool>>(1) == Some(true),
+            active_pid: r.get(2),
+            confirmed: confirmed
+                .map(|c| c.parse())
+                .transpose()
+                .context("slot position")?,
+            wal_status: r.get(4),
+        })
+    })
+    .transpose()
+}
+
+/// Where a session starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Plan {
+    /// Create the slot with an exported snapshot, publish the existing rows,
+    /// then stream; `drop_slot` first removes the slot of an interrupted one.
+    Snapshot { drop_slot: bool },
+    /// Stream from `start`; the server holds `server_confirmed`.
+    Stream { start: Lsn, server_confirmed: Lsn },
+}
+
+/// How to recover events that a slot no longer has.
+const RECOVER: &str = "To publish them, create a new slot with a snapshot of the rows that \
+    were not published (`walbox slot drop`, then `walbox setup --snapshot --snapshot-where \
+    \"...\"`); to continue without them, start once with --accept-slot-position";
+
+/// Decides where to start from the checkpoint, the slot and the options.
+fn plan(
     config: &Config,
-    conn: &ConnParams,
+    store: &CheckpointFile,
+    saved: Option<&Checkpoint>,
+    slot: Option<&SlotInfo>,
+    options: &RunOptions,
+) -> Result<Plan> {
+    let name = &config.source.slot;
+    if let Some(cp) = saved
+        && cp.snapshot_interrupted()
+    {
+        tracing::warn!(
+            slot = %name,
+            checkpoint = %store.path().display(),
+            "the initial snapshot did not finish; taking it again from a new slot \
+             (rows it published already are published again, with the same event ids)"
+        );
+        return Ok(Plan::Snapshot {
+            drop_slot: slot.is_some(),
+        });
+    }
+    let Some(slot) = slot else {
+        if let Some(cp) = saved {
+            bail!(
+                "replication slot {name:?} does not exist, but the checkpoint {} says walbox \
+                 published up to {}: the slot was dropped, and outbox events committed while \
+                 it was gone are not in any slot. {RECOVER}",
+                store.path().display(),
+                cp.lsn
+            );
+        }
+        if config.snapshot.mode == SnapshotMode::Initial {
+            return Ok(Plan::Snapshot { drop_slot: false });
+        }
+        bail!(
+            "replication slot {name:?} does not exist; create it with `walbox setup` \
+             (`walbox setup --snapshot` also publishes the rows already in the outbox)"
+        );
+    };
+    if slot.plugin.as_deref() != Some("pgoutput") {
+        bail!(
+            "slot {name:?} uses plugin {:?}, walbox needs pgoutput",
+            slot.plugin
+        );
+    }
+    if !slot.same_database {
+        bail!("slot {name:?} belongs to another database");
+    }
+    if slot.wal_status.as_deref() == Some("lost") {
+        let since = saved.map_or_else(
+            || "its confirmed position".to_owned(),
+            |cp| format!("{} (walbox's checkpoint)", cp.lsn),
+        );
+        bail!(
+            "slot {name:?} is invalidated (wal_status = lost): the server removed WAL it still \
+             needed (max_slot_wal_keep_size), so outbox events committed after {since} may be \
+             missing. {RECOVER}"
+        );
+    }
+    let confirmed = slot
+        .confirmed
+        .with_context(|| format!("slot {name:?} has no confirmed position"))?;
+    if let Some(from) = options.from_lsn {
+        if from < confirmed {
+            bail!(
+                "--from-lsn {from} is before slot {name:?}'s confirmed position; the earliest \
+                 position still available is {confirmed}"
+            );
+        }
+        if let Some(cp) = saved
+            && from > cp.lsn
+        {
+            tracing::warn!(from = %from, checkpoint = %cp.lsn,
+                "--from-lsn is after the checkpoint: events between them are skipped");
+        }
+        return Ok(Plan::Stream {
+            start: from,
+            server_confirmed: confirmed,
+        });
+    }
+    let start = match saved {
+        None => confirmed,
+        Some(cp) if cp.lsn >= confirmed => {
+            if cp.lsn > confirmed {
+                tracing::info!(slot = %confirmed, checkpoint = %cp.lsn,
+                    "the slot is behind the checkpoint (server crash or replay window); \
+                     starting at the checkpoint");
+            }
+            cp.lsn
+        }
+        Some(cp) if options.accept_slot_position => {
+            tracing::warn!(slot = %confirmed, checkpoint = %cp.lsn,
+                "starting at the slot's position as asked (--accept-slot-position); outbox \
+                 events committed between the checkpoint and it were not published by walbox");
+            confirmed
+        }
+        Some(cp) => bail!(
+            "slot {name:?} is at {confirmed}, ahead of walbox's checkpoint {} at {}: outbox \
+             events committed between {} and {confirmed} were never published (the slot was \
+             advanced by another reader, or dropped and created again, while walbox was \
+             down). {RECOVER}",
+            store.path().display(),
+            cp.lsn,
+            cp.lsn
+        ),
+    };
+    Ok(Plan::Stream {
+        start,
+        server_confirmed: confirmed,
+    })
+}
+
+/// Refuses a checkpoint written for another cluster, database or slot.
+fn check_identity(
+    cp: &Checkpoint,
+    store: &CheckpointFile,
+    ident: &pgwire_replication::IdentifySystem,
+    slot: &str,
+) -> Result<()> {
+    let database = ident.dbname.as_deref().unwrap_or_default();
+    if cp.system_identifier != ident.system_id || cp.database != database || cp.slot != slot {
+        bail!(
+            "checkpoint {} belongs to slot {:?} of database {:?} on cluster {}, not to slot \
+             {slot:?} of database {database:?} on cluster {}: give each relay its own \
+             checkpoint path (checkpoint.path, --checkpoint)",
+            store.path().display(),
+            cp.slot,
+            cp.database,
+            cp.system_identifier,
+            ident.system_id
+        );
+    }
+    Ok(())
+}
+
+/// Waits while another reader holds the slot (`--wait-for-slot`); `None` when a
+/// stop signal came first.
+async fn wait_for_slot(
+    sql: &tokio_postgres::Client,
+    slot: &str,
+    mut info: SlotInfo,
+    signals: &mut mpsc::UnboundedReceiver<()>,
+) -> Result<Option<SlotInfo>> {
+    let mut logged = false;
+    while let Some(pid) = info.active_pid {
+        if !logged {
+            tracing::info!(
+                slot,
+                pid,
+                "slot in use; waiting for it to be released (--wait-for-slot)"
+            );
+            logged = true;
+        }
+        tokio::select! {
+            Some(()) = signals.recv() => return Ok(None),
+            () = tokio::time::sleep(SLOT_POLL) => {}
+        }
+        match slot_info(sql, slot).await.map_err(classify_sql)? {
+            Some(next) => info = next,
+            None => bail!("slot {slot:?} was dropped while waiting for it"),
+        }
+    }
+    if logged {
+        tracing::info!(slot, "slot released; taking over");
+    }
+    Ok(Some(info))
+}
+
+/// How often `--wait-for-slot` looks at the slot.
+const SLOT_POLL: Duration = Duration::from_millis(500);
+
+/// One session: check the slot and checkpoint, create the sink, then snapshot
+/// and/or stream until stopped or failed.
+async fn session(
+    ctx: Ctx<'_>,
+    options: &RunOptions,
     attempt: u32,
     signals: &mut mpsc::UnboundedReceiver<()>,
 ) -> Result<()> {
-    let sql = conn.connect().await.map_err(classify_sql)?;
-    let start = match slot_start(&sql, &config.source.slot).await {
-        Ok(lsn) => lsn,
-        // After a lost connection the old walsender can hold the slot a little
-        // longer; at first start a holder is another reader.
-        Err(e) if attempt > 0 && format!("{e}").contains("is in use by pid") => {
-            return Err(transient(e));
+    let config = ctx.config;
+    let slot_name = &config.source.slot;
+    let sql = ctx.conn.connect().await.map_err(classify_sql)?;
+    let saved = ctx.store.load()?;
+    let mut slot = slot_info(&sql, slot_name).await.map_err(classify_sql)?;
+    if let Some(info) = slot.clone()
+        && let Some(pid) = info.active_pid
+    {
+        if options.wait_for_slot {
+            match wait_for_slot(&sql, slot_name, info, signals).await? {
+                Some(free) => slot = Some(free),
+                None => return Ok(()),
+            }
+        } else {
+            let e = anyhow!(
+                "slot {slot_name:?} is in use by pid {pid} (another walbox?); stop it, or start \
+                 this one with --wait-for-slot to take over when it ends"
+            );
+            // After a lost connection the old walsender can hold the slot a little
+            // longer; at first start a holder is another reader.
+            return Err(if attempt > 0 { transient(e) } else { e });
         }
-        Err(e) => return Err(e),
-    };
+    }
+    let plan = plan(config, ctx.store, saved.as_ref(), slot.as_ref(), options)?;
     drop(sql);
-    match config.sink.kind {
+    let (sink, mut deliveries) = make_sink(config)?;
+    let mut relay = Relay::new(ctx, sink)?;
+    relay.checkpoint = saved;
+    let (start, server_confirmed) = match plan {
+        Plan::Snapshot { drop_slot } => {
+            match take_snapshot(&mut relay, &mut deliveries, signals, drop_slot).await? {
+                Some(point) => (point, point),
+                None => return Ok(()),
+            }
+        }
+        Plan::Stream {
+            start,
+            server_confirmed,
+        } => {
+            relay.tracker = AckTracker::new(start);
+            (start, server_confirmed)
+        }
+    };
+    let spec = StreamSpec {
+        start,
+        server_confirmed,
+        report: true,
+        stop_at: None,
+    };
+    stream(&mut relay, &mut deliveries, signals, &spec)
+        .await
+        .map(drop)
+}
+
+/// The configured sink.
+enum AnySink {
+    Kafka(KafkaSink),
+    Stdout(StdoutSink),
+}
+
+impl Sink for AnySink {
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.send(event, token).await,
+            AnySink::Stdout(s) => s.send(event, token).await,
+        }
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.flush(timeout).await,
+            AnySink::Stdout(s) => s.flush(timeout).await,
+        }
+    }
+}
+
+fn make_sink(config: &Config) -> Result<(AnySink, Deliveries)> {
+    Ok(match config.sink.kind {
         SinkKind::Kafka => {
             let (sink, deliveries) = KafkaSink::new(KafkaSinkConfig {
                 properties: config.sink.kafka_properties()?,
@@ -165,54 +491,13 @@ async fn session(
                 topic_replication: config.sink.topic_replication,
                 max_in_flight: config.sink.max_in_flight,
             })?;
-            relay(config, conn, start, sink, deliveries, signals).await
+            (AnySink::Kafka(sink), deliveries)
         }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
-            relay(config, conn, start, sink, deliveries, signals).await
+            (AnySink::Stdout(sink), deliveries)
         }
-    }
-}
-
-/// The slot's confirmed position; refuses a missing, busy, lost or foreign slot.
-async fn slot_start(sql: &tokio_postgres::Client, slot: &str) -> Result<Lsn> {
-    let row = sql
-        .query_opt(
-            "SELECT plugin, database = current_database(), active_pid,
-                    confirmed_flush_lsn::text, wal_status
-             FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .context("reading pg_replication_slots")?
-        .ok_or_else(|| {
-            anyhow!("replication slot {slot:?} does not exist; create it with `walbox setup`")
-        })?;
-    let plugin: Option<String> = row.get(0);
-    let same_db: Option<bool> = row.get(1);
-    let active: Option<i32> = row.get(2);
-    let confirmed: Option<String> = row.get(3);
-    let wal_status: Option<String> = row.get(4);
-    if plugin.as_deref() != Some("pgoutput") {
-        bail!("slot {slot:?} uses plugin {plugin:?}, walbox needs pgoutput");
-    }
-    if same_db != Some(true) {
-        bail!("slot {slot:?} belongs to another database");
-    }
-    if let Some(pid) = active {
-        bail!("slot {slot:?} is in use by pid {pid}");
-    }
-    if wal_status.as_deref() == Some("lost") {
-        bail!(
-            "slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed \
-             (max_slot_wal_keep_size). Events after its position may be missing; drop and \
-             recreate the slot to continue"
-        );
-    }
-    confirmed
-        .context("slot has no confirmed position")?
-        .parse()
-        .context("slot position")
+    })
 }
 
 /// Sink tokens of in-flight events: (ticket, bytes), reusing slots.
@@ -263,32 +548,342 @@ struct Stats {
     dead_lettered: u64,
 }
 
-struct Relay<'a, S: Sink> {
-    config: &'a Config,
-    sink: S,
+/// How often the checkpoint is written while the position moves.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+/// The stream side of the pipeline: decoding, mapping, the sink, the position.
+struct Relay<'a> {
+    ctx: Ctx<'a>,
+    out: Out,
     tracker: AckTracker,
-    in_flight: InFlight,
     decoder: Decoder,
     mappers: HashMap<Oid, Mapper>,
     txn: Option<OpenTxn>,
-    stats: Stats,
-    dead_letter_topic: TopicTemplate,
+    /// The last saved checkpoint (`None` until the cluster's identity is known).
+    checkpoint: Option<Checkpoint>,
+    saved_at: Instant,
+    /// The snapshot's transaction and row count, until every row is acknowledged.
+    pending_snapshot: Option<(TxnId, u64)>,
+    /// Replay: stop before the first transaction that commits at or after it.
+    stop_at: Option<Lsn>,
+    reached_end: bool,
 }
 
-async fn relay<S: Sink>(
-    config: &Config,
-    conn: &ConnParams,
+/// Hands events to the sink and keeps what is in flight.
+struct Out {
+    sink: AnySink,
+    in_flight: InFlight,
+    stats: Stats,
+    dead_letter_topic: TopicTemplate,
+    policy: DeadLetterPolicy,
+}
+
+impl Out {
+    /// Maps `row` and sends the event (or its dead letter) as part of `txn`.
+    async fn publish(
+        &mut self,
+        tracker: &mut AckTracker,
+        mapper: &Mapper,
+        row: &[TupleValue],
+        position: Position,
+        txn: TxnId,
+    ) -> Result<()> {
+        let event = match mapper.map(row, position) {
+            Ok(event) => event,
+            Err(e) => {
+                let dead = mapper.dead_letter(row, position, &e, &self.dead_letter_topic);
+                if self.policy == DeadLetterPolicy::Stop {
+                    bail!(
+                        "outbox row with event id {} at {}#{} (xid {}) in {} cannot be published ({}): {e}",
+                        dead.event_id,
+                        position.commit_lsn,
+                        position.index,
+                        position.xid,
+                        mapper.table(),
+                        e.class()
+                    );
+                }
+                tracing::warn!(
+                    table = mapper.table(),
+                    event_id = %dead.event_id,
+                    position = %format_args!("{}#{}", position.commit_lsn, position.index),
+                    class = e.class(),
+                    reason = %e,
+                    topic = %dead.topic,
+                    "dead-lettered"
+                );
+                self.stats.dead_lettered += 1;
+                dead
+            }
+        };
+        let ticket = tracker.event(txn);
+        let token = self.in_flight.insert(ticket, event.size());
+        self.stats.events += 1;
+        tracing::debug!(
+            event_id = %event.event_id,
+            topic = %event.topic,
+            position = %format_args!("{}#{}", position.commit_lsn, position.index),
+            "sent to the sink"
+        );
+        self.sink.send(event, token).await.map_err(|e| match e {
+            SinkError::Kafka(_) => transient(e),
+            other => anyhow!(other),
+        })
+    }
+}
+
+impl<'a> Relay<'a> {
+    fn new(ctx: Ctx<'a>, sink: AnySink) -> Result<Self> {
+        Ok(Relay {
+            ctx,
+            out: Out {
+                sink,
+                in_flight: InFlight::default(),
+                stats: Stats::default(),
+                dead_letter_topic: ctx.config.dead_letter.template()?,
+                policy: ctx.config.dead_letter.policy,
+            },
+            tracker: AckTracker::new(Lsn(0)),
+            decoder: Decoder::new(),
+            mappers: HashMap::new(),
+            txn: None,
+            checkpoint: None,
+            saved_at: Instant::now(),
+            pending_snapshot: None,
+            stop_at: None,
+            reached_end: false,
+        })
+    }
+
+    fn full(&self) -> bool {
+        self.tracker.in_flight() >= self.ctx.config.sink.max_in_flight as u64
+            || self.out.in_flight.bytes >= self.ctx.config.sink.max_in_flight_bytes
+    }
+
+    /// Whether the checkpoint is behind what could be saved.
+    fn checkpoint_dirty(&self) -> bool {
+        let Some(cp) = &self.checkpoint else {
+            return false;
+        };
+        self.pending_snapshot
+            .is_some_and(|(txn, _)| self.tracker.settled(txn))
+            || (self.pending_snapshot.is_none() && self.savable() > cp.lsn)
+    }
+
+    /// The acknowledged position, within a replay's end.
+    fn savable(&self) -> Lsn {
+        let confirmed = self.tracker.confirmed();
+        self.stop_at.map_or(confirmed, |end| confirmed.min(end))
+    }
+
+    /// Writes the checkpoint when it is behind and `force` or the interval passed.
+    fn save_checkpoint(&mut self, force: bool) -> Result<()> {
+        if !self.checkpoint_dirty() || !(force || self.saved_at.elapsed() >= CHECKPOINT_EVERY) {
+            return Ok(());
+        }
+        let savable = self.savable();
+        let settled = self
+            .pending_snapshot
+            .filter(|(txn, _)| self.tracker.settled(*txn));
+        let Some(cp) = self.checkpoint.as_mut() else {
+            return Ok(());
+        };
+        if let Some((_, rows)) = settled {
+            if let Some(s) = cp.snapshot.as_mut() {
+                s.complete = true;
+                s.rows = rows;
+            }
+            self.pending_snapshot = None;
+            tracing::info!(rows, consistent_point = %savable, "snapshot complete: every row acknowledged");
+        }
+        if self.pending_snapshot.is_none() {
+            cp.lsn = cp.lsn.max(savable);
+        }
+        let store = self.ctx.store;
+        tokio::task::block_in_place(|| store.save(cp))?;
+        self.saved_at = Instant::now();
+        Ok(())
+    }
+
+    /// The position that may be reported to the server: acknowledged and saved.
+    fn reportable(&self) -> Option<Lsn> {
+        let cp = self.checkpoint.as_ref()?;
+        if self.pending_snapshot.is_some() {
+            return None;
+        }
+        Some(self.tracker.confirmed().min(cp.lsn))
+    }
+
+    fn delivered(&mut self, d: Delivery) -> Result<()> {
+        let ticket = self
+            .out
+            .in_flight
+            .remove(d.token)
+            .context("delivery report for an unknown event")?;
+        match d.result {
+            Ok(()) => {
+                self.tracker.ack(ticket);
+                Ok(())
+            }
+            Err(e) => {
+                self.tracker.fail(ticket);
+                // A timeout or broker error may pass: resume from the checkpoint.
+                // A failure about the message itself would repeat.
+                let retry = matches!(e.class, "timeout" | "broker_error");
+                let e = anyhow!(e).context(format!(
+                    "delivery failed; the position stays at {} and the next session resumes there",
+                    self.tracker.confirmed()
+                ));
+                Err(if retry { transient(e) } else { e })
+            }
+        }
+    }
+
+    fn table_config(&self, namespace: &str, name: &str) -> Option<&'a TableConfig> {
+        self.ctx
+            .config
+            .outbox
+            .iter()
+            .find(|t| t.qualified() == (namespace, name))
+    }
+
+    async fn handle(&mut self, ev: ReplicationEvent) -> Result<()> {
+        match ev {
+            ReplicationEvent::Begin { final_lsn, xid, .. } => {
+                if self.stop_at.is_some_and(|end| Lsn(final_lsn.0) >= end) {
+                    self.reached_end = true;
+                    return Ok(());
+                }
+                self.txn = Some(OpenTxn {
+                    id: self.tracker.begin(),
+                    commit_lsn: Lsn(final_lsn.0),
+                    xid,
+                    index: 0,
+                });
+            }
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                let txn = self.txn.take().context("Commit without Begin")?;
+                self.tracker.commit(txn.id, Lsn(end_lsn.0));
+                self.out.stats.transactions += 1;
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                self.tracker.idle_wal_end(Lsn(wal_end.0));
+                if self.txn.is_none() && self.stop_at.is_some_and(|end| Lsn(wal_end.0) >= end) {
+                    self.reached_end = true;
+                }
+            }
+            ReplicationEvent::XLogData { data, .. } => {
+                let msg = self.decoder.decode(&data)?;
+                self.change(msg).await?;
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    async fn change(&mut self, msg: LogicalMessage) -> Result<()> {
+        match msg {
+            LogicalMessage::Relation(r) => {
+                if let Some(cfg) = self.table_config(&r.namespace, &r.name) {
+                    let mapper = Mapper::compile(cfg, &self.ctx.config.producer, &r)?;
+                    tracing::info!(
+                        table = mapper.table(),
+                        oid = r.oid,
+                        columns = r.columns.len(),
+                        "outbox table"
+                    );
+                    self.mappers.insert(r.oid, mapper);
+                } else {
+                    self.mappers.remove(&r.oid);
+                }
+            }
+            LogicalMessage::Insert(i) => {
+                let Some(mapper) = self.mappers.get(&i.relation_oid) else {
+                    return Ok(());
+                };
+                let txn = self.txn.as_mut().context("Insert outside a transaction")?;
+                let position = Position {
+                    commit_lsn: txn.commit_lsn,
+                    index: txn.index,
+                    xid: txn.xid,
+                };
+                txn.index += 1;
+                let id = txn.id;
+                self.out
+                    .publish(&mut self.tracker, mapper, &i.new, position, id)
+                    .await?;
+            }
+            LogicalMessage::Update(u) if self.mappers.contains_key(&u.relation_oid) => {
+                self.out.stats.ignored_updates += 1;
+            }
+            LogicalMessage::Delete(d) if self.mappers.contains_key(&d.relation_oid) => {
+                self.out.stats.ignored_deletes += 1;
+            }
+            LogicalMessage::Truncate(t)
+                if t.relation_oids.iter().any(|o| self.mappers.contains_key(o)) =>
+            {
+                self.out.stats.ignored_truncates += 1;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn log_progress(&self) {
+        let s = &self.out.stats;
+        tracing::info!(
+            events = s.events,
+            transactions = s.transactions,
+            in_flight = self.tracker.in_flight(),
+            confirmed = %self.tracker.confirmed(),
+            ignored_updates = s.ignored_updates,
+            ignored_deletes = s.ignored_deletes,
+            ignored_truncates = s.ignored_truncates,
+            dead_lettered = s.dead_lettered,
+            "progress"
+        );
+    }
+}
+
+/// How a stream phase ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StreamEnd {
+    /// A stop signal (or the shutdown timeout).
+    Stopped,
+    /// A replay reached its end and everything was acknowledged.
+    ReachedEnd,
+}
+
+/// A stream phase.
+#[derive(Debug, Clone)]
+struct StreamSpec {
+    /// START_REPLICATION position.
     start: Lsn,
-    sink: S,
-    mut deliveries: Deliveries,
+    /// What the server holds as confirmed now.
+    server_confirmed: Lsn,
+    /// Report acknowledged positions to the server (not during a replay).
+    report: bool,
+    /// Replay: stop before transactions that commit at or after it.
+    stop_at: Option<Lsn>,
+}
+
+/// Streams from the slot through the relay until stopped, failed, or (replay)
+/// the end is reached and acknowledged.
+async fn stream(
+    relay: &mut Relay<'_>,
+    deliveries: &mut Deliveries,
     signals: &mut mpsc::UnboundedReceiver<()>,
-) -> Result<()> {
+    spec: &StreamSpec,
+) -> Result<StreamEnd> {
+    let ctx = relay.ctx;
+    let config = ctx.config;
     let status_interval = Duration::from_millis(config.source.status_interval_ms);
     let longest_feedback_ms = Arc::new(AtomicU64::new(0));
-    let mut repl_cfg = conn
+    let mut repl_cfg = ctx
+        .conn
         .replication(&config.source.slot, &config.source.publication)?
-        .with_start_lsn(pgwire_replication::Lsn(start.as_u64()))
-        .with_ack_lsn(pgwire_replication::Lsn(start.as_u64()))
+        .with_start_lsn(pgwire_replication::Lsn(spec.start.as_u64()))
+        .with_ack_lsn(pgwire_replication::Lsn(spec.server_confirmed.as_u64()))
         .with_status_interval(status_interval)
         .with_wakeup_interval(status_interval)
         .with_buffer_size(READ_AHEAD_EVENTS)
@@ -298,58 +893,79 @@ async fn relay<S: Sink>(
         // observer itself keeps the longest delay for the progress log.
         .with_feedback_observer(feedback_observer(Arc::clone(&longest_feedback_ms)));
     // Pin how the server renders values, so envelopes do not depend on its settings.
-    repl_cfg.options = Some("-c TimeZone=UTC -c DateStyle=ISO,YMD".into());
-    let mut repl = ReplicationClient::connect(repl_cfg)
+    repl_cfg.options = Some(SESSION_OPTIONS.into());
+    let mut repl = ReplicationClient::connect_gated(repl_cfg)
         .await
-        .with_context(|| format!("replication connection to {}", conn.describe()))
+        .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
         .map_err(classify_replication)?;
+    let ident = repl
+        .identify_system()
+        .await
+        .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
+        .map_err(classify_replication)?;
+    match &relay.checkpoint {
+        Some(cp) => check_identity(cp, ctx.store, &ident, &config.source.slot)?,
+        None => {
+            // First start on this slot: the checkpoint adopts the slot's position.
+            let cp = Checkpoint {
+                version: CHECKPOINT_VERSION,
+                system_identifier: ident.system_id.clone(),
+                database: ident.dbname.clone().unwrap_or_default(),
+                slot: config.source.slot.clone(),
+                lsn: spec.start,
+                snapshot: None,
+            };
+            tokio::task::block_in_place(|| ctx.store.save(&cp))?;
+            tracing::info!(checkpoint = %ctx.store.path().display(), lsn = %cp.lsn, "checkpoint created");
+            relay.checkpoint = Some(cp);
+        }
+    }
+    repl.start()
+        .await
+        .map_err(|e| classify_replication(e.into()))?;
     repl.wait_started()
         .await
         .with_context(|| {
             format!(
                 "starting replication from slot {:?} on {}",
                 config.source.slot,
-                conn.describe()
+                ctx.conn.describe()
             )
         })
         .map_err(classify_replication)?;
     let tables: Vec<&str> = config.outbox.iter().map(|t| t.table.as_str()).collect();
     tracing::info!(slot = %config.source.slot, publication = %config.source.publication,
-        start = %start, tables = ?tables, "streaming");
+        start = %spec.start, stop_at = ?spec.stop_at.map(|l| l.to_string()), tables = ?tables,
+        "streaming");
 
-    let mut relay = Relay {
-        config,
-        sink,
-        tracker: AckTracker::new(start),
-        in_flight: InFlight::default(),
-        decoder: Decoder::new(),
-        mappers: HashMap::new(),
-        txn: None,
-        stats: Stats::default(),
-        dead_letter_topic: config.dead_letter.template()?,
-    };
-    let mut reported = start;
+    relay.stop_at = spec.stop_at;
+    let mut holdback = Holdback::new(config.replay_window()?);
+    let mut reported = spec.server_confirmed;
     let mut stopping: Option<Instant> = None;
     let mut progress = tokio::time::interval(PROGRESS_EVERY);
     progress.tick().await;
-    let max_events = config.sink.max_in_flight as u64;
-    let max_bytes = config.sink.max_in_flight_bytes;
+    let mut housekeeping = tokio::time::interval(CHECKPOINT_EVERY);
+    housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
-    let outcome: Result<()> = loop {
+    let outcome: Result<StreamEnd> = loop {
+        if relay.reached_end && relay.tracker.in_flight() == 0 && relay.txn.is_none() {
+            break Ok(StreamEnd::ReachedEnd);
+        }
         if let Some(deadline) = stopping {
             if relay.tracker.in_flight() == 0 && relay.txn.is_none() {
-                break Ok(());
+                break Ok(StreamEnd::Stopped);
             }
             if Instant::now() >= deadline {
                 tracing::warn!(
                     in_flight = relay.tracker.in_flight(),
                     "shutdown timeout: stopping with events unacknowledged; they will be sent again"
                 );
-                break Ok(());
+                break Ok(StreamEnd::Stopped);
             }
         }
-        let full = relay.tracker.in_flight() >= max_events || relay.in_flight.bytes >= max_bytes;
+        let full = relay.full();
         let deadline = stopping.unwrap_or_else(Instant::now);
+        let reading = !full && !relay.reached_end && (stopping.is_none() || relay.txn.is_some());
         let step: Result<()> = tokio::select! {
             biased;
             // 1. A stop signal: stop reading, drain acknowledgements.
@@ -366,45 +982,441 @@ async fn relay<S: Sink>(
             //    stopping, only to the end of the transaction being read: its events
             //    count as delivered only once its Commit is seen, so stopping inside
             //    it would make the next start send them again.
-            ev = repl.recv(), if !full && (stopping.is_none() || relay.txn.is_some()) => match ev {
+            ev = repl.recv(), if reading => match ev {
                 Ok(Some(ev)) => relay.handle(ev).await,
                 Ok(None) => Err(transient(anyhow!("the replication stream ended"))),
                 Err(e) => Err(classify_replication(anyhow!(e).context("replication stream"))),
             },
-            // 5. Progress in the log.
+            // 5. Checkpoint and report on time even when nothing else happens.
+            _ = housekeeping.tick() => Ok(()),
+            // 6. Progress in the log.
             _ = progress.tick() => {
                 relay.log_progress();
                 Ok(())
             }
         };
-        let confirmed = relay.tracker.confirmed();
-        if confirmed > reported {
-            repl.update_applied_lsn(pgwire_replication::Lsn(confirmed.as_u64()));
-            reported = confirmed;
+        // The checkpoint first: the server never holds a position walbox could forget.
+        if let Err(e) = relay.save_checkpoint(false) {
+            break Err(e);
+        }
+        if spec.report
+            && let Some(acked) = relay.reportable()
+            && let Some(target) = holdback.target(Instant::now(), acked)
+            && target > reported
+        {
+            repl.update_applied_lsn(pgwire_replication::Lsn(target.as_u64()));
+            reported = target;
         }
         if let Err(e) = step {
             break Err(e);
         }
     };
 
-    // Whatever happened, the tracker's position is safe: make sure the server has it.
-    let confirmed = relay.tracker.confirmed();
-    repl.update_applied_lsn(pgwire_replication::Lsn(confirmed.as_u64()));
-    let sent = walbox_wait(status_interval * 2 + Duration::from_secs(1), || {
-        repl.feedback_pending_since().is_none()
-    })
-    .await;
-    if !sent {
-        tracing::warn!(%confirmed, "final position may not have reached the server");
+    // Whatever happened, the acknowledged position is safe: save it, and make
+    // sure the server has what may be reported.
+    let saved = relay.save_checkpoint(true);
+    if spec.report
+        && saved.is_ok()
+        && let Some(acked) = relay.reportable()
+        && let Some(target) = holdback.target(Instant::now(), acked)
+        && target > reported
+    {
+        repl.update_applied_lsn(pgwire_replication::Lsn(target.as_u64()));
+        reported = target;
+        let sent = walbox_wait(status_interval * 2 + Duration::from_secs(1), || {
+            repl.feedback_pending_since().is_none()
+        })
+        .await;
+        if !sent {
+            tracing::warn!(%reported, "final position may not have reached the server");
+        }
     }
     let _ = repl.shutdown().await;
     relay.log_progress();
     tracing::info!(
-        %confirmed,
+        confirmed = %relay.tracker.confirmed(),
+        reported = %reported,
         longest_feedback_delay_ms = longest_feedback_ms.load(Ordering::Relaxed),
         "stopped"
     );
+    saved?;
     outcome
+}
+
+/// Keeps the reported position `replay_window` behind the acknowledged one.
+struct Holdback {
+    window: ReplayWindow,
+    samples: VecDeque<(Instant, Lsn)>,
+}
+
+impl Holdback {
+    fn new(window: ReplayWindow) -> Self {
+        Holdback {
+            window,
+            samples: VecDeque::new(),
+        }
+    }
+
+    /// The position to report when `acked` is acknowledged at `now`.
+    fn target(&mut self, now: Instant, acked: Lsn) -> Option<Lsn> {
+        match self.window {
+            ReplayWindow::None => Some(acked),
+            ReplayWindow::Bytes(n) => Some(Lsn(acked.as_u64().saturating_sub(n))),
+            ReplayWindow::Time(d) => {
+                if self.samples.back().is_none_or(|(_, l)| *l < acked) {
+                    self.samples.push_back((now, acked));
+                }
+                let mut ready = None;
+                while let Some(&(at, lsn)) = self.samples.front()
+                    && now.saturating_duration_since(at) >= d
+                {
+                    ready = Some(lsn);
+                    self.samples.pop_front();
+                }
+                ready
+            }
+        }
+    }
+}
+
+/// Session settings of every connection that reads row values, so values render
+/// the same in the stream and the snapshot, whatever the server's defaults.
+const SESSION_OPTIONS: &str = "-c TimeZone=UTC -c DateStyle=ISO,YMD";
+
+/// Creates the slot with an exported snapshot, publishes every outbox row the
+/// snapshot shows (as one transaction at the slot's consistent point) and
+/// returns the consistent point, where the stream continues. `None` when a stop
+/// signal came first: the checkpoint then says the snapshot is unfinished, and
+/// the next start takes it again.
+async fn take_snapshot(
+    relay: &mut Relay<'_>,
+    deliveries: &mut Deliveries,
+    signals: &mut mpsc::UnboundedReceiver<()>,
+    drop_slot: bool,
+) -> Result<Option<Lsn>> {
+    let ctx = relay.ctx;
+    let config = ctx.config;
+    let slot = &config.source.slot;
+    // The replication session that exports the snapshot; it stays open, idle,
+    // until every row is read (the snapshot lives as long as it does).
+    let mut exporter = ReplicationClient::connect_gated(
+        ctx.conn
+            .replication(slot, &config.source.publication)?
+            .with_application_name("walbox snapshot"),
+    )
+    .await
+    .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
+    .map_err(classify_replication)?;
+    let ident = exporter
+        .identify_system()
+        .await
+        .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
+        .map_err(classify_replication)?;
+    if let Some(cp) = &relay.checkpoint {
+        check_identity(cp, ctx.store, &ident, slot)?;
+    }
+    let sql = ctx.conn.connect().await.map_err(classify_sql)?;
+    if drop_slot {
+        sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])
+            .await
+            .with_context(|| format!("dropping slot {slot} of the unfinished snapshot"))
+            .map_err(classify_sql)?;
+        tracing::info!(slot = %slot, "dropped the slot of the unfinished snapshot");
+    }
+    // Saved before the slot exists: a crash from here on leaves a checkpoint that
+    // says "unfinished", never a slot without one.
+    let mut cp = Checkpoint {
+        version: CHECKPOINT_VERSION,
+        system_identifier: ident.system_id.clone(),
+        database: ident.dbname.clone().unwrap_or_default(),
+        slot: slot.clone(),
+        lsn: Lsn(0),
+        snapshot: Some(SnapshotState {
+            consistent_point: None,
+            complete: false,
+            rows: 0,
+        }),
+    };
+    tokio::task::block_in_place(|| ctx.store.save(&cp))?;
+    let created = exporter
+        .simple_query(&format!(
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+            crate::catalog::ident(slot)
+        ))
+        .await
+        .with_context(|| format!("creating slot {slot} with an exported snapshot"))
+        .map_err(classify_replication)?;
+    let text = |i: usize| -> Result<String> {
+        created
+            .first()
+            .and_then(|row| row.get(i))
+            .and_then(|v| v.as_ref())
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .with_context(|| format!("CREATE_REPLICATION_SLOT returned no column {i}"))
+    };
+    let point: Lsn = text(1)?.parse().context("consistent_point")?;
+    let snapshot_name = text(2)?;
+    cp.lsn = point;
+    if let Some(s) = cp.snapshot.as_mut() {
+        s.consistent_point = Some(point);
+    }
+    tokio::task::block_in_place(|| ctx.store.save(&cp))?;
+    relay.checkpoint = Some(cp);
+    relay.tracker = AckTracker::new(point);
+    tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
+
+    snapshot::begin(&sql, &snapshot_name)
+        .await
+        .map_err(classify_sql)?;
+    let txn = relay.tracker.begin();
+    let mut index = 0u32;
+    let mut rows_total = 0u64;
+    for table_cfg in &config.outbox {
+        let (schema, name) = table_cfg.qualified();
+        let table = catalog::table(&sql, schema, name)
+            .await
+            .map_err(classify_sql)?
+            .with_context(|| format!("outbox table {schema}.{name} does not exist"))?;
+        let mapper = Mapper::compile(table_cfg, &config.producer, &table.relation)?;
+        let total = snapshot::count(&sql, &table, &config.snapshot).await?;
+        let mut progress = snapshot::Progress::new(mapper.table().to_owned(), total);
+        snapshot::declare(&sql, &table, &config.snapshot).await?;
+        let fetch_sql = format!(
+            "FETCH FORWARD {} FROM {}",
+            config.snapshot.chunk_rows,
+            snapshot::CURSOR
+        );
+        loop {
+            // The fetch stays pinned while deliveries are handled: dropping it
+            // would lose the rows the server already sent for it.
+            let fetch = sql.simple_query(&fetch_sql);
+            tokio::pin!(fetch);
+            let messages = loop {
+                tokio::select! {
+                    biased;
+                    Some(()) = signals.recv() => {
+                        tracing::warn!(rows = rows_total, "stopped during the snapshot; the next start takes it again");
+                        return Ok(None);
+                    }
+                    Some(d) = deliveries.recv() => relay.delivered(d)?,
+                    r = &mut fetch => break r.context("reading the snapshot").map_err(classify_sql)?,
+                }
+            };
+            let chunk = snapshot::rows(messages, table.relation.columns.len())?;
+            if chunk.is_empty() {
+                break;
+            }
+            let n = chunk.len() as u64;
+            for row in chunk {
+                while relay.full() {
+                    tokio::select! {
+                        biased;
+                        Some(()) = signals.recv() => {
+                            tracing::warn!(rows = rows_total, "stopped during the snapshot; the next start takes it again");
+                            return Ok(None);
+                        }
+                        Some(d) = deliveries.recv() => relay.delivered(d)?,
+                    }
+                }
+                let position = Position {
+                    commit_lsn: point,
+                    index,
+                    xid: 0,
+                };
+                index = index.saturating_add(1);
+                relay
+                    .out
+                    .publish(&mut relay.tracker, &mapper, &row, position, txn)
+                    .await?;
+                while let Ok(d) = deliveries.try_recv() {
+                    relay.delivered(d)?;
+                }
+            }
+            rows_total += n;
+            progress.add(n);
+        }
+        sql.batch_execute(&format!("CLOSE {}", snapshot::CURSOR))
+            .await
+            .map_err(|e| classify_sql(e.into()))?;
+        progress.finish();
+    }
+    sql.batch_execute("COMMIT")
+        .await
+        .map_err(|e| classify_sql(e.into()))?;
+    drop(sql);
+    // Read: the exported snapshot is no longer needed.
+    drop(exporter);
+    relay.tracker.commit(txn, point);
+    relay.pending_snapshot = Some((txn, rows_total));
+    tracing::info!(rows = rows_total, consistent_point = %point, "snapshot read; the stream continues from its consistent point");
+    Ok(Some(point))
+}
+
+/// `walbox setup --snapshot`, after the publication exists: creates the slot with
+/// a snapshot, publishes the existing rows, waits until all are acknowledged,
+/// and records the consistent point, where `walbox run` continues.
+pub async fn setup_snapshot(config: &Config) -> Result<()> {
+    let mut signals = signals()?;
+    let conn = ConnParams::parse(config.dsn()?)?;
+    let store = config.checkpoint_store();
+    let ctx = Ctx {
+        config,
+        conn: &conn,
+        store: &store,
+    };
+    let sql = conn.connect().await?;
+    let saved = store.load()?;
+    let slot = slot_info(&sql, &config.source.slot).await?;
+    drop(sql);
+    let drop_slot = match (&saved, &slot) {
+        (Some(cp), _) if cp.snapshot_interrupted() => {
+            tracing::warn!(slot = %config.source.slot,
+                "the previous snapshot did not finish; taking it again from a new slot \
+                 (rows it published already are published again, with the same event ids)");
+            if let Some(pid) = slot.as_ref().and_then(|s| s.active_pid) {
+                bail!(
+                    "slot {:?} is in use by pid {pid}; stop that reader first",
+                    config.source.slot
+                );
+            }
+            slot.is_some()
+        }
+        (_, Some(_)) => {
+            println_out(&format!(
+                "slot {} exists; a snapshot is taken only when the slot is created \
+                 (drop it with `walbox slot drop` to take one)",
+                config.source.slot
+            ));
+            return Ok(());
+        }
+        (Some(cp), None) => bail!(
+            "the checkpoint {} belongs to an earlier slot {:?} (at {}); remove it before \
+             creating the slot again with a snapshot",
+            store.path().display(),
+            cp.slot,
+            cp.lsn
+        ),
+        (None, None) => false,
+    };
+    let (sink, mut deliveries) = make_sink(config)?;
+    let mut relay = Relay::new(ctx, sink)?;
+    relay.checkpoint = saved;
+    let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, drop_slot).await?
+    else {
+        return Ok(());
+    };
+    // Wait for every row to be acknowledged, then record it.
+    let timeout = Duration::from_millis(config.shutdown.timeout_ms);
+    loop {
+        relay.save_checkpoint(true)?;
+        if relay.pending_snapshot.is_none() {
+            break;
+        }
+        tokio::select! {
+            biased;
+            Some(()) = signals.recv() => {
+                tracing::warn!(in_flight = relay.tracker.in_flight(), "stopped before every snapshot row was acknowledged; the next start takes it again");
+                return Ok(());
+            }
+            Some(d) = deliveries.recv() => relay.delivered(d)?,
+            () = tokio::time::sleep(timeout) => bail!(
+                "snapshot rows not acknowledged within {} ms; the next start takes the snapshot again",
+                config.shutdown.timeout_ms
+            ),
+        }
+    }
+    println_out(&format!(
+        "snapshot: published {} rows; slot {} created at {point}; `walbox run` streams from there",
+        relay.out.stats.events, config.source.slot
+    ));
+    Ok(())
+}
+
+/// `walbox replay`: publishes again every outbox event committed between `from`
+/// and `to` (default: the checkpoint), with the same event ids, without moving
+/// the slot; then the checkpoint is the later of itself and `to`.
+pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
+    let mut signals = signals()?;
+    let conn = ConnParams::parse(config.dsn()?)?;
+    let store = config.checkpoint_store();
+    let ctx = Ctx {
+        config,
+        conn: &conn,
+        store: &store,
+    };
+    let name = &config.source.slot;
+    let sql = conn.connect().await?;
+    let saved = store.load()?;
+    let slot = slot_info(&sql, name)
+        .await?
+        .with_context(|| format!("replication slot {name:?} does not exist"))?;
+    if let Some(pid) = slot.active_pid {
+        bail!(
+            "replay needs slot {name:?} to itself, and pid {pid} holds it (walbox run?): stop \
+             that reader, replay, then start it again"
+        );
+    }
+    let plan = plan(
+        config,
+        &store,
+        saved.as_ref(),
+        Some(&slot),
+        &RunOptions {
+            from_lsn: Some(from),
+            ..RunOptions::default()
+        },
+    )?;
+    let Plan::Stream {
+        server_confirmed, ..
+    } = plan
+    else {
+        bail!("the initial snapshot of slot {name:?} did not finish; run `walbox run` first");
+    };
+    let to = match (to, &saved) {
+        (Some(to), _) => to,
+        (None, Some(cp)) => cp.lsn,
+        (None, None) => bail!("no checkpoint at {}: give --to", store.path().display()),
+    };
+    if to < from {
+        bail!("--to {to} is before --from {from}");
+    }
+    let end: String = sql
+        .query_one("SELECT pg_current_wal_flush_lsn()::text", &[])
+        .await?
+        .get(0);
+    let end: Lsn = end.parse()?;
+    if to > end {
+        bail!("--to {to} is beyond the server's WAL end {end}");
+    }
+    drop(sql);
+    let (sink, mut deliveries) = make_sink(config)?;
+    let mut relay = Relay::new(ctx, sink)?;
+    relay.checkpoint = saved;
+    relay.tracker = AckTracker::new(from);
+    let spec = StreamSpec {
+        start: from,
+        server_confirmed,
+        report: false,
+        stop_at: Some(to),
+    };
+    let ended = stream(&mut relay, &mut deliveries, &mut signals, &spec).await?;
+    if ended != StreamEnd::ReachedEnd {
+        bail!(
+            "replay stopped at {} before reaching {to}; the checkpoint is unchanged",
+            relay.tracker.confirmed()
+        );
+    }
+    let checkpoint = relay.checkpoint.as_ref().map(|c| c.lsn).unwrap_or(to);
+    println_out(&format!(
+        "replayed {} events ({} dead-lettered) committed from {from} to {to}; checkpoint at {checkpoint}",
+        relay.out.stats.events, relay.out.stats.dead_lettered
+    ));
+    Ok(())
+}
+
+#[allow(clippy::print_stdout)] // command output
+fn println_out(line: &str) {
+    println!("{line}");
 }
 
 /// Records the longest time an acknowledged position waited before the server had it.
@@ -452,162 +1464,192 @@ fn signals() -> Result<mpsc::UnboundedReceiver<()>> {
     Ok(rx)
 }
 
-impl<S: Sink> Relay<'_, S> {
-    fn delivered(&mut self, d: Delivery) -> Result<()> {
-        let ticket = self
-            .in_flight
-            .remove(d.token)
-            .context("delivery report for an unknown event")?;
-        match d.result {
-            Ok(()) => {
-                self.tracker.ack(ticket);
-                Ok(())
-            }
-            Err(e) => {
-                self.tracker.fail(ticket);
-                // A timeout or broker error may pass: resume from the confirmed
-                // position. A failure about the message itself would repeat.
-                let retry = matches!(e.class, "timeout" | "broker_error");
-                let e = anyhow!(e).context(format!(
-                    "delivery failed; the slot stays at {} and the next session resumes there",
-                    self.tracker.confirmed()
-                ));
-                Err(if retry { transient(e) } else { e })
-            }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lsn(s: &str) -> Lsn {
+        s.parse().unwrap()
+    }
+
+    fn cp(at: &str, snapshot: Option<bool>) -> Checkpoint {
+        Checkpoint {
+            version: CHECKPOINT_VERSION,
+            system_identifier: "1".into(),
+            database: "postgres".into(),
+            slot: "walbox".into(),
+            lsn: lsn(at),
+            snapshot: snapshot.map(|complete| SnapshotState {
+                consistent_point: Some(lsn("0/100")),
+                complete,
+                rows: 0,
+            }),
         }
     }
 
-    fn table_config(&self, namespace: &str, name: &str) -> Option<&TableConfig> {
-        self.config
-            .outbox
-            .iter()
-            .find(|t| t.qualified() == (namespace, name))
-    }
-
-    async fn handle(&mut self, ev: ReplicationEvent) -> Result<()> {
-        match ev {
-            ReplicationEvent::Begin { final_lsn, xid, .. } => {
-                self.txn = Some(OpenTxn {
-                    id: self.tracker.begin(),
-                    commit_lsn: Lsn(final_lsn.0),
-                    xid,
-                    index: 0,
-                });
-            }
-            ReplicationEvent::Commit { end_lsn, .. } => {
-                let txn = self.txn.take().context("Commit without Begin")?;
-                self.tracker.commit(txn.id, Lsn(end_lsn.0));
-                self.stats.transactions += 1;
-            }
-            ReplicationEvent::KeepAlive { wal_end, .. } => {
-                self.tracker.idle_wal_end(Lsn(wal_end.0));
-            }
-            ReplicationEvent::XLogData { data, .. } => {
-                let msg = self.decoder.decode(&data)?;
-                self.change(msg).await?;
-            }
-            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+    fn slot(at: &str) -> SlotInfo {
+        SlotInfo {
+            plugin: Some("pgoutput".into()),
+            same_database: true,
+            active_pid: None,
+            confirmed: Some(lsn(at)),
+            wal_status: Some("reserved".into()),
         }
-        Ok(())
     }
 
-    async fn change(&mut self, msg: LogicalMessage) -> Result<()> {
-        match msg {
-            LogicalMessage::Relation(r) => {
-                if let Some(cfg) = self.table_config(&r.namespace, &r.name) {
-                    let mapper = Mapper::compile(cfg, &self.config.producer, &r)?;
-                    tracing::info!(
-                        table = mapper.table(),
-                        oid = r.oid,
-                        columns = r.columns.len(),
-                        "outbox table"
-                    );
-                    self.mappers.insert(r.oid, mapper);
-                } else {
-                    self.mappers.remove(&r.oid);
-                }
-            }
-            LogicalMessage::Insert(i) => {
-                let Some(mapper) = self.mappers.get(&i.relation_oid) else {
-                    return Ok(());
-                };
-                let txn = self.txn.as_mut().context("Insert outside a transaction")?;
-                let position = Position {
-                    commit_lsn: txn.commit_lsn,
-                    index: txn.index,
-                    xid: txn.xid,
-                };
-                let event = match mapper.map(&i.new, position) {
-                    Ok(event) => event,
-                    Err(e) => {
-                        let dead =
-                            mapper.dead_letter(&i.new, position, &e, &self.dead_letter_topic);
-                        if self.config.dead_letter.policy == DeadLetterPolicy::Stop {
-                            bail!(
-                                "outbox row with event id {} at {}#{} (xid {}) in {} cannot be published ({}): {e}",
-                                dead.event_id,
-                                position.commit_lsn,
-                                position.index,
-                                position.xid,
-                                mapper.table(),
-                                e.class()
-                            );
-                        }
-                        tracing::warn!(
-                            table = mapper.table(),
-                            event_id = %dead.event_id,
-                            position = %format_args!("{}#{}", position.commit_lsn, position.index),
-                            class = e.class(),
-                            reason = %e,
-                            topic = %dead.topic,
-                            "dead-lettered"
-                        );
-                        self.stats.dead_lettered += 1;
-                        dead
-                    }
-                };
-                txn.index += 1;
-                let ticket = self.tracker.event(txn.id);
-                let token = self.in_flight.insert(ticket, event.size());
-                self.stats.events += 1;
-                tracing::debug!(
-                    event_id = %event.event_id,
-                    topic = %event.topic,
-                    position = %format_args!("{}#{}", position.commit_lsn, position.index),
-                    "sent to the sink"
-                );
-                self.sink.send(event, token).await.map_err(|e| match e {
-                    SinkError::Kafka(_) => transient(e),
-                    other => anyhow!(other),
-                })?;
-            }
-            LogicalMessage::Update(u) if self.mappers.contains_key(&u.relation_oid) => {
-                self.stats.ignored_updates += 1;
-            }
-            LogicalMessage::Delete(d) if self.mappers.contains_key(&d.relation_oid) => {
-                self.stats.ignored_deletes += 1;
-            }
-            LogicalMessage::Truncate(t)
-                if t.relation_oids.iter().any(|o| self.mappers.contains_key(o)) =>
-            {
-                self.stats.ignored_truncates += 1;
-            }
-            _ => {}
-        }
-        Ok(())
+    fn config(toml: &str) -> Config {
+        Config::parse(toml, std::path::Path::new("t.toml")).unwrap()
     }
 
-    fn log_progress(&self) {
-        tracing::info!(
-            events = self.stats.events,
-            transactions = self.stats.transactions,
-            in_flight = self.tracker.in_flight(),
-            confirmed = %self.tracker.confirmed(),
-            ignored_updates = self.stats.ignored_updates,
-            ignored_deletes = self.stats.ignored_deletes,
-            ignored_truncates = self.stats.ignored_truncates,
-            dead_lettered = self.stats.dead_lettered,
-            "progress"
+    fn planned(
+        saved: Option<&Checkpoint>,
+        slot: Option<&SlotInfo>,
+        options: &RunOptions,
+    ) -> Result<Plan> {
+        plan(
+            &config(""),
+            &CheckpointFile::new("cp.json"),
+            saved,
+            slot,
+            options,
+        )
+    }
+
+    #[test]
+    fn starts_at_the_later_of_checkpoint_and_slot_only_when_nothing_was_skipped() {
+        let none = RunOptions::default();
+        let stream = |start: &str, server: &str| Plan::Stream {
+            start: lsn(start),
+            server_confirmed: lsn(server),
+        };
+        // First start: the slot's position.
+        assert_eq!(
+            planned(None, Some(&slot("0/500")), &none).unwrap(),
+            stream("0/500", "0/500")
         );
+        // Slot behind the checkpoint (server crash, replay window): the checkpoint.
+        assert_eq!(
+            planned(Some(&cp("0/900", None)), Some(&slot("0/500")), &none).unwrap(),
+            stream("0/900", "0/500")
+        );
+        // Slot ahead: refused, saying what is missing and how to recover.
+        let e = planned(Some(&cp("0/500", None)), Some(&slot("0/900")), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("between 0/500 and 0/900 were never published"),
+            "{e}"
+        );
+        assert!(
+            e.contains("--accept-slot-position") && e.contains("--snapshot"),
+            "{e}"
+        );
+        let accept = RunOptions {
+            accept_slot_position: true,
+            ..RunOptions::default()
+        };
+        assert_eq!(
+            planned(Some(&cp("0/500", None)), Some(&slot("0/900")), &accept).unwrap(),
+            stream("0/900", "0/900")
+        );
+        // Slot gone while a checkpoint exists: refused.
+        let e = planned(Some(&cp("0/500", None)), None, &none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("was dropped"), "{e}");
+        // Lost slot: refused with the checkpoint named.
+        let mut lost = slot("0/500");
+        lost.wal_status = Some("lost".into());
+        let e = planned(Some(&cp("0/500", None)), Some(&lost), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("wal_status = lost") && e.contains("0/500 (walbox's checkpoint)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn from_lsn_must_still_be_in_the_slot() {
+        let from = |at: &str| RunOptions {
+            from_lsn: Some(lsn(at)),
+            ..RunOptions::default()
+        };
+        let e = planned(
+            Some(&cp("0/900", None)),
+            Some(&slot("0/500")),
+            &from("0/400"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("earliest position still available is 0/500"),
+            "{e}"
+        );
+        assert_eq!(
+            planned(
+                Some(&cp("0/900", None)),
+                Some(&slot("0/500")),
+                &from("0/600")
+            )
+            .unwrap(),
+            Plan::Stream {
+                start: lsn("0/600"),
+                server_confirmed: lsn("0/500")
+            }
+        );
+    }
+
+    #[test]
+    fn snapshots_are_taken_for_new_slots_when_asked_and_always_redone_when_unfinished() {
+        let none = RunOptions::default();
+        let initial = config("[snapshot]\nmode = \"initial\"");
+        let store = CheckpointFile::new("cp.json");
+        assert_eq!(
+            plan(&initial, &store, None, None, &none).unwrap(),
+            Plan::Snapshot { drop_slot: false }
+        );
+        // An existing slot streams, snapshot mode or not.
+        assert!(matches!(
+            plan(&initial, &store, None, Some(&slot("0/1")), &none).unwrap(),
+            Plan::Stream { .. }
+        ));
+        let e = planned(None, None, &none).unwrap_err().to_string();
+        assert!(e.contains("walbox setup"), "{e}");
+        // Unfinished: redone from a new slot, whatever the mode.
+        assert_eq!(
+            planned(Some(&cp("0/100", Some(false))), Some(&slot("0/100")), &none).unwrap(),
+            Plan::Snapshot { drop_slot: true }
+        );
+        assert_eq!(
+            planned(Some(&cp("0/100", Some(false))), None, &none).unwrap(),
+            Plan::Snapshot { drop_slot: false }
+        );
+        // Finished: stream.
+        assert!(matches!(
+            planned(Some(&cp("0/100", Some(true))), Some(&slot("0/100")), &none).unwrap(),
+            Plan::Stream { .. }
+        ));
+    }
+
+    #[test]
+    fn the_replay_window_holds_the_reported_position_back() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut none = Holdback::new(ReplayWindow::None);
+        assert_eq!(none.target(t0, lsn("0/500")), Some(lsn("0/500")));
+        let mut bytes = Holdback::new(ReplayWindow::Bytes(0x100));
+        assert_eq!(bytes.target(t0, lsn("0/500")), Some(lsn("0/400")));
+        assert_eq!(bytes.target(t0, lsn("0/50")), Some(lsn("0/0")));
+        let mut time = Holdback::new(ReplayWindow::Time(s(60)));
+        assert_eq!(time.target(t0, lsn("0/100")), None);
+        assert_eq!(time.target(t0 + s(30), lsn("0/200")), None);
+        assert_eq!(time.target(t0 + s(60), lsn("0/300")), Some(lsn("0/100")));
+        assert_eq!(
+            time.target(t0 + s(89), lsn("0/300")),
+            None,
+            "nothing newer is old enough"
+        );
+        assert_eq!(time.target(t0 + s(120), lsn("0/300")), Some(lsn("0/300")));
     }
 }

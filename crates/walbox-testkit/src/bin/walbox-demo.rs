@@ -60,6 +60,13 @@ async fn main() -> Result<(), Error> {
         ("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap()),
         ("WALBOX_CREATE_TOPICS", "true".into()),
         ("WALBOX_PRODUCER", "walbox-demo".into()),
+        (
+            "WALBOX_CHECKPOINT",
+            pg.client_dir()
+                .join("walbox.checkpoint.json")
+                .display()
+                .to_string(),
+        ),
     ];
 
     println!("== walbox setup");

@@ -1,0 +1,313 @@
+//! walbox's checkpoint against the slot: resume, the mismatch rules, replay from
+//! a saved LSN, a lost slot, and a standby relay waiting for the slot.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use nix::sys::signal::Signal;
+use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions};
+
+const TOPIC: &str = "outbox.order";
+
+async fn start_with(options: PgOptions) -> (PgCluster, Broker, tokio_postgres::Client) {
+    let pg = PgCluster::start_with(options).unwrap();
+    let broker = Broker::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    (pg, broker, db)
+}
+
+async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
+    start_with(PgOptions::default()).await
+}
+
+/// A config file with a replay window.
+fn window_config(pg: &PgCluster, window: &str) -> String {
+    let path = pg.client_dir().join("window.toml");
+    std::fs::write(&path, format!("[source]\nreplay_window = \"{window}\"\n")).unwrap();
+    path.display().to_string()
+}
+
+fn stop(mut walbox: Walbox) {
+    walbox.signal(Signal::SIGTERM);
+    let log = walbox.log();
+    assert_eq!(
+        walbox.wait(Duration::from_secs(60)).code(),
+        Some(0),
+        "{log}"
+    );
+}
+
+/// How many records each event id has.
+fn counts(records: &[walbox_testkit::kafka::Record]) -> HashMap<String, usize> {
+    let mut n = HashMap::new();
+    for r in records {
+        *n.entry(r.header("event_id").unwrap().to_owned())
+            .or_default() += 1;
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_behind_the_checkpoint_resumes_at_the_checkpoint_without_duplicates() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let slot_start = confirmed_lsn(&db, "walbox").await;
+    // A replay window keeps the slot where it is while walbox publishes: the same
+    // state a server crash leaves when the slot's position was not yet saved.
+    let cfg = window_config(&pg, "1h");
+    let walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    write_events(&pg, 2, 50, 10, 20).await;
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    stop(walbox);
+    assert_eq!(
+        confirmed_lsn(&db, "walbox").await,
+        slot_start,
+        "the window held the slot"
+    );
+    assert!(checkpoint(&pg).unwrap().lsn > slot_start);
+
+    let walbox = Walbox::spawn(&["run"], &env);
+    write_events_from(&pg, 2, 10, 10, 20, 20).await;
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 1_200, "restart").await;
+    let log = walbox.log();
+    stop(walbox);
+    assert!(log.contains("starting at the checkpoint"), "{log}");
+    let dup: Vec<_> = counts(&records)
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .collect();
+    assert!(dup.is_empty(), "{} events published twice", dup.len());
+    assert_eq!(records.len(), 1_200);
+    assert_per_key_order(&records, false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_publishes_a_range_again_and_run_continues_after_it() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let slot_start = confirmed_lsn(&db, "walbox").await;
+    let cfg = window_config(&pg, "1h");
+    let walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    write_events(&pg, 1, 50, 10, 10).await; // 500 events
+    let middle = current_lsn(&db).await;
+    write_events_from(&pg, 1, 30, 10, 10, 10).await; // 300 more, keys 10..19
+    let end = current_lsn(&db).await;
+    wait_checkpoint(&pg, end, Duration::from_secs(60)).await;
+
+    // Replay needs the slot to itself.
+    let (code, _, err) = walbox_cmd(&["replay", "--from", &middle.to_string()], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("needs slot \"walbox\" to itself"), "{err}");
+    stop(walbox);
+    let first = read_topic(&broker.bootstrap(), TOPIC, 800).await;
+    assert_eq!(first.len(), 800);
+
+    // Outside the window: refused, naming the earliest position still there.
+    let (code, _, err) = walbox_cmd(&["replay", "--from", "0/10"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "earliest position still available is {slot_start}"
+        )),
+        "{err}"
+    );
+
+    let (code, out, err) = walbox_cmd(&["replay", "--from", &middle.to_string()], &env);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("replayed 300 events"), "{out}\n{err}");
+    let records = read_topic(&broker.bootstrap(), TOPIC, 1_100).await;
+    assert_eq!(records.len(), 1_100);
+    // The replayed events are exactly those after `middle`, with the same ids
+    // and source positions.
+    let n = counts(&records);
+    let mut positions: HashMap<String, Vec<(String, String)>> = HashMap::new();
+    for r in &records {
+        positions
+            .entry(r.header("event_id").unwrap().to_owned())
+            .or_default()
+            .push((
+                r.header("walbox_commit_lsn").unwrap().to_owned(),
+                r.header("walbox_index").unwrap().to_owned(),
+            ));
+    }
+    for r in &records {
+        let id = r.header("event_id").unwrap();
+        let at: walbox_pgoutput::Lsn = r.header("walbox_commit_lsn").unwrap().parse().unwrap();
+        let expected = if at >= middle { 2 } else { 1 };
+        assert_eq!(n[id], expected, "event at {at}");
+        let p = &positions[id];
+        assert!(
+            p.iter().all(|x| *x == p[0]),
+            "a replayed event keeps its position"
+        );
+    }
+    assert_per_key_order(&records, true);
+
+    // Run continues after the replayed range: the next events once, nothing again.
+    let walbox = Walbox::spawn(&["run"], &env);
+    write_events_from(&pg, 1, 10, 10, 10, 20).await;
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    stop(walbox);
+    let records = read_topic(&broker.bootstrap(), TOPIC, 1_200).await;
+    assert_eq!(
+        records.len(),
+        1_200,
+        "100 new events, nothing replayed again"
+    );
+    assert_eq!(outbox_ids(&db).await.len(), counts(&records).len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_ahead_of_the_checkpoint_or_recreated_is_refused_unless_accepted() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 1, 10, 10).await;
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    stop(walbox);
+
+    // While walbox is down, five events are committed and someone moves the slot.
+    write_events_from(&pg, 1, 1, 5, 5, 100).await;
+    let skipped_from = checkpoint(&pg).unwrap().lsn;
+    db.execute(
+        "SELECT pg_replication_slot_advance('walbox', pg_current_wal_lsn())",
+        &[],
+    )
+    .await
+    .unwrap();
+    let slot_at = confirmed_lsn(&db, "walbox").await;
+    let (code, _, err) = walbox_cmd(&["run"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "committed between {skipped_from} and {slot_at} were never published"
+        )),
+        "{err}"
+    );
+    assert!(err.contains("--accept-slot-position"), "{err}");
+    assert_eq!(confirmed_lsn(&db, "walbox").await, slot_at, "nothing moved");
+
+    // The operator accepts: walbox continues from the slot.
+    let walbox = Walbox::spawn(&["run", "--accept-slot-position"], &env);
+    write_events_from(&pg, 1, 1, 3, 3, 200).await;
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    stop(walbox);
+    let records = read_topic(&broker.bootstrap(), TOPIC, 13).await;
+    assert_eq!(
+        records.len(),
+        13,
+        "10 before, 3 after; the 5 skipped as accepted"
+    );
+
+    // The slot dropped and created again while walbox is down: refused as well.
+    let (code, _, err) = walbox_cmd(&["slot", "drop"], &env);
+    assert_eq!(code, Some(0), "{err}");
+    write_events_from(&pg, 1, 1, 2, 2, 300).await;
+    setup(&env);
+    let (code, _, err) = walbox_cmd(&["run"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("were never published"), "{err}");
+    // With the slot gone entirely, walbox says it was dropped.
+    let (code, _, _) = walbox_cmd(&["slot", "drop"], &env);
+    assert_eq!(code, Some(0));
+    let (code, _, err) = walbox_cmd(&["run"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("the slot was dropped"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_slot_stops_walbox_at_once_with_the_recovery_steps() {
+    let (pg, broker, db) =
+        start_with(PgOptions::default().setting("max_slot_wal_keep_size", "1MB")).await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 1, 10, 10).await;
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    stop(walbox);
+    // Past max_slot_wal_keep_size while walbox is down: the next checkpoint
+    // invalidates the slot.
+    db.batch_execute("CREATE TABLE filler (b text)")
+        .await
+        .unwrap();
+    walbox_testkit::wait_until_async(
+        "the slot to be invalidated",
+        Duration::from_secs(120),
+        || async {
+            db.batch_execute(
+                "INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 20000);
+             SELECT pg_switch_wal(); CHECKPOINT;",
+            )
+            .await
+            .unwrap();
+            let status: Option<String> = db
+                .query_one(
+                    "SELECT wal_status FROM pg_replication_slots WHERE slot_name = 'walbox'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (status.as_deref() == Some("lost")).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let began = std::time::Instant::now();
+    let (code, _, err) = walbox_cmd(&["run"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(began.elapsed() < Duration::from_secs(30), "no retry loop");
+    assert!(err.contains("wal_status = lost"), "{err}");
+    assert!(
+        err.contains("walbox's checkpoint") && err.contains("--snapshot"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_waits_for_the_slot_and_takes_over_when_the_holder_dies() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let mut first = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 5, 10, 10).await;
+    wait_confirmed(
+        &db,
+        "walbox",
+        current_lsn(&db).await,
+        Duration::from_secs(60),
+    )
+    .await;
+    // Without --wait-for-slot a second relay is refused, naming the holder.
+    let (code, _, err) = walbox_cmd(&["run"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("is in use by pid") && err.contains("--wait-for-slot"),
+        "{err}"
+    );
+
+    let standby = Walbox::spawn(&["run", "--wait-for-slot"], &env);
+    walbox_testkit::wait_until("the standby to wait", Duration::from_secs(30), || {
+        standby
+            .log()
+            .contains("waiting for it to be released")
+            .then_some(())
+    })
+    .unwrap();
+    first.kill9();
+    write_events_from(&pg, 1, 5, 10, 10, 10).await;
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 100, "takeover").await;
+    assert_per_key_order(&records, true);
+    assert!(standby.log().contains("taking over"), "{}", standby.log());
+    stop(standby);
+}

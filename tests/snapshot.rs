@@ -1,0 +1,208 @@
+//! The snapshot-to-stream handoff: rows that exist when the slot is created go
+//! out through an exported snapshot, later inserts through the stream, none twice.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::*;
+use nix::sys::signal::Signal;
+use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster};
+
+const TOPIC: &str = "outbox.order";
+const KEYS: i64 = 100;
+
+async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
+    let pg = PgCluster::start().unwrap();
+    let broker = Broker::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    // The event ids are random uuids: the snapshot reads in insertion order.
+    db.batch_execute("ALTER TABLE outbox ADD COLUMN seq bigserial")
+        .await
+        .unwrap();
+    (pg, broker, db)
+}
+
+/// `rows` outbox rows over `KEYS` keys, each key's `seq` counting from 0.
+async fn existing_rows(db: &tokio_postgres::Client, rows: i64) {
+    db.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'order-' || (g % $2), 'OrderPlaced',
+                jsonb_build_object('seq', g / $2, 'existing', true)
+         FROM generate_series(0, $1 - 1) g ORDER BY g",
+        &[&rows, &KEYS],
+    )
+    .await
+    .unwrap();
+}
+
+/// Inserts one event per transaction, round robin over the keys, each key's
+/// `seq` continuing from `first_seq`, until `stop`; returns how many.
+async fn writer(
+    pg: &PgCluster,
+    first_seq: i64,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<i64> {
+    let db = pg.connect("postgres").await.unwrap();
+    tokio::spawn(async move {
+        let mut n = 0i64;
+        while !stop.load(Ordering::Relaxed) {
+            db.execute(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('order', 'order-' || ($1 % $2), 'OrderPlaced',
+                         jsonb_build_object('seq', $3 + $1 / $2))",
+                &[&n, &KEYS, &first_seq],
+            )
+            .await
+            .unwrap();
+            n += 1;
+        }
+        n
+    })
+}
+
+fn snapshot_config(pg: &PgCluster, extra: &str) -> String {
+    let path = pg.client_dir().join("snapshot.toml");
+    std::fs::write(&path, format!("[snapshot]\norder_by = [\"seq\"]\n{extra}")).unwrap();
+    path.display().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_snapshot_hands_over_to_the_stream_under_concurrent_writes() {
+    let (pg, broker, db) = start().await;
+    existing_rows(&db, 100_000).await;
+    let env = walbox_env(&pg, &broker);
+    let cfg = snapshot_config(&pg, "");
+    let stop = Arc::new(AtomicBool::new(false));
+    let writing = writer(&pg, 1_000, Arc::clone(&stop)).await;
+    // Let the writer get going, so the slot is created between its commits.
+    walbox_testkit::wait_until_async("the writer to start", Duration::from_secs(30), || async {
+        let n: i64 = db
+            .query_one("SELECT count(*) FROM outbox", &[])
+            .await
+            .unwrap()
+            .get(0);
+        (n > 100_050).then_some(())
+    })
+    .await
+    .unwrap();
+    let (code, out, err) = tokio::task::spawn_blocking({
+        let env = env.clone();
+        let cfg = cfg.clone();
+        move || walbox_cmd(&["setup", "--snapshot", "--config", &cfg], &env)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(out.contains("created publication"), "{out}");
+    let cp = checkpoint(&pg).unwrap();
+    let snap = cp.snapshot.clone().unwrap();
+    assert!(snap.complete, "{cp:?}");
+    assert!(snap.rows >= 100_000, "{cp:?}");
+    assert_eq!(Some(cp.lsn), snap.consistent_point);
+    assert_eq!(
+        confirmed_lsn(&db, "walbox").await,
+        cp.lsn,
+        "the slot waits at the consistent point"
+    );
+    assert!(err.contains("snapshot: reading"), "{err}");
+
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    // The writer keeps going while walbox streams, then stops.
+    walbox_testkit::wait_until_async("the stream to publish", Duration::from_secs(60), || async {
+        (confirmed_lsn(&db, "walbox").await > cp.lsn).then_some(())
+    })
+    .await
+    .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let written = writing.await.unwrap();
+    let total = usize::try_from(100_000 + written).unwrap();
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, total, "handoff").await;
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(
+        walbox.wait(Duration::from_secs(60)).code(),
+        Some(0),
+        "{}",
+        walbox.log()
+    );
+    let ids = outbox_ids(&db).await;
+    let (missing, dup) = audit(&ids, &records);
+    assert!(missing.is_empty(), "{} missing", missing.len());
+    assert!(dup.is_empty(), "{} published twice", dup.len());
+    assert_eq!(records.len(), total);
+    // Each key: its existing rows in order, then its streamed rows in order.
+    assert_per_key_order(&records, false);
+    let from_snapshot = records
+        .iter()
+        .filter(|r| r.header("walbox_xid") == Some("0"))
+        .count();
+    assert_eq!(u64::try_from(from_snapshot).unwrap(), snap.rows);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filtered_snapshot_cuts_over_from_a_polling_relay() {
+    let (pg, broker, db) = start().await;
+    db.batch_execute("ALTER TABLE outbox ADD COLUMN published_at timestamptz")
+        .await
+        .unwrap();
+    existing_rows(&db, 1_000).await;
+    // The polling relay published the first 600.
+    db.batch_execute("UPDATE outbox SET published_at = now() WHERE seq <= 600")
+        .await
+        .unwrap();
+    // The publication exists; `walbox run` with snapshot mode "initial" creates
+    // the slot with the snapshot itself.
+    db.batch_execute("CREATE PUBLICATION walbox_outbox FOR TABLE outbox")
+        .await
+        .unwrap();
+    let env = walbox_env(&pg, &broker);
+    let cfg = snapshot_config(&pg, "mode = \"initial\"\n");
+    let mut walbox = Walbox::spawn(
+        &[
+            "run",
+            "--config",
+            &cfg,
+            "--snapshot-where",
+            "published_at IS NULL",
+        ],
+        &env,
+    );
+    walbox_testkit::wait_until("the snapshot to finish", Duration::from_secs(60), || {
+        checkpoint(&pg)
+            .and_then(|c| c.snapshot)
+            .filter(|s| s.complete)
+            .map(drop)
+    })
+    .unwrap();
+    write_events_from(&pg, 1, 5, 10, 10, 500).await;
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(
+        walbox.wait(Duration::from_secs(60)).code(),
+        Some(0),
+        "{}",
+        walbox.log()
+    );
+    let records = read_topic(&broker.bootstrap(), TOPIC, 450).await;
+    assert_eq!(
+        records.len(),
+        450,
+        "400 pending rows and 50 new ones, once each"
+    );
+    let pending: std::collections::HashSet<String> = db
+        .query(
+            "SELECT id::text FROM outbox WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let (missing, dup) = audit(&pending, &records);
+    assert!(missing.is_empty() && dup.is_empty(), "{missing:?} {dup:?}");
+}
