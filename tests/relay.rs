@@ -492,6 +492,26 @@ async fn the_relay_runs_as_a_role_that_is_not_a_superuser() {
         .get(0);
     assert!(!superuser);
     walbox.signal(Signal::SIGTERM);
+    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+
+    // The same role recreates the slot with a snapshot (the recovery path),
+    // replays nothing twice afterwards, and streams on.
+    let (code, _, err) = walbox_cmd(&["slot", "drop"], &env);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = walbox_cmd(&["setup", "--snapshot"], &env);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("published 200 rows"), "{out}");
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events_from(&pg, 1, 5, 10, 10, 10).await;
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    let records = read_topic(&broker.bootstrap(), TOPIC, 450).await;
+    assert_eq!(
+        records.len(),
+        450,
+        "200, the same 200 again from the snapshot, 50 new"
+    );
+    walbox.signal(Signal::SIGTERM);
     assert_eq!(
         walbox.wait(Duration::from_secs(60)).code(),
         Some(0),

@@ -1289,13 +1289,13 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
             ));
             return Ok(());
         }
-        (Some(cp), None) => bail!(
-            "the checkpoint {} belongs to an earlier slot {:?} (at {}); remove it before \
-             creating the slot again with a snapshot",
-            store.path().display(),
-            cp.slot,
-            cp.lsn
-        ),
+        (Some(cp), None) => {
+            // The recovery path for a lost or skipped slot: the snapshot replaces
+            // the old slot's checkpoint (same cluster only: checked on connect).
+            tracing::info!(checkpoint = %store.path().display(), old_position = %cp.lsn,
+                "replacing the checkpoint of the dropped slot");
+            false
+        }
         (None, None) => false,
     };
     let (sink, mut deliveries) = make_sink(config)?;
