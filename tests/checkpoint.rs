@@ -94,6 +94,9 @@ async fn replay_publishes_a_range_again_and_run_continues_after_it() {
     let slot_start = confirmed_lsn(&db, "walbox").await;
     let cfg = window_config(&pg, "1h");
     let walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    let (code, out, _) = walbox_cmd(&["doctor"], &env);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("walbox run starts at"), "{out}");
     write_events(&pg, 1, 50, 10, 10).await; // 500 events
     let middle = current_lsn(&db).await;
     write_events_from(&pg, 1, 30, 10, 10, 10).await; // 300 more, keys 10..19
@@ -105,6 +108,14 @@ async fn replay_publishes_a_range_again_and_run_continues_after_it() {
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("needs slot \"walbox\" to itself"), "{err}");
     stop(walbox);
+    let (code, out, err) = walbox_cmd(&["slot", "status", "--json", "--config", &cfg], &env);
+    assert_eq!(code, Some(0), "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let c = &status[0]["checkpoint"];
+    assert_eq!(c["lsn"], checkpoint(&pg).unwrap().lsn.to_string());
+    assert_eq!(c["replay_window"], "1h");
+    let behind = end.as_u64() - slot_start.as_u64();
+    assert!(c["slot_behind_bytes"].as_u64().unwrap() >= behind, "{c}");
     let first = read_topic(&broker.bootstrap(), TOPIC, 800).await;
     assert_eq!(first.len(), 800);
 
@@ -195,6 +206,13 @@ async fn a_slot_ahead_of_the_checkpoint_or_recreated_is_refused_unless_accepted(
     );
     assert!(err.contains("--accept-slot-position"), "{err}");
     assert_eq!(confirmed_lsn(&db, "walbox").await, slot_at, "nothing moved");
+    // doctor says the same before anyone starts walbox.
+    let (code, out, _) = walbox_cmd(&["doctor"], &env);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("FAIL") && out.contains("were never published"),
+        "{out}"
+    );
 
     // The operator accepts: walbox continues from the slot.
     let walbox = Walbox::spawn(&["run", "--accept-slot-position"], &env);

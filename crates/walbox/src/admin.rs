@@ -152,6 +152,25 @@ pub struct SlotStatus {
     /// Tables of the configured publication (status only).
     #[serde(skip_serializing_if = "Option::is_none")]
     publication_tables: Option<Vec<String>>,
+    /// walbox's checkpoint for this slot (status only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    checkpoint: Option<CheckpointStatus>,
+}
+
+/// walbox's checkpoint as `slot status` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+struct CheckpointStatus {
+    path: String,
+    /// Acknowledged position (`null` when there is no checkpoint yet).
+    lsn: Option<String>,
+    /// How far the slot's confirmed position is behind the checkpoint: the
+    /// replay window (or a server crash); negative when the slot is ahead.
+    slot_behind_bytes: Option<i64>,
+    /// `complete`, `unfinished`, or absent without a snapshot.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    snapshot: Option<String>,
+    /// The configured replay window.
+    replay_window: String,
 }
 
 const SLOT_QUERY: &str = "
@@ -173,6 +192,7 @@ fn slot_row(r: &tokio_postgres::Row) -> SlotStatus {
         retained_wal_bytes: r.get(7),
         lag_bytes: r.get(8),
         publication_tables: None,
+        checkpoint: None,
     }
 }
 
@@ -205,6 +225,21 @@ fn print_slots(slots: &[SlotStatus], json: bool) -> Result<()> {
         if let Some(tables) = &s.publication_tables {
             println!("  publication tables {}", tables.join(", "));
         }
+        if let Some(c) = &s.checkpoint {
+            println!(
+                "  checkpoint         {} ({})",
+                or_dash(c.lsn.as_ref()),
+                c.path
+            );
+            if let Some(snapshot) = &c.snapshot {
+                println!("  snapshot           {snapshot}");
+            }
+            println!(
+                "  slot behind it     {} bytes (replay window {})",
+                or_dash(c.slot_behind_bytes),
+                c.replay_window
+            );
+        }
     }
     Ok(())
 }
@@ -231,6 +266,30 @@ pub async fn slot_status(config: &Config, json: bool) -> Result<()> {
         .map(|r| r.get(0))
         .collect(),
     );
+    let store = config.checkpoint_store();
+    let saved = store.load()?;
+    let lsn = saved.as_ref().map(|c| c.lsn);
+    let confirmed: Option<walbox_pgoutput::Lsn> = status
+        .confirmed_flush_lsn
+        .as_deref()
+        .map(str::parse)
+        .transpose()?;
+    status.checkpoint = Some(CheckpointStatus {
+        path: store.path().display().to_string(),
+        lsn: lsn.map(|l| l.to_string()),
+        slot_behind_bytes: lsn.zip(confirmed).map(|(c, s)| {
+            let diff = i128::from(c.as_u64()) - i128::from(s.as_u64());
+            i64::try_from(diff).unwrap_or(i64::MAX)
+        }),
+        snapshot: saved.as_ref().and_then(|c| c.snapshot.as_ref()).map(|s| {
+            if s.complete {
+                format!("complete ({} rows)", s.rows)
+            } else {
+                "unfinished (the next start takes it again)".to_owned()
+            }
+        }),
+        replay_window: config.source.replay_window.clone(),
+    });
     print_slots(&[status], json)
 }
 

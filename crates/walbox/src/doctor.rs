@@ -102,6 +102,11 @@ pub async fn run(config: &Config) -> Result<()> {
             format!("max_replication_slots: all {max_slots} used; raise it (restart) or drop an unused slot"),
         ),
     }
+    match crate::relay::where_run_starts(&sql, config).await {
+        Ok(Some(start)) => r.add(Verdict::Ok, start),
+        Ok(None) => {}
+        Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
+    }
     let (max_senders, used_senders): (i64, i64) = {
         let row = sql
             .query_one(

@@ -338,6 +338,41 @@ fn plan(
     })
 }
 
+/// Where `walbox run` would start, for `walbox doctor`: the checkpoint and the
+/// slot against each other. `None` when there is neither a slot nor a checkpoint.
+pub async fn where_run_starts(
+    sql: &tokio_postgres::Client,
+    config: &Config,
+) -> Result<Option<String>> {
+    let store = config.checkpoint_store();
+    let saved = store.load()?;
+    let slot = slot_info(sql, &config.source.slot).await?;
+    if saved.is_none() && slot.is_none() {
+        return Ok(None);
+    }
+    let at = match saved.as_ref() {
+        Some(cp) => format!("checkpoint {} at {}", store.path().display(), cp.lsn),
+        None => format!("no checkpoint yet at {}", store.path().display()),
+    };
+    Ok(Some(
+        match plan(
+            config,
+            &store,
+            saved.as_ref(),
+            slot.as_ref(),
+            &RunOptions::default(),
+        )? {
+            Plan::Snapshot { drop_slot: true } => {
+                format!("walbox run takes the unfinished snapshot again from a new slot ({at})")
+            }
+            Plan::Snapshot { drop_slot: false } => {
+                format!("walbox run creates the slot with a snapshot ({at})")
+            }
+            Plan::Stream { start, .. } => format!("walbox run starts at {start} ({at})"),
+        },
+    ))
+}
+
 /// Refuses a checkpoint written for another cluster, database or slot.
 fn check_identity(
     cp: &Checkpoint,
