@@ -329,3 +329,59 @@ async fn a_standby_waits_for_the_slot_and_takes_over_when_the_holder_dies() {
     assert!(standby.log().contains("taking over"), "{}", standby.log());
     stop(standby);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_inside_a_large_transaction_skips_its_acknowledged_events() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    // One transaction of 30,000 events over 10 keys.
+    db.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'order-' || (g % 10), 'OrderPlaced', jsonb_build_object('seq', g / 10)
+         FROM generate_series(0, 29999) g ORDER BY g",
+        &[],
+    )
+    .await
+    .unwrap();
+    let slow = pg.client_dir().join("slow.toml");
+    std::fs::write(&slow, "[sink]\nmax_in_flight = 5\n").unwrap();
+    let mut walbox = Walbox::spawn(&["run", "--config", slow.to_str().unwrap()], &env);
+    walbox_testkit::wait_until(
+        "part of the transaction to be acknowledged",
+        Duration::from_secs(120),
+        || {
+            checkpoint(&pg)
+                .and_then(|c| c.partial)
+                .filter(|p| p.events >= 3_000)
+                .map(drop)
+        },
+    )
+    .unwrap();
+    walbox.kill9();
+    let saved = checkpoint(&pg).unwrap().partial.unwrap();
+    assert!(saved.events < 30_000, "killed inside the transaction");
+
+    let walbox = Walbox::spawn(&["run"], &env);
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 30_000, "restart").await;
+    let log = walbox.log();
+    stop(walbox);
+    assert!(log.contains("resuming inside a transaction"), "{log}");
+    let n = counts(&records);
+    for r in &records {
+        let index: u64 = r.header("walbox_index").unwrap().parse().unwrap();
+        if index < saved.events {
+            assert_eq!(
+                n[r.header("event_id").unwrap()],
+                1,
+                "event {index} was acknowledged before the kill"
+            );
+        }
+    }
+    assert!(
+        records.len() <= 60_000 - usize::try_from(saved.events).unwrap(),
+        "{} records",
+        records.len()
+    );
+    assert_per_key_order(&records, true);
+}

@@ -1,6 +1,6 @@
 //! Which flush position is safe to confirm.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 
 use walbox_pgoutput::Lsn;
 
@@ -11,25 +11,24 @@ pub struct TxnId(u64);
 /// One event handed to the sink; acknowledge or fail it exactly once.
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "every event must be acknowledged or failed"]
-pub struct Ticket(u64);
-
-impl Ticket {
-    /// The ticket as a number, to carry through a sink's opaque token.
-    #[must_use]
-    pub fn into_raw(self) -> u64 {
-        self.0
-    }
-
-    /// The ticket back from [`into_raw`](Self::into_raw). Only pass values that
-    /// came from `into_raw` of a ticket of the same tracker, once.
-    pub fn from_raw(raw: u64) -> Self {
-        Ticket(raw)
-    }
+pub struct Ticket {
+    txn: u64,
+    /// The event's place in its transaction (0, 1, ...).
+    index: u64,
 }
 
 #[derive(Debug)]
 struct Txn {
     seq: u64,
+    /// The Begin message's commit LSN (`final_lsn`): names the transaction.
+    commit_lsn: Lsn,
+    /// Events handed out so far.
+    issued: u64,
+    /// Events `0..acked_prefix` are all acknowledged.
+    acked_prefix: u64,
+    /// Acknowledged events after a gap (acks arrive in any order across
+    /// partitions); they join the prefix when the gap closes.
+    acked_ahead: BTreeSet<u64>,
     /// Commit end LSN, known once the Commit arrives.
     end_lsn: Option<Lsn>,
     /// Events handed to the sink and not yet acknowledged.
@@ -90,28 +89,49 @@ impl AckTracker {
         !self.failed && self.txns.front().is_none_or(|t| t.seq > txn.0)
     }
 
-    /// A transaction starts (Begin).
+    /// A transaction starts (Begin); `commit_lsn` is its Begin's commit LSN.
     #[must_use]
-    pub fn begin(&mut self) -> TxnId {
+    pub fn begin(&mut self, commit_lsn: Lsn) -> TxnId {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.txns.push_back(Txn {
             seq,
+            commit_lsn,
+            issued: 0,
+            acked_prefix: 0,
+            acked_ahead: BTreeSet::new(),
             end_lsn: None,
             outstanding: 0,
         });
         TxnId(seq)
     }
 
-    /// An event of transaction `txn` goes to the sink.
+    /// An event of transaction `txn` goes to the sink; events of a transaction
+    /// are numbered in the order they are handed out.
     pub fn event(&mut self, txn: TxnId) -> Ticket {
+        let mut index = 0;
         if let Some(t) = self.find(txn.0) {
+            index = t.issued;
+            t.issued += 1;
             t.outstanding += 1;
             self.in_flight += 1;
         } else {
             debug_assert!(false, "event for an unknown transaction");
         }
-        Ticket(txn.0)
+        Ticket { txn: txn.0, index }
+    }
+
+    /// Progress inside the oldest unconfirmed transaction: its Begin's commit LSN
+    /// and how many of its first events are all acknowledged (at least one). A
+    /// restart at [`confirmed`](Self::confirmed) receives that transaction again
+    /// and may skip that many events of it.
+    #[must_use]
+    pub fn partial(&self) -> Option<(Lsn, u64)> {
+        if self.failed {
+            return None;
+        }
+        let front = self.txns.front()?;
+        (front.acked_prefix > 0).then_some((front.commit_lsn, front.acked_prefix))
     }
 
     /// Transaction `txn` committed; its Commit ends at `end_lsn`.
@@ -136,9 +156,17 @@ impl AckTracker {
 
     /// The sink acknowledged the event of `ticket`.
     pub fn ack(&mut self, ticket: Ticket) {
-        if let Some(t) = self.find(ticket.0) {
+        if let Some(t) = self.find(ticket.txn) {
             debug_assert!(t.outstanding > 0, "more acks than events");
             t.outstanding = t.outstanding.saturating_sub(1);
+            if ticket.index == t.acked_prefix {
+                t.acked_prefix += 1;
+                while t.acked_ahead.remove(&t.acked_prefix) {
+                    t.acked_prefix += 1;
+                }
+            } else {
+                t.acked_ahead.insert(ticket.index);
+            }
             self.in_flight = self.in_flight.saturating_sub(1);
         } else {
             debug_assert!(false, "ack for an unknown transaction");

@@ -35,9 +35,25 @@ pub struct Checkpoint {
     /// outbox events, and those of all transactions before it, were acknowledged.
     #[serde(with = "lsn_text")]
     pub lsn: Lsn,
+    /// Progress inside the transaction after `lsn` (a large one): its first
+    /// events that are all acknowledged. A restart skips them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial: Option<Partial>,
     /// The initial snapshot, when walbox created the slot with one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<SnapshotState>,
+}
+
+/// The acknowledged beginning of one transaction: the resume position is the
+/// transaction's start, and its first `events` events need not be sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Partial {
+    /// The transaction's commit LSN, as its Begin message gives it.
+    #[serde(with = "lsn_text")]
+    pub commit_lsn: Lsn,
+    /// Events `0..events` (the `walbox_index` header) are acknowledged.
+    pub events: u64,
 }
 
 /// Progress of an initial snapshot.
@@ -228,6 +244,10 @@ mod tests {
             database: "postgres".into(),
             slot: "walbox".into(),
             lsn: "0/16B3748".parse().unwrap(),
+            partial: Some(Partial {
+                commit_lsn: "0/16B4000".parse().unwrap(),
+                events: 7,
+            }),
             snapshot: Some(SnapshotState {
                 consistent_point: Some("0/16B0000".parse().unwrap()),
                 complete: false,

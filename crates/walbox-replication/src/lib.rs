@@ -18,5 +18,5 @@ mod checkpoint;
 
 pub use ack::{AckTracker, Ticket, TxnId};
 pub use checkpoint::{
-    CHECKPOINT_VERSION, Checkpoint, CheckpointError, CheckpointFile, SnapshotState,
+    CHECKPOINT_VERSION, Checkpoint, CheckpointError, CheckpointFile, Partial, SnapshotState,
 };

@@ -13,7 +13,8 @@ use tokio::sync::mpsc;
 use walbox_outbox::{Event, Mapper, Position, TableConfig, TopicTemplate};
 use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, TupleValue, Xid};
 use walbox_replication::{
-    AckTracker, CHECKPOINT_VERSION, Checkpoint, CheckpointFile, SnapshotState, Ticket, TxnId,
+    AckTracker, CHECKPOINT_VERSION, Checkpoint, CheckpointFile, Partial, SnapshotState, Ticket,
+    TxnId,
 };
 use walbox_sink::{Deliveries, Delivery, KafkaSink, KafkaSinkConfig, Sink, SinkError, StdoutSink};
 
@@ -480,6 +481,13 @@ async fn session(
             server_confirmed,
         } => {
             relay.tracker = AckTracker::new(start);
+            if options.from_lsn.is_none() {
+                relay.resume_partial = relay
+                    .checkpoint
+                    .as_ref()
+                    .filter(|cp| cp.lsn == start)
+                    .and_then(|cp| cp.partial);
+            }
             (start, server_confirmed)
         }
     };
@@ -538,7 +546,7 @@ fn make_sink(config: &Config) -> Result<(AnySink, Deliveries)> {
 /// Sink tokens of in-flight events: (ticket, bytes), reusing slots.
 #[derive(Debug, Default)]
 struct InFlight {
-    entries: Vec<Option<(u64, usize)>>,
+    entries: Vec<Option<(Ticket, usize)>>,
     free: Vec<usize>,
     bytes: usize,
 }
@@ -546,7 +554,7 @@ struct InFlight {
 impl InFlight {
     fn insert(&mut self, ticket: Ticket, size: usize) -> usize {
         self.bytes += size;
-        let entry = Some((ticket.into_raw(), size));
+        let entry = Some((ticket, size));
         if let Some(token) = self.free.pop()
             && let Some(slot) = self.entries.get_mut(token)
         {
@@ -558,10 +566,10 @@ impl InFlight {
     }
 
     fn remove(&mut self, token: usize) -> Option<Ticket> {
-        let (raw, size) = self.entries.get_mut(token)?.take()?;
+        let (ticket, size) = self.entries.get_mut(token)?.take()?;
         self.free.push(token);
         self.bytes -= size;
-        Some(Ticket::from_raw(raw))
+        Some(ticket)
     }
 }
 
@@ -571,6 +579,9 @@ struct OpenTxn {
     commit_lsn: Lsn,
     xid: Xid,
     index: u32,
+    /// Events at the start of this transaction acknowledged before a restart:
+    /// not sent again.
+    skip: u32,
 }
 
 #[derive(Debug, Default)]
@@ -581,6 +592,8 @@ struct Stats {
     ignored_deletes: u64,
     ignored_truncates: u64,
     dead_lettered: u64,
+    /// Events of a partly acknowledged transaction not sent again on resume.
+    skipped: u64,
 }
 
 /// How often the checkpoint is written while the position moves.
@@ -602,6 +615,12 @@ struct Relay<'a> {
     /// Replay: stop before the first transaction that commits at or after it.
     stop_at: Option<Lsn>,
     reached_end: bool,
+    /// On resume: the checkpoint's acknowledged prefix of the first transaction,
+    /// until that transaction arrives.
+    resume_partial: Option<Partial>,
+    /// The prefix skipped in the front transaction, which the tracker does not
+    /// count (its events are numbered from the first one sent).
+    skipped_base: Option<Partial>,
 }
 
 /// Hands events to the sink and keeps what is in flight.
@@ -687,6 +706,8 @@ impl<'a> Relay<'a> {
             pending_snapshot: None,
             stop_at: None,
             reached_end: false,
+            resume_partial: None,
+            skipped_base: None,
         })
     }
 
@@ -700,9 +721,37 @@ impl<'a> Relay<'a> {
         let Some(cp) = &self.checkpoint else {
             return false;
         };
-        self.pending_snapshot
-            .is_some_and(|(txn, _)| self.tracker.settled(txn))
-            || (self.pending_snapshot.is_none() && self.savable() > cp.lsn)
+        if self.pending_snapshot.is_some() {
+            return self
+                .pending_snapshot
+                .is_some_and(|(txn, _)| self.tracker.settled(txn));
+        }
+        self.savable() > cp.lsn || self.partial(cp) != cp.partial
+    }
+
+    /// The acknowledged prefix of the oldest unconfirmed transaction, as the
+    /// checkpoint records it.
+    fn partial(&self, cp: &Checkpoint) -> Option<Partial> {
+        let tracked = self.tracker.partial().map(|(commit_lsn, events)| {
+            let base = self
+                .skipped_base
+                .filter(|b| b.commit_lsn == commit_lsn)
+                .map_or(0, |b| b.events);
+            Partial {
+                commit_lsn,
+                events: base + events,
+            }
+        });
+        // Only a transaction after the saved position (not one a replay or an
+        // earlier --from-lsn sends again).
+        let after = cp.lsn.max(self.savable());
+        match tracked.filter(|p| p.commit_lsn >= after) {
+            Some(p) => Some(p),
+            // Nothing new acknowledged in it yet: the saved prefix still holds
+            // while the position has not moved past its transaction.
+            None if self.savable() <= cp.lsn => cp.partial,
+            None => None,
+        }
     }
 
     /// The acknowledged position, within a replay's end.
@@ -731,8 +780,13 @@ impl<'a> Relay<'a> {
             self.pending_snapshot = None;
             tracing::info!(rows, consistent_point = %savable, "snapshot complete: every row acknowledged");
         }
+        let partial = self.checkpoint.as_ref().and_then(|c| self.partial(c));
+        let Some(cp) = self.checkpoint.as_mut() else {
+            return Ok(());
+        };
         if self.pending_snapshot.is_none() {
             cp.lsn = cp.lsn.max(savable);
+            cp.partial = partial;
         }
         let store = self.ctx.store;
         tokio::task::block_in_place(|| store.save(cp))?;
@@ -785,15 +839,29 @@ impl<'a> Relay<'a> {
     async fn handle(&mut self, ev: ReplicationEvent) -> Result<()> {
         match ev {
             ReplicationEvent::Begin { final_lsn, xid, .. } => {
-                if self.stop_at.is_some_and(|end| Lsn(final_lsn.0) >= end) {
+                let commit_lsn = Lsn(final_lsn.0);
+                if self.stop_at.is_some_and(|end| commit_lsn >= end) {
                     self.reached_end = true;
                     return Ok(());
                 }
+                let mut skip = 0;
+                if let Some(p) = self.resume_partial
+                    && commit_lsn >= p.commit_lsn
+                {
+                    self.resume_partial = None;
+                    if commit_lsn == p.commit_lsn {
+                        skip = u32::try_from(p.events).unwrap_or(u32::MAX);
+                        self.skipped_base = Some(p);
+                        tracing::info!(commit_lsn = %commit_lsn, events = p.events,
+                            "resuming inside a transaction: its acknowledged events are not sent again");
+                    }
+                }
                 self.txn = Some(OpenTxn {
-                    id: self.tracker.begin(),
-                    commit_lsn: Lsn(final_lsn.0),
+                    id: self.tracker.begin(commit_lsn),
+                    commit_lsn,
                     xid,
                     index: 0,
+                    skip,
                 });
             }
             ReplicationEvent::Commit { end_lsn, .. } => {
@@ -837,6 +905,11 @@ impl<'a> Relay<'a> {
                     return Ok(());
                 };
                 let txn = self.txn.as_mut().context("Insert outside a transaction")?;
+                if txn.index < txn.skip {
+                    txn.index += 1;
+                    self.out.stats.skipped += 1;
+                    return Ok(());
+                }
                 let position = Position {
                     commit_lsn: txn.commit_lsn,
                     index: txn.index,
@@ -875,6 +948,7 @@ impl<'a> Relay<'a> {
             ignored_deletes = s.ignored_deletes,
             ignored_truncates = s.ignored_truncates,
             dead_lettered = s.dead_lettered,
+            skipped = s.skipped,
             "progress"
         );
     }
@@ -948,6 +1022,7 @@ async fn stream(
                 database: ident.dbname.clone().unwrap_or_default(),
                 slot: config.source.slot.clone(),
                 lsn: spec.start,
+                partial: None,
                 snapshot: None,
             };
             tokio::task::block_in_place(|| ctx.store.save(&cp))?;
@@ -1166,6 +1241,7 @@ async fn take_snapshot(
         database: ident.dbname.clone().unwrap_or_default(),
         slot: slot.clone(),
         lsn: Lsn(0),
+        partial: None,
         snapshot: Some(SnapshotState {
             consistent_point: None,
             complete: false,
@@ -1203,7 +1279,7 @@ async fn take_snapshot(
     snapshot::begin(&sql, &snapshot_name)
         .await
         .map_err(classify_sql)?;
-    let txn = relay.tracker.begin();
+    let txn = relay.tracker.begin(point);
     let mut index = 0u32;
     let mut rows_total = 0u64;
     for table_cfg in &config.outbox {
@@ -1514,6 +1590,7 @@ mod tests {
             database: "postgres".into(),
             slot: "walbox".into(),
             lsn: lsn(at),
+            partial: None,
             snapshot: snapshot.map(|complete| SnapshotState {
                 consistent_point: Some(lsn("0/100")),
                 complete,

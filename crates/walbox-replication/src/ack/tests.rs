@@ -5,7 +5,7 @@ use super::*;
 #[test]
 fn confirms_a_transaction_only_when_all_its_events_are_acked() {
     let mut t = AckTracker::new(Lsn(100));
-    let tx = t.begin();
+    let tx = t.begin(Lsn(0));
     let a = t.event(tx);
     let b = t.event(tx);
     t.commit(tx, Lsn(200));
@@ -20,10 +20,10 @@ fn confirms_a_transaction_only_when_all_its_events_are_acked() {
 #[test]
 fn a_later_transaction_waits_for_earlier_ones() {
     let mut t = AckTracker::new(Lsn(0));
-    let t1 = t.begin();
+    let t1 = t.begin(Lsn(0));
     let e1 = t.event(t1);
     t.commit(t1, Lsn(10));
-    let t2 = t.begin();
+    let t2 = t.begin(Lsn(0));
     let e2 = t.event(t2);
     t.commit(t2, Lsn(20));
     t.ack(e2);
@@ -35,15 +35,15 @@ fn a_later_transaction_waits_for_earlier_ones() {
 #[test]
 fn transactions_without_events_confirm_at_once_or_fold_behind_pending_ones() {
     let mut t = AckTracker::new(Lsn(0));
-    let empty = t.begin();
+    let empty = t.begin(Lsn(0));
     t.commit(empty, Lsn(5));
     assert_eq!(t.confirmed(), Lsn(5));
 
-    let t1 = t.begin();
+    let t1 = t.begin(Lsn(0));
     let e1 = t.event(t1);
     t.commit(t1, Lsn(10));
     for end in [20, 30, 40] {
-        let tx = t.begin();
+        let tx = t.begin(Lsn(0));
         t.commit(tx, Lsn(end));
     }
     assert_eq!(
@@ -62,11 +62,11 @@ fn a_transaction_is_settled_once_it_and_all_before_it_are_acked() {
     // which is also where the tracker starts: `confirmed` cannot tell when it is
     // done, `settled` can.
     let mut t = AckTracker::new(Lsn(50));
-    let snap = t.begin();
+    let snap = t.begin(Lsn(0));
     let rows: Vec<Ticket> = (0..3).map(|_| t.event(snap)).collect();
     assert!(!t.settled(snap), "open");
     t.commit(snap, Lsn(50));
-    let later = t.begin();
+    let later = t.begin(Lsn(0));
     t.commit(later, Lsn(60)); // empty: folds into the snapshot
     assert!(!t.settled(snap));
     assert!(!t.settled(later));
@@ -79,7 +79,7 @@ fn a_transaction_is_settled_once_it_and_all_before_it_are_acked() {
     assert_eq!(t.confirmed(), Lsn(60));
 
     let mut f = AckTracker::new(Lsn(0));
-    let tx = f.begin();
+    let tx = f.begin(Lsn(0));
     let e = f.event(tx);
     f.commit(tx, Lsn(10));
     f.fail(e);
@@ -87,11 +87,50 @@ fn a_transaction_is_settled_once_it_and_all_before_it_are_acked() {
 }
 
 #[test]
+fn partial_progress_is_the_acked_prefix_of_the_oldest_transaction() {
+    let mut t = AckTracker::new(Lsn(0));
+    let big = t.begin(Lsn(500));
+    let e: Vec<Ticket> = (0..5).map(|_| t.event(big)).collect();
+    assert_eq!(t.partial(), None);
+    let mut e = e.into_iter();
+    let (e0, e1, e2, e3, e4) = (
+        e.next().unwrap(),
+        e.next().unwrap(),
+        e.next().unwrap(),
+        e.next().unwrap(),
+        e.next().unwrap(),
+    );
+    t.ack(e1); // out of order: no prefix yet
+    assert_eq!(t.partial(), None);
+    t.ack(e0);
+    assert_eq!(t.partial(), Some((Lsn(500), 2)));
+    t.ack(e3);
+    assert_eq!(t.partial(), Some((Lsn(500), 2)), "event 2 still out");
+    t.ack(e2);
+    assert_eq!(t.partial(), Some((Lsn(500), 4)));
+    let next = t.begin(Lsn(900));
+    let n0 = t.event(next);
+    t.ack(n0);
+    assert_eq!(
+        t.partial(),
+        Some((Lsn(500), 4)),
+        "only the oldest transaction counts"
+    );
+    t.commit(big, Lsn(600));
+    t.ack(e4);
+    assert_eq!(t.confirmed(), Lsn(600));
+    assert_eq!(t.partial(), Some((Lsn(900), 1)));
+    t.commit(next, Lsn(1000));
+    assert_eq!(t.partial(), None);
+    assert_eq!(t.confirmed(), Lsn(1000));
+}
+
+#[test]
 fn an_open_transaction_blocks_idle_confirmation() {
     let mut t = AckTracker::new(Lsn(0));
     t.idle_wal_end(Lsn(50));
     assert_eq!(t.confirmed(), Lsn(50), "idle: follow the server");
-    let tx = t.begin();
+    let tx = t.begin(Lsn(0));
     t.idle_wal_end(Lsn(90));
     assert_eq!(
         t.confirmed(),
@@ -113,14 +152,14 @@ fn an_open_transaction_blocks_idle_confirmation() {
 #[test]
 fn a_failed_delivery_freezes_the_position_below_it() {
     let mut t = AckTracker::new(Lsn(0));
-    let t1 = t.begin();
+    let t1 = t.begin(Lsn(0));
     let ok = t.event(t1);
     t.commit(t1, Lsn(10));
-    let t2 = t.begin();
+    let t2 = t.begin(Lsn(0));
     let bad = t.event(t2);
     let after = t.event(t2);
     t.commit(t2, Lsn(20));
-    let t3 = t.begin();
+    let t3 = t.begin(Lsn(0));
     let later = t.event(t3);
     t.commit(t3, Lsn(30));
     t.fail(bad);
@@ -155,20 +194,24 @@ proptest! {
     fn never_confirms_past_an_unacked_event(steps in proptest::collection::vec(step(), 1..200)) {
         let mut t = AckTracker::new(Lsn(0));
         let mut lsn = 0u64;
-        // (end_lsn of its transaction, ticket) for every event not acked yet.
-        let mut pending: Vec<(Lsn, Ticket)> = Vec::new();
+        // (end_lsn and Begin LSN of its transaction, index in it, ticket) for
+        // every event not acked yet.
+        let mut pending: Vec<(Lsn, Lsn, u64, Ticket)> = Vec::new();
         let mut last = Lsn(0);
         for s in steps {
             match s {
                 Step::Txn { events } => {
-                    let tx = t.begin();
+                    let begin = Lsn(lsn + 50);
+                    let tx = t.begin(begin);
                     let tickets: Vec<Ticket> = (0..events).map(|_| t.event(tx)).collect();
                     lsn += 100;
                     t.commit(tx, Lsn(lsn));
-                    pending.extend(tickets.into_iter().map(|k| (Lsn(lsn), k)));
+                    pending.extend(
+                        tickets.into_iter().zip(0u64..).map(|(k, i)| (Lsn(lsn), begin, i, k)),
+                    );
                 }
                 Step::Ack(i) if !pending.is_empty() => {
-                    let (_, ticket) = pending.swap_remove(i.index(pending.len()));
+                    let (_, _, _, ticket) = pending.swap_remove(i.index(pending.len()));
                     t.ack(ticket);
                 }
                 Step::Ack(_) => {}
@@ -177,12 +220,23 @@ proptest! {
             let c = t.confirmed();
             prop_assert!(c >= last, "went backwards");
             last = c;
-            if let Some(oldest) = pending.iter().map(|(end, _)| *end).min() {
+            if let Some(oldest) = pending.iter().map(|(end, ..)| *end).min() {
                 prop_assert!(c < oldest, "confirmed {c} with an event of the transaction ending {oldest} unacked");
+            }
+            // The partial prefix never covers an unacknowledged event, and names
+            // the oldest transaction still waiting.
+            if let Some((begin, n)) = t.partial() {
+                prop_assert!(n > 0);
+                prop_assert!(
+                    !pending.iter().any(|(_, b, i, _)| *b == begin && *i < n),
+                    "prefix of {n} at {begin} covers an unacked event"
+                );
+                let oldest = pending.iter().map(|(_, b, ..)| *b).min();
+                prop_assert_eq!(oldest, Some(begin));
             }
             prop_assert_eq!(t.in_flight(), pending.len() as u64);
         }
-        for (_, ticket) in pending.drain(..) {
+        for (_, _, _, ticket) in pending.drain(..) {
             t.ack(ticket);
         }
         prop_assert!(t.confirmed() >= Lsn(lsn));
