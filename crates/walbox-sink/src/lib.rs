@@ -10,14 +10,18 @@
 //!   with murmur2 as the Java client does, topics checked or created on first use.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed.
+//!
+//! [`read_topic`] reads back what a topic holds, for audits.
 
 mod kafka;
+mod reader;
 mod stdout;
 
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
 pub use kafka::{KafkaSink, KafkaSinkConfig};
+pub use reader::{RecordView, read_topic};
 pub use stdout::StdoutSink;
 
 /// The outcome of one event.
@@ -70,6 +74,14 @@ pub enum SinkError {
     /// A configuration value is wrong.
     #[error("sink configuration: {0}")]
     Config(String),
+    /// Reading a topic back failed.
+    #[error("reading topic {topic:?}: {reason}")]
+    Read {
+        /// The topic.
+        topic: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// A destination for events.

@@ -12,6 +12,8 @@
 //!   shows its position, the WAL it retains and its lag (`--json` for scripts).
 //! - `walbox doctor`: checks a server before first use and says what to fix.
 //! - `walbox inspect`: what a slot holds, decoded, without consuming it.
+//! - `walbox verify`: the outbox table against the topics (missing, duplicated,
+//!   out-of-order events).
 //!
 //! Configuration comes from a TOML file, `WALBOX_*` variables and flags
 //! ([`config`]). Row values are never logged.
@@ -25,6 +27,7 @@ mod pg;
 mod pg_tls;
 mod relay;
 mod snapshot;
+mod verify;
 
 use clap::{Parser, Subcommand};
 
@@ -57,6 +60,9 @@ enum Command {
     Doctor(config::Overrides),
     /// Show the changes a slot holds, without consuming them.
     Inspect(inspect::Args),
+    /// Audit the outbox table against the topics: missing, duplicated and
+    /// out-of-order events.
+    Verify(verify::Args),
 }
 
 #[derive(Debug, Subcommand)]
@@ -173,6 +179,7 @@ fn main() -> std::process::ExitCode {
             },
             Command::Doctor(o) => doctor::run(&config::Config::load(&o)?).await,
             Command::Inspect(args) => inspect::run(args).await,
+            Command::Verify(args) => verify::run(args).await,
         }
     });
     match result {

@@ -1,0 +1,159 @@
+//! Reading back what a topic holds, for audits (`walbox verify`): every
+//! partition from its start to its end, without a consumer group's offsets.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaError;
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::SinkError;
+
+/// One record as the reader hands it over.
+#[derive(Debug)]
+pub struct RecordView<'a> {
+    msg: &'a BorrowedMessage<'a>,
+}
+
+impl RecordView<'_> {
+    /// Partition.
+    #[must_use]
+    pub fn partition(&self) -> i32 {
+        self.msg.partition()
+    }
+
+    /// Offset.
+    #[must_use]
+    pub fn offset(&self) -> i64 {
+        self.msg.offset()
+    }
+
+    /// Key bytes.
+    #[must_use]
+    pub fn key(&self) -> Option<&[u8]> {
+        self.msg.key()
+    }
+
+    /// The first header called `name`, as UTF-8 text.
+    #[must_use]
+    pub fn header(&self, name: &str) -> Option<&str> {
+        let headers = self.msg.headers()?;
+        headers
+            .iter()
+            .find(|h| h.key == name)
+            .and_then(|h| h.value)
+            .and_then(|v| std::str::from_utf8(v).ok())
+    }
+}
+
+/// Reads `topic` from the start of each partition until every partition is at
+/// its end, calling `each` for every record; returns how many were read.
+/// `properties` are librdkafka properties (`bootstrap.servers`, security).
+pub fn read_topic(
+    properties: &[(String, String)],
+    topic: &str,
+    timeout: Duration,
+    mut each: impl FnMut(RecordView<'_>),
+) -> Result<u64, SinkError> {
+    let mut config = ClientConfig::new();
+    for (k, v) in properties {
+        // Producer-only settings do not apply to a reader.
+        if !is_producer_property(k) {
+            config.set(k, v);
+        }
+    }
+    let consumer: BaseConsumer = config
+        .set("group.id", format!("walbox-reader-{}", std::process::id()))
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "true")
+        .set("log_level", "3")
+        .create()?;
+    let md = consumer.fetch_metadata(Some(topic), timeout)?;
+    let t = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .ok_or_else(|| SinkError::Read {
+            topic: topic.to_owned(),
+            reason: "not in the broker's metadata".into(),
+        })?;
+    if let Some(e) = t.error() {
+        return Err(SinkError::Read {
+            topic: topic.to_owned(),
+            reason: format!("{:?}", rdkafka::types::RDKafkaRespErr::from(e)),
+        });
+    }
+    // Every partition from its start until the broker says it is at its end
+    // (partition EOF). Watermarks are not used: some Kafka-protocol brokers
+    // report them loosely.
+    let partitions: Vec<i32> = t.partitions().iter().map(|p| p.id()).collect();
+    let mut assignment = TopicPartitionList::new();
+    for p in &partitions {
+        assignment.add_partition_offset(topic, *p, Offset::Beginning)?;
+    }
+    consumer.assign(&assignment)?;
+    let mut at_end: HashSet<i32> = HashSet::new();
+    let mut read = 0u64;
+    let mut last_progress = Instant::now();
+    while at_end.len() < partitions.len() {
+        match consumer.poll(Duration::from_millis(200)) {
+            None => {
+                if last_progress.elapsed() > timeout {
+                    return Err(SinkError::Read {
+                        topic: topic.to_owned(),
+                        reason: format!(
+                            "nothing for {} s with {} of {} partitions read to their end",
+                            timeout.as_secs(),
+                            at_end.len(),
+                            partitions.len()
+                        ),
+                    });
+                }
+            }
+            Some(Ok(m)) => {
+                last_progress = Instant::now();
+                at_end.remove(&m.partition());
+                read += 1;
+                each(RecordView { msg: &m });
+            }
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                last_progress = Instant::now();
+                at_end.insert(p);
+            }
+            Some(Err(e)) => return Err(e.into()),
+        }
+    }
+    Ok(read)
+}
+
+fn is_producer_property(key: &str) -> bool {
+    matches!(
+        key,
+        "enable.idempotence"
+            | "acks"
+            | "request.required.acks"
+            | "linger.ms"
+            | "queue.buffering.max.ms"
+            | "queue.buffering.max.messages"
+            | "queue.buffering.max.kbytes"
+            | "batch.num.messages"
+            | "batch.size"
+            | "compression.type"
+            | "compression.codec"
+            | "compression.level"
+            | "message.timeout.ms"
+            | "delivery.timeout.ms"
+            | "retries"
+            | "message.send.max.retries"
+            | "max.in.flight"
+            | "max.in.flight.requests.per.connection"
+            | "partitioner"
+            | "transactional.id"
+            | "transaction.timeout.ms"
+    )
+}
