@@ -85,7 +85,7 @@ pub fn read_topic(
     if let Some(e) = t.error() {
         return Err(SinkError::Read {
             topic: topic.to_owned(),
-            reason: format!("{:?}", rdkafka::types::RDKafkaRespErr::from(e)),
+            reason: format!("{:?}", rdkafka::types::RDKafkaErrorCode::from(e)),
         });
     }
     // Every partition from its start until the broker says it is at its end
