@@ -180,43 +180,35 @@ pub async fn run(args: Args) -> Result<()> {
     let mut dead: HashSet<String> = HashSet::new();
     let mut out_of_order: Vec<String> = Vec::new();
     for topic in &topics {
-        let props = properties.clone();
-        let t = topic.clone();
-        let (read, seen) = tokio::task::block_in_place(|| {
-            let mut seen: Vec<(String, Option<Vec<u8>>, Option<(Lsn, u64)>)> = Vec::new();
-            let n = walbox_sink::read_topic(&props, &t, timeout, |r| {
+        let read = tokio::task::block_in_place(|| {
+            walbox_sink::read_topic(&properties, topic, timeout, |r| {
                 let id = r.header(header::EVENT_ID).unwrap_or_default().to_owned();
                 let pos = r
                     .header(header::COMMIT_LSN)
                     .and_then(|l| l.parse::<Lsn>().ok())
-                    .zip(r.header(header::INDEX).and_then(|i| i.parse::<u64>().ok()));
-                seen.push((id, r.key().map(<[u8]>::to_vec), pos));
-            })?;
-            Ok::<_, walbox_sink::SinkError>((n, seen))
+                    .zip(r.header(header::INDEX).and_then(|i| i.parse::<u64>().ok()))
+                    .unwrap_or((Lsn(0), 0));
+                let replay = positions.contains_key(&id);
+                if let Some(key) = r.key() {
+                    let slot = latest.entry((topic.clone(), key.to_vec())).or_insert(pos);
+                    if pos < *slot && !replay {
+                        out_of_order.push(id.clone());
+                    }
+                    *slot = (*slot).max(pos);
+                }
+                positions.entry(id).or_default().push(pos);
+            })
         })
         .with_context(|| format!("reading topic {topic}"))?;
         report.records += read;
-        for (id, key, pos) in seen {
-            let pos = pos.unwrap_or((Lsn(0), 0));
-            let replay = positions.contains_key(&id);
-            if let Some(key) = key {
-                let slot = latest.entry((topic.clone(), key)).or_insert(pos);
-                if pos < *slot && !replay {
-                    out_of_order.push(id.clone());
-                }
-                *slot = (*slot).max(pos);
-            }
-            positions.entry(id).or_default().push(pos);
-        }
         // Its dead letters, when there is a dead-letter topic.
         let dlq = dead_letter
             .render(|_, _| Ok::<_, ()>(topic.as_str()))
             .unwrap_or_default();
         if !topics.contains(&dlq) {
-            let props = properties.clone();
             let ids = tokio::task::block_in_place(|| {
                 let mut ids = Vec::new();
-                let r = walbox_sink::read_topic(&props, &dlq, timeout, |r| {
+                let r = walbox_sink::read_topic(&properties, &dlq, timeout, |r| {
                     ids.push(r.header(header::EVENT_ID).unwrap_or_default().to_owned());
                 });
                 r.map(|_| ids)
