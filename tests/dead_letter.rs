@@ -125,3 +125,48 @@ async fn with_the_stop_policy_a_poison_row_stops_walbox_naming_it() {
     assert!(log.contains("payload_not_json"), "{log}");
     assert!(confirmed_lsn(&db, "walbox").await < current_lsn(&db).await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_larger_than_the_broker_accepts_is_dead_lettered_and_the_stream_goes_on() {
+    let (pg, broker, db, env) = start().await;
+    let cfg = pg.client_dir().join("small.toml");
+    std::fs::write(&cfg, "[sink.kafka]\n\"message.max.bytes\" = 20000\n").unwrap();
+    let mut walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    let big = format!(r#"{{"seq": 1, "blob": "{}"}}"#, "x".repeat(50_000));
+    db.batch_execute(
+        &[
+            insert("order", Some("k1"), r#"{"seq": 0}"#),
+            insert("order", Some("k1"), &big),
+            insert("order", Some("k1"), r#"{"seq": 2}"#),
+        ]
+        .concat(),
+    )
+    .await
+    .unwrap();
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    let good = read_topic(&broker.bootstrap(), "outbox.order", 2).await;
+    assert_eq!(good.len(), 2, "the rows around it went out");
+    let dlq = read_topic(&broker.bootstrap(), "outbox.order.dlq", 1).await;
+    assert_eq!(dlq.len(), 1);
+    let d = &dlq[0];
+    let big_id: String = db
+        .query_one(
+            "SELECT id::text FROM outbox WHERE length(payload) > 40000",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(d.header("event_id"), Some(big_id.as_str()));
+    assert_eq!(d.header("walbox_error_class"), Some("message_too_large"));
+    assert_eq!(d.header("walbox_source_topic"), Some("outbox.order"));
+    assert_eq!(d.header("walbox_attempts"), Some("1"));
+    assert_eq!(d.header("walbox_index"), Some("1"));
+    assert_eq!(d.key_str(), Some("k1"));
+    let v: serde_json::Value = serde_json::from_slice(d.value.as_deref().unwrap()).unwrap();
+    assert!(v["value_bytes"].as_u64().unwrap() > 50_000, "{v}");
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    assert!(walbox.log().contains("dead_lettered=1"), "{}", walbox.log());
+}

@@ -11,7 +11,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use tokio::sync::mpsc;
 use walbox_outbox::{Event, header};
 
-use crate::{Deliveries, Delivery, DeliveryError, Sink, SinkError};
+use crate::{Deliveries, Delivery, DeliveryError, RejectedRecord, Sink, SinkError};
 
 /// Settings of the Kafka sink.
 #[derive(Debug, Clone)]
@@ -64,12 +64,30 @@ impl ProducerContext for Reports {
                             .map(|v| String::from_utf8_lossy(v).into_owned())
                     })
                     .unwrap_or_default();
-                Err(DeliveryError {
+                let mut e = DeliveryError {
                     event_id,
                     topic: msg.topic().to_owned(),
                     class: classify(err),
                     reason: err.to_string(),
-                })
+                    rejected: None,
+                };
+                if e.is_about_the_message() {
+                    e.rejected = Some(RejectedRecord {
+                        key: msg.key().map(<[u8]>::to_vec),
+                        headers: msg
+                            .headers()
+                            .map(|hs| {
+                                hs.iter()
+                                    .map(|h| {
+                                        (h.key.to_owned(), h.value.unwrap_or_default().to_vec())
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                        value_len: msg.payload_len(),
+                    });
+                }
+                Err(e)
             }
         };
         let _ = self.tx.send(Delivery { token, result });
@@ -247,17 +265,30 @@ impl Sink for KafkaSink {
                 Err((e, r)) => {
                     // Refused before it was queued (e.g. larger than message.max.bytes):
                     // report it as this event's delivery failure.
+                    let mut failure = DeliveryError {
+                        event_id: event.event_id.clone(),
+                        topic: event.topic.clone(),
+                        class: classify(&e),
+                        reason: e.to_string(),
+                        rejected: None,
+                    };
+                    if failure.is_about_the_message() {
+                        failure.rejected = Some(RejectedRecord {
+                            key: event.key.as_ref().map(|k| k.to_vec()),
+                            headers: event
+                                .headers
+                                .iter()
+                                .map(|(k, v)| (k.clone(), v.to_vec()))
+                                .collect(),
+                            value_len: event.value.len(),
+                        });
+                    }
                     self.producer
                         .context()
                         .tx
                         .send(Delivery {
                             token: r.delivery_opaque,
-                            result: Err(DeliveryError {
-                                event_id: event.event_id.clone(),
-                                topic: event.topic.clone(),
-                                class: classify(&e),
-                                reason: e.to_string(),
-                            }),
+                            result: Err(failure),
                         })
                         .ok();
                     return Ok(());

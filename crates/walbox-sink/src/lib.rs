@@ -33,6 +33,26 @@ pub struct Delivery {
     pub result: Result<(), DeliveryError>,
 }
 
+/// A record the destination refused for what it is, not for where it went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RejectedRecord {
+    /// Its key.
+    pub key: Option<Vec<u8>>,
+    /// Its headers, in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Size of its value in bytes.
+    pub value_len: usize,
+}
+
+impl DeliveryError {
+    /// Whether the failure is about the message itself, so that sending it
+    /// again would fail again (it belongs in a dead-letter topic).
+    #[must_use]
+    pub fn is_about_the_message(&self) -> bool {
+        self.class == "message_too_large"
+    }
+}
+
 /// Receives one [`Delivery`] per event sent.
 pub type Deliveries = mpsc::UnboundedReceiver<Delivery>;
 
@@ -48,6 +68,9 @@ pub struct DeliveryError {
     pub class: &'static str,
     /// What the destination said.
     pub reason: String,
+    /// For a failure about the message itself (too large), the record as it was
+    /// sent, without its value: what a dead letter needs.
+    pub rejected: Option<RejectedRecord>,
 }
 
 /// A failure of the sink itself, not of one event.

@@ -16,7 +16,9 @@ use walbox_replication::{
     AckTracker, CHECKPOINT_VERSION, Checkpoint, CheckpointFile, Partial, SnapshotState, Ticket,
     TxnId,
 };
-use walbox_sink::{Deliveries, Delivery, KafkaSink, KafkaSinkConfig, Sink, SinkError, StdoutSink};
+use walbox_sink::{
+    Deliveries, Delivery, DeliveryError, KafkaSink, KafkaSinkConfig, Sink, SinkError, StdoutSink,
+};
 
 use crate::catalog;
 use crate::config::{Config, DeadLetterPolicy, ReplayWindow, SinkKind, SnapshotMode};
@@ -803,7 +805,7 @@ impl<'a> Relay<'a> {
         Some(self.tracker.confirmed().min(cp.lsn))
     }
 
-    fn delivered(&mut self, d: Delivery) -> Result<()> {
+    async fn delivered(&mut self, d: Delivery) -> Result<()> {
         let ticket = self
             .out
             .in_flight
@@ -815,10 +817,33 @@ impl<'a> Relay<'a> {
                 Ok(())
             }
             Err(e) => {
+                if e.is_about_the_message()
+                    && self.out.policy == DeadLetterPolicy::Topic
+                    && let Some(dead) = rejected_dead_letter(&e, &self.out.dead_letter_topic)
+                {
+                    // Refused for what it is (too large): its dead letter takes its
+                    // place; the position passes it once that is acknowledged.
+                    tracing::warn!(
+                        event_id = %e.event_id,
+                        topic = %e.topic,
+                        class = e.class,
+                        reason = %e.reason,
+                        dead_letter_topic = %dead.topic,
+                        "dead-lettered"
+                    );
+                    self.out.stats.dead_lettered += 1;
+                    let token = self.out.in_flight.insert(ticket, dead.size());
+                    return self.out.sink.send(dead, token).await.map_err(|e| match e {
+                        SinkError::Kafka(_) => transient(e),
+                        other => anyhow!(other),
+                    });
+                }
                 self.tracker.fail(ticket);
-                // A timeout or broker error may pass: resume from the checkpoint.
-                // A failure about the message itself would repeat.
-                let retry = matches!(e.class, "timeout" | "broker_error");
+                // Not about this message (timeout, broker unreachable or refusing,
+                // authorization, a dead-letter write failing): resume from the
+                // checkpoint after a backoff. About the message, under the stop
+                // policy: stop.
+                let retry = !e.is_about_the_message();
                 let e = anyhow!(e).context(format!(
                     "delivery failed; the position stays at {} and the next session resumes there",
                     self.tracker.confirmed()
@@ -954,6 +979,73 @@ impl<'a> Relay<'a> {
     }
 }
 
+/// The dead letter of an event the destination refused for what it is: the
+/// event's key and headers, the error's class and reason, and a value that
+/// describes it (the value itself is what was refused). `None` for a record that
+/// is already a dead letter.
+fn rejected_dead_letter(e: &DeliveryError, template: &TopicTemplate) -> Option<Event> {
+    use walbox_outbox::dead_letter_header as dl;
+    let record = e.rejected.as_ref()?;
+    if record.headers.iter().any(|(k, _)| k == dl::ERROR_CLASS) {
+        return None;
+    }
+    let topic = template
+        .render(|_, _| Ok::<_, std::convert::Infallible>(e.topic.as_str()))
+        .unwrap_or_else(|never| match never {});
+    let topic = if walbox_outbox::validate_topic(&topic).is_ok() {
+        topic
+    } else {
+        "walbox.dlq".to_owned()
+    };
+    let header = |name: &str| {
+        record
+            .headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    };
+    let position = Position {
+        commit_lsn: header(walbox_outbox::header::COMMIT_LSN)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(Lsn(0)),
+        index: header(walbox_outbox::header::INDEX)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+        xid: header(walbox_outbox::header::XID)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    };
+    let mut headers: Vec<(String, bytes::Bytes)> = record
+        .headers
+        .iter()
+        .map(|(k, v)| (k.clone(), bytes::Bytes::from(v.clone())))
+        .collect();
+    headers.push((
+        dl::ERROR_CLASS.to_owned(),
+        bytes::Bytes::from_static(e.class.as_bytes()),
+    ));
+    headers.push((dl::ERROR.to_owned(), bytes::Bytes::from(e.reason.clone())));
+    headers.push((
+        dl::SOURCE_TOPIC.to_owned(),
+        bytes::Bytes::from(e.topic.clone()),
+    ));
+    headers.push((dl::ATTEMPTS.to_owned(), bytes::Bytes::from_static(b"1")));
+    let value = serde_json::json!({
+        "topic": e.topic,
+        "value_bytes": record.value_len,
+        "value": null,
+    })
+    .to_string();
+    Some(Event {
+        event_id: e.event_id.clone(),
+        topic,
+        key: record.key.clone().map(bytes::Bytes::from),
+        value: bytes::Bytes::from(value),
+        headers,
+        position,
+    })
+}
+
 /// How a stream phase ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum StreamEnd {
@@ -1085,7 +1177,7 @@ async fn stream(
                 Ok(())
             }
             // 2. Delivery reports before new input: they free room and move the position.
-            Some(d) = deliveries.recv() => relay.delivered(d),
+            Some(d) = deliveries.recv() => relay.delivered(d).await,
             // 3. The shutdown deadline.
             () = tokio::time::sleep_until(deadline.into()), if stopping.is_some() => Ok(()),
             // 4. New WAL, unless the in-flight bound is reached (backpressure). When
@@ -1309,7 +1401,7 @@ async fn take_snapshot(
                         tracing::warn!(rows = rows_total, "stopped during the snapshot; the next start takes it again");
                         return Ok(None);
                     }
-                    Some(d) = deliveries.recv() => relay.delivered(d)?,
+                    Some(d) = deliveries.recv() => relay.delivered(d).await?,
                     r = &mut fetch => break r.context("reading the snapshot").map_err(classify_sql)?,
                 }
             };
@@ -1326,7 +1418,7 @@ async fn take_snapshot(
                             tracing::warn!(rows = rows_total, "stopped during the snapshot; the next start takes it again");
                             return Ok(None);
                         }
-                        Some(d) = deliveries.recv() => relay.delivered(d)?,
+                        Some(d) = deliveries.recv() => relay.delivered(d).await?,
                     }
                 }
                 let position = Position {
@@ -1340,7 +1432,7 @@ async fn take_snapshot(
                     .publish(&mut relay.tracker, &mapper, &row, position, txn)
                     .await?;
                 while let Ok(d) = deliveries.try_recv() {
-                    relay.delivered(d)?;
+                    relay.delivered(d).await?;
                 }
             }
             rows_total += n;
@@ -1429,7 +1521,7 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
                 tracing::warn!(in_flight = relay.tracker.in_flight(), "stopped before every snapshot row was acknowledged; the next start takes it again");
                 return Ok(());
             }
-            Some(d) = deliveries.recv() => relay.delivered(d)?,
+            Some(d) = deliveries.recv() => relay.delivered(d).await?,
             () = tokio::time::sleep(timeout) => bail!(
                 "snapshot rows not acknowledged within {} ms; the next start takes the snapshot again",
                 config.shutdown.timeout_ms
