@@ -327,3 +327,48 @@ async fn a_broker_outage_longer_than_the_delivery_timeout_resumes_from_the_check
     assert_duplicates_are_replays(&records);
     assert_per_key_order(&records, true);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silently_stalled_connection_is_detected_and_replaced() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let cfg = pg.client_dir().join("stall.toml");
+    std::fs::write(&cfg, "[source]\nstall_timeout_ms = 3000\n").unwrap();
+    let walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    write_events(&pg, 1, 5, 10, 10).await;
+    wait_confirmed(
+        &db,
+        "walbox",
+        current_lsn(&db).await,
+        Duration::from_secs(60),
+    )
+    .await;
+    let pid: i32 = db
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'walbox'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // The walsender freezes: the connection stays open, nothing comes through.
+    let walsender = nix::unistd::Pid::from_raw(pid);
+    nix::sys::signal::kill(walsender, Signal::SIGSTOP).unwrap();
+    write_events_from(&pg, 1, 5, 10, 10, 10).await;
+    walbox_testkit::wait_until("the stall to be detected", Duration::from_secs(60), || {
+        walbox
+            .log()
+            .contains("replication connection stalled")
+            .then_some(())
+    })
+    .unwrap();
+    // It was told to terminate; once it runs again it does, and the slot is free.
+    nix::sys::signal::kill(walsender, Signal::SIGCONT).unwrap();
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 100, "stall").await;
+    let log = walbox.log();
+    stop(walbox);
+    assert!(log.contains("has not processed a status update"), "{log}");
+    assert_duplicates_are_replays(&records);
+    assert_per_key_order(&records, true);
+}

@@ -219,6 +219,15 @@ pub struct SourceConfig {
     /// `1GB`): the range `walbox replay` can publish again. Costs that much WAL.
     #[serde(default = "default_replay_window")]
     pub replay_window: String,
+    /// After this long without a message from the server while waiting for one,
+    /// walbox checks whether the walsender still runs and reconnects if it does
+    /// not (a silently stalled connection), in milliseconds; 0 turns it off.
+    #[serde(default = "default_stall_timeout_ms")]
+    pub stall_timeout_ms: u64,
+}
+
+fn default_stall_timeout_ms() -> u64 {
+    30_000
 }
 
 fn default_replay_window() -> String {
@@ -243,6 +252,7 @@ impl Default for SourceConfig {
             publication: default_publication(),
             status_interval_ms: default_status_interval_ms(),
             replay_window: default_replay_window(),
+            stall_timeout_ms: default_stall_timeout_ms(),
         }
     }
 }

@@ -1148,6 +1148,9 @@ async fn stream(
     progress.tick().await;
     let mut housekeeping = tokio::time::interval(CHECKPOINT_EVERY);
     housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let stall_timeout = Duration::from_millis(config.source.stall_timeout_ms);
+    // When a message last came from the server while walbox was waiting for one.
+    let mut heard = Instant::now();
 
     let outcome: Result<StreamEnd> = loop {
         if relay.reached_end && relay.tracker.in_flight() == 0 && relay.txn.is_none() {
@@ -1168,6 +1171,15 @@ async fn stream(
         let full = relay.full();
         let deadline = stopping.unwrap_or_else(Instant::now);
         let reading = !full && !relay.reached_end && (stopping.is_none() || relay.txn.is_some());
+        if !reading {
+            // Silence while walbox is not reading is walbox's own doing.
+            heard = Instant::now();
+        } else if !stall_timeout.is_zero() && heard.elapsed() >= stall_timeout {
+            if let Err(e) = check_stall(ctx, stall_timeout).await {
+                break Err(e);
+            }
+            heard = Instant::now();
+        }
         let step: Result<()> = tokio::select! {
             biased;
             // 1. A stop signal: stop reading, drain acknowledgements.
@@ -1185,7 +1197,10 @@ async fn stream(
             //    count as delivered only once its Commit is seen, so stopping inside
             //    it would make the next start send them again.
             ev = repl.recv(), if reading => match ev {
-                Ok(Some(ev)) => relay.handle(ev).await,
+                Ok(Some(ev)) => {
+                    heard = Instant::now();
+                    relay.handle(ev).await
+                }
                 Ok(None) => Err(transient(anyhow!("the replication stream ended"))),
                 Err(e) => Err(classify_replication(anyhow!(e).context("replication stream"))),
             },
@@ -1233,7 +1248,13 @@ async fn stream(
             tracing::warn!(%reported, "final position may not have reached the server");
         }
     }
-    let _ = repl.shutdown().await;
+    // A stalled server may never answer the goodbye.
+    if tokio::time::timeout(Duration::from_secs(5), repl.shutdown())
+        .await
+        .is_err()
+    {
+        repl.abort();
+    }
     relay.log_progress();
     tracing::info!(
         confirmed = %relay.tracker.confirmed(),
@@ -1243,6 +1264,65 @@ async fn stream(
     );
     saved?;
     outcome
+}
+
+/// Nothing came from the server for `timeout` while walbox waited: an idle
+/// stream is quiet too, so ask the server (on a new connection) whether the
+/// walsender still processes walbox's status updates. It is stalled when it does
+/// not (its `reply_time` is older than `timeout`), when it is gone, or when the
+/// server does not answer; then the stuck walsender is terminated (so the slot is
+/// free again) and the session ends with a transient error.
+async fn check_stall(ctx: Ctx<'_>, timeout: Duration) -> Result<()> {
+    const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+    let slot = &ctx.config.source.slot;
+    let secs = timeout.as_secs_f64();
+    let stalled = |why: String| {
+        transient(anyhow!(
+            "replication connection stalled: nothing from the server for {secs:.0} s and {why}"
+        ))
+    };
+    let probe = async {
+        let sql = ctx.conn.connect().await?;
+        let row = sql
+            .query_opt(
+                "SELECT s.active_pid,
+                        coalesce(extract(epoch FROM now() - r.reply_time), 1e9)::float8
+                 FROM pg_replication_slots s
+                 LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
+                 WHERE s.slot_name = $1",
+                &[slot],
+            )
+            .await?;
+        Ok::<_, anyhow::Error>((
+            sql,
+            row.map(|r| (r.get::<_, Option<i32>>(0), r.get::<_, f64>(1))),
+        ))
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+        Err(_) => Err(stalled(format!(
+            "the server did not answer a probe within {} s",
+            PROBE_TIMEOUT.as_secs()
+        ))),
+        Ok(Err(e)) => Err(stalled(format!("a probe failed: {e:#}"))),
+        Ok(Ok((_, None | Some((None, _))))) => {
+            Err(stalled("the server shows no reader on the slot".to_owned()))
+        }
+        Ok(Ok((sql, Some((Some(pid), since_reply))))) => {
+            if since_reply < secs {
+                tracing::debug!(pid, since_reply, "quiet stream, walsender alive");
+                return Ok(());
+            }
+            let _ = tokio::time::timeout(
+                PROBE_TIMEOUT,
+                sql.execute("SELECT pg_terminate_backend($1)", &[&pid]),
+            )
+            .await;
+            Err(stalled(format!(
+                "walsender pid {pid} has not processed a status update for {since_reply:.0} s \
+                 (terminated)"
+            )))
+        }
+    }
 }
 
 /// Keeps the reported position `replay_window` behind the acknowledged one.
