@@ -385,3 +385,27 @@ async fn a_restart_inside_a_large_transaction_skips_its_acknowledged_events() {
     );
     assert_per_key_order(&records, true);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_another_cluster_is_refused() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 1, 10, 10).await;
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    stop(walbox);
+    let path = checkpoint_path(&pg);
+    let mine = std::fs::read_to_string(&path).unwrap();
+    let mut other: serde_json::Value = serde_json::from_str(&mine).unwrap();
+    other["system_identifier"] = "7000000000000000001".into();
+    std::fs::write(&path, other.to_string()).unwrap();
+    let (code, _, err) = walbox_cmd(&["run"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("on cluster 7000000000000000001"), "{err}");
+    assert!(
+        err.contains("give each relay its own checkpoint path"),
+        "{err}"
+    );
+    std::fs::write(&path, mine).unwrap();
+}
