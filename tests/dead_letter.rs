@@ -170,3 +170,77 @@ async fn a_message_larger_than_the_broker_accepts_is_dead_lettered_and_the_strea
     assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
     assert!(walbox.log().contains("dead_lettered=1"), "{}", walbox.log());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_replayed_to_their_topic_after_a_fix_and_kept() {
+    let (pg, broker, db, env) = start().await;
+    let cfg = pg.client_dir().join("small.toml");
+    std::fs::write(&cfg, "[sink.kafka]\n\"message.max.bytes\" = 20000\n").unwrap();
+    let mut walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    let big = format!(r#"{{"seq": 2, "blob": "{}"}}"#, "x".repeat(50_000));
+    db.batch_execute(
+        &[
+            insert("order", Some("k1"), r#"{"seq": 0}"#),
+            insert("order", Some("k1"), "not json yet"),
+            insert("order", Some("k1"), &big),
+        ]
+        .concat(),
+    )
+    .await
+    .unwrap();
+    wait_confirmed(
+        &db,
+        "walbox",
+        current_lsn(&db).await,
+        Duration::from_secs(60),
+    )
+    .await;
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    let dlq = read_topic(&broker.bootstrap(), "outbox.order.dlq", 2).await;
+    assert_eq!(dlq.len(), 2);
+
+    // Unfixed, the poison row still fails and stays; the large one (read from the
+    // table, default size limit) goes out.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--dry-run"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        out.contains("still failing") && out.contains("payload_not_json"),
+        "{out}"
+    );
+    assert!(out.contains("would replay 1 dead letters"), "{out}");
+
+    db.batch_execute("UPDATE outbox SET payload = '{\"seq\": 1}' WHERE payload = 'not json yet'")
+        .await
+        .unwrap();
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 2 dead letters; 0 still failing"),
+        "{out}"
+    );
+    let records = read_topic(&broker.bootstrap(), "outbox.order", 3).await;
+    assert_eq!(records.len(), 3);
+    let ids: Vec<&str> = dlq.iter().map(|d| d.header("event_id").unwrap()).collect();
+    for d in &dlq {
+        let id = d.header("event_id").unwrap();
+        let r = records
+            .iter()
+            .find(|r| r.header("event_id") == Some(id))
+            .unwrap_or_else(|| panic!("{id} not replayed"));
+        assert_eq!(r.header("walbox_commit_lsn"), d.header("walbox_commit_lsn"));
+        assert_eq!(r.header("walbox_index"), d.header("walbox_index"));
+        assert_eq!(r.key_str(), Some("k1"));
+    }
+    assert_eq!(ids.len(), 2);
+    // Kept in the dead-letter topic; a second replay has nothing left to do.
+    assert_eq!(
+        read_topic(&broker.bootstrap(), "outbox.order.dlq", 2)
+            .await
+            .len(),
+        2
+    );
+    let (code, out, _) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("replayed 0 dead letters"), "{out}");
+}

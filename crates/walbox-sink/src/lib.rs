@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
 pub use kafka::{KafkaSink, KafkaSinkConfig};
-pub use reader::{RecordView, read_topic};
+pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
 pub use stdout::StdoutSink;
 
 /// The outcome of one event.

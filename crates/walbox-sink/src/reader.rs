@@ -37,6 +37,12 @@ impl RecordView<'_> {
         self.msg.key()
     }
 
+    /// Value bytes.
+    #[must_use]
+    pub fn value(&self) -> Option<&[u8]> {
+        self.msg.payload()
+    }
+
     /// The first header called `name`, as UTF-8 text.
     #[must_use]
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -56,8 +62,45 @@ pub fn read_topic(
     properties: &[(String, String)],
     topic: &str,
     timeout: Duration,
-    mut each: impl FnMut(RecordView<'_>),
+    each: impl FnMut(RecordView<'_>),
 ) -> Result<u64, SinkError> {
+    read(properties, topic, None, timeout, each)
+}
+
+/// Reads `topic` like [`read_topic`], but from where consumer group `group`
+/// committed (the start where it has not); returns how many records were read.
+/// [`commit_group`] records progress.
+pub fn read_topic_from_group(
+    properties: &[(String, String)],
+    topic: &str,
+    group: &str,
+    timeout: Duration,
+    each: impl FnMut(RecordView<'_>),
+) -> Result<u64, SinkError> {
+    read(properties, topic, Some(group), timeout, each)
+}
+
+/// Commits, for consumer group `group`, that records of `topic` before
+/// `next[partition]` are done.
+pub fn commit_group(
+    properties: &[(String, String)],
+    topic: &str,
+    group: &str,
+    next: &[(i32, i64)],
+) -> Result<(), SinkError> {
+    if next.is_empty() {
+        return Ok(());
+    }
+    let consumer = consumer(properties, group)?;
+    let mut offsets = TopicPartitionList::new();
+    for (p, o) in next {
+        offsets.add_partition_offset(topic, *p, Offset::Offset(*o))?;
+    }
+    consumer.commit(&offsets, rdkafka::consumer::CommitMode::Sync)?;
+    Ok(())
+}
+
+fn consumer(properties: &[(String, String)], group: &str) -> Result<BaseConsumer, SinkError> {
     let mut config = ClientConfig::new();
     for (k, v) in properties {
         // Producer-only settings do not apply to a reader.
@@ -65,14 +108,25 @@ pub fn read_topic(
             config.set(k, v);
         }
     }
-    let consumer: BaseConsumer = config
-        .set("group.id", format!("walbox-reader-{}", std::process::id()))
+    Ok(config
+        .set("group.id", group)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
         .set("enable.partition.eof", "true")
         .set("log_level", "3")
-        .create()?;
+        .create()?)
+}
+
+fn read(
+    properties: &[(String, String)],
+    topic: &str,
+    group: Option<&str>,
+    timeout: Duration,
+    mut each: impl FnMut(RecordView<'_>),
+) -> Result<u64, SinkError> {
+    let own_group = format!("walbox-reader-{}", std::process::id());
+    let consumer = consumer(properties, group.unwrap_or(&own_group))?;
     let md = consumer.fetch_metadata(Some(topic), timeout)?;
     let t = md
         .topics()
@@ -93,8 +147,13 @@ pub fn read_topic(
     // report them loosely.
     let partitions: Vec<i32> = t.partitions().iter().map(|p| p.id()).collect();
     let mut assignment = TopicPartitionList::new();
+    let start = if group.is_some() {
+        Offset::Stored
+    } else {
+        Offset::Beginning
+    };
     for p in &partitions {
-        assignment.add_partition_offset(topic, *p, Offset::Beginning)?;
+        assignment.add_partition_offset(topic, *p, start)?;
     }
     consumer.assign(&assignment)?;
     let mut at_end: HashSet<i32> = HashSet::new();

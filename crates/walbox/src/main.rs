@@ -14,6 +14,7 @@
 //! - `walbox inspect`: what a slot holds, decoded, without consuming it.
 //! - `walbox verify`: the outbox table against the topics (missing, duplicated,
 //!   out-of-order events).
+//! - `walbox dlq replay`: dead letters again to their topics after a fix.
 //!
 //! Configuration comes from a TOML file, `WALBOX_*` variables and flags
 //! ([`config`]). Row values are never logged.
@@ -21,6 +22,7 @@
 mod admin;
 mod catalog;
 mod config;
+mod dlq;
 mod doctor;
 mod inspect;
 mod pg;
@@ -63,6 +65,11 @@ enum Command {
     /// Audit the outbox table against the topics: missing, duplicated and
     /// out-of-order events.
     Verify(verify::Args),
+    /// Dead-letter topics.
+    Dlq {
+        #[command(subcommand)]
+        action: DlqAction,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -75,6 +82,13 @@ enum SlotAction {
     Status(SlotShow),
     /// List every logical slot of the server.
     List(SlotShow),
+}
+
+#[derive(Debug, Subcommand)]
+enum DlqAction {
+    /// Publish dead letters again to the topic they were meant for, after the
+    /// cause was fixed; nothing is deleted from the dead-letter topic.
+    Replay(dlq::ReplayArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -180,6 +194,9 @@ fn main() -> std::process::ExitCode {
             Command::Doctor(o) => doctor::run(&config::Config::load(&o)?).await,
             Command::Inspect(args) => inspect::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::Dlq {
+                action: DlqAction::Replay(args),
+            } => dlq::replay(args).await,
         }
     });
     match result {

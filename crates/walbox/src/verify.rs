@@ -86,7 +86,7 @@ fn where_clause(filter: Option<&str>) -> String {
 }
 
 /// The topics the table's rows map to.
-async fn topics_of(
+pub(crate) async fn topics_of(
     sql: &tokio_postgres::Client,
     table: &TableConfig,
     filter: Option<&str>,

@@ -1,0 +1,283 @@
+//! `walbox dlq replay`: publishes dead letters again to the topic they were meant
+//! for, after the cause was fixed (the row updated, the mapping or the broker's
+//! limits changed), with their event ids and source positions. Progress is kept
+//! as a consumer group's offsets on the dead-letter topic; nothing is deleted
+//! from it.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use walbox_outbox::{Mapper, Position, TableConfig, dead_letter_header, header};
+use walbox_pgoutput::{Lsn, TupleValue};
+use walbox_sink::{KafkaSink, KafkaSinkConfig, Sink};
+
+use crate::catalog::{self, ident};
+use crate::config::{Config, Overrides};
+use crate::pg::ConnParams;
+
+/// `walbox dlq replay` arguments.
+#[derive(Debug, clap::Args)]
+pub struct ReplayArgs {
+    #[command(flatten)]
+    overrides: Overrides,
+    /// Dead-letter topic to replay (repeatable). Default: the dead-letter topics
+    /// of every topic the outbox table's rows map to.
+    #[arg(long = "dlq-topic", value_name = "TOPIC")]
+    topics: Vec<String>,
+    /// Take each row as the outbox table holds it now (after an UPDATE fixed
+    /// it), not as the dead letter recorded it. Rows whose value was not kept
+    /// (refused for their size) are always read from the table.
+    #[arg(long)]
+    from_table: bool,
+    /// Show what would be published; publish and record nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+/// One dead letter read back.
+#[derive(Debug)]
+struct DeadLetter {
+    partition: i32,
+    offset: i64,
+    event_id: String,
+    table: Option<String>,
+    position: Position,
+    /// The row's columns as the dead letter recorded them, when it did.
+    columns: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+fn parse(r: &walbox_sink::RecordView<'_>) -> DeadLetter {
+    let value: Option<serde_json::Value> = r.value().and_then(|v| serde_json::from_slice(v).ok());
+    let position = Position {
+        commit_lsn: r
+            .header(header::COMMIT_LSN)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(Lsn(0)),
+        index: r
+            .header(header::INDEX)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+        xid: r
+            .header(header::XID)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    };
+    DeadLetter {
+        partition: r.partition(),
+        offset: r.offset(),
+        event_id: r.header(header::EVENT_ID).unwrap_or_default().to_owned(),
+        table: r
+            .header(dead_letter_header::SOURCE_TABLE)
+            .map(str::to_owned)
+            .or_else(|| value.as_ref()?.get("table")?.as_str().map(str::to_owned)),
+        position,
+        columns: value.and_then(|v| v.get("columns")?.as_object().cloned()),
+    }
+}
+
+/// A compiled mapping with its table, for rebuilding rows.
+struct Target<'a> {
+    config: &'a TableConfig,
+    table: catalog::Table,
+    mapper: Mapper,
+}
+
+/// Runs the replay.
+pub async fn replay(args: ReplayArgs) -> Result<()> {
+    let config = Config::load(&args.overrides)?;
+    let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
+    let mut targets: HashMap<String, Target<'_>> = HashMap::new();
+    for t in &config.outbox {
+        let (schema, name) = t.qualified();
+        let table = catalog::table(&sql, schema, name)
+            .await?
+            .with_context(|| format!("outbox table {schema}.{name} does not exist"))?;
+        let mapper = Mapper::compile(t, &config.producer, &table.relation)?;
+        targets.insert(
+            format!("{schema}.{name}"),
+            Target {
+                config: t,
+                table,
+                mapper,
+            },
+        );
+    }
+    let template = config.dead_letter.template()?;
+    let topics = if args.topics.is_empty() {
+        let mut all = Vec::new();
+        for t in &config.outbox {
+            for topic in crate::verify::topics_of(&sql, t, None).await? {
+                all.push(
+                    template
+                        .render(|_, _| Ok::<_, std::convert::Infallible>(topic.as_str()))
+                        .unwrap_or_else(|never| match never {}),
+                );
+            }
+        }
+        all
+    } else {
+        args.topics.clone()
+    };
+    if topics.is_empty() {
+        bail!("no dead-letter topic to replay: name one with --dlq-topic");
+    }
+    let properties = config.sink.kafka_properties()?;
+    let group = format!("walbox-dlq-replay.{}", config.source.slot);
+    let timeout = Duration::from_secs(60);
+    let (mut sink, mut deliveries) = KafkaSink::new(KafkaSinkConfig {
+        properties: properties.clone(),
+        create_topics: config.sink.create_topics,
+        topic_partitions: config.sink.topic_partitions,
+        topic_replication: config.sink.topic_replication,
+        max_in_flight: config.sink.max_in_flight,
+    })?;
+    let (mut replayed, mut failing) = (0u64, 0u64);
+    for dlq in &topics {
+        let mut letters = Vec::new();
+        let read = tokio::task::block_in_place(|| {
+            walbox_sink::read_topic_from_group(&properties, dlq, &group, timeout, |r| {
+                letters.push(parse(&r));
+            })
+        });
+        match read {
+            Ok(_) => {}
+            // A dead-letter topic that was never created has nothing to replay.
+            Err(walbox_sink::SinkError::Read { .. }) => continue,
+            Err(e) => return Err(e).with_context(|| format!("reading {dlq}")),
+        }
+        // Per partition: the offset after the last letter done, and whether a
+        // letter of it still fails (then progress stops before that one).
+        let mut next: HashMap<i32, (i64, bool)> = HashMap::new();
+        let mut sent = 0usize;
+        for letter in &letters {
+            let outcome = rebuild(&sql, &targets, letter, args.from_table).await;
+            let entry = next
+                .entry(letter.partition)
+                .or_insert((letter.offset, false));
+            match outcome {
+                Ok(event) => {
+                    println_out(&format!(
+                        "{} event {} to {} (from {dlq} offset {}:{})",
+                        if args.dry_run {
+                            "would publish"
+                        } else {
+                            "publishing"
+                        },
+                        letter.event_id,
+                        event.topic,
+                        letter.partition,
+                        letter.offset
+                    ));
+                    if !args.dry_run {
+                        sink.send(event, sent).await?;
+                        sent += 1;
+                    }
+                    if !entry.1 {
+                        entry.0 = letter.offset + 1;
+                    }
+                    replayed += 1;
+                }
+                Err(e) => {
+                    println_out(&format!(
+                        "still failing: event {} ({dlq} offset {}:{}): {e:#}",
+                        letter.event_id, letter.partition, letter.offset
+                    ));
+                    entry.1 = true;
+                    failing += 1;
+                }
+            }
+        }
+        // Every publication acknowledged before progress is recorded.
+        for _ in 0..sent {
+            let d = tokio::time::timeout(timeout * 5, deliveries.recv())
+                .await
+                .context("waiting for the broker's acknowledgements")?
+                .context("the producer stopped")?;
+            if let Err(e) = d.result {
+                bail!("{e}; nothing recorded as replayed for {dlq}, run again");
+            }
+        }
+        if !args.dry_run {
+            let done: Vec<(i32, i64)> = next.iter().map(|(p, (o, _))| (*p, *o)).collect();
+            tokio::task::block_in_place(|| {
+                walbox_sink::commit_group(&properties, dlq, &group, &done)
+            })
+            .with_context(|| format!("recording progress on {dlq}"))?;
+        }
+    }
+    println_out(&format!(
+        "{} {replayed} dead letters; {failing} still failing (left in place)",
+        if args.dry_run {
+            "would replay"
+        } else {
+            "replayed"
+        }
+    ));
+    if failing > 0 {
+        bail!("{failing} dead letters still fail");
+    }
+    Ok(())
+}
+
+/// The event a dead letter stands for, mapped again with the current mapping.
+async fn rebuild(
+    sql: &tokio_postgres::Client,
+    targets: &HashMap<String, Target<'_>>,
+    letter: &DeadLetter,
+    from_table: bool,
+) -> Result<walbox_outbox::Event> {
+    let table = match &letter.table {
+        Some(t) => t.clone(),
+        None if targets.len() == 1 => targets.keys().next().cloned().unwrap_or_default(),
+        None => bail!("the dead letter does not name its table"),
+    };
+    let target = targets
+        .get(&table)
+        .with_context(|| format!("table {table} is not a configured outbox table"))?;
+    let columns = &target.table.relation.columns;
+    let row: Vec<TupleValue> = match (&letter.columns, from_table) {
+        (Some(recorded), false) => columns
+            .iter()
+            .map(|c| match recorded.get(&c.name) {
+                Some(serde_json::Value::String(s)) => TupleValue::Text(Bytes::from(s.clone())),
+                _ => TupleValue::Null,
+            })
+            .collect(),
+        _ => {
+            let id_col = target.config.columns.id.as_deref().unwrap_or("id");
+            let select: Vec<String> = columns
+                .iter()
+                .map(|c| format!("{}::text", ident(&c.name)))
+                .collect();
+            let row = sql
+                .query_opt(
+                    &format!(
+                        "SELECT {} FROM {} WHERE {}::text = $1",
+                        select.join(", "),
+                        target.table.quoted(),
+                        ident(id_col)
+                    ),
+                    &[&letter.event_id],
+                )
+                .await?
+                .with_context(|| format!("the row is no longer in {table}"))?;
+            (0..columns.len())
+                .map(|i| match row.get::<_, Option<String>>(i) {
+                    Some(s) => TupleValue::Text(Bytes::from(s)),
+                    None => TupleValue::Null,
+                })
+                .collect()
+        }
+    };
+    target
+        .mapper
+        .map(&row, letter.position)
+        .map_err(|e| anyhow::anyhow!("{} ({})", e, e.class()))
+}
+
+#[allow(clippy::print_stdout)] // command output
+fn println_out(line: &str) {
+    println!("{line}");
+}
