@@ -110,6 +110,8 @@ fn classify(err: &KafkaError) -> &'static str {
             | RDKafkaErrorCode::TransactionalIdAuthorizationFailed,
         ) => "authorization",
         Some(RDKafkaErrorCode::InvalidTopic) => "invalid_topic",
+        // The broker refuses this record as such (e.g. no key on a compacted topic).
+        Some(RDKafkaErrorCode::InvalidRecord) => "invalid_record",
         _ => "broker_error",
     }
 }

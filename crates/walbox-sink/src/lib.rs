@@ -49,7 +49,7 @@ impl DeliveryError {
     /// again would fail again (it belongs in a dead-letter topic).
     #[must_use]
     pub fn is_about_the_message(&self) -> bool {
-        self.class == "message_too_large"
+        matches!(self.class, "message_too_large" | "invalid_record")
     }
 }
 
