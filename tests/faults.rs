@@ -435,6 +435,7 @@ async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
         dup.len()
     );
     assert_per_key_order(&records, false);
+    #[allow(clippy::print_stderr)] // the figures, for the test's output
     eprintln!(
         "walbox RSS: {idle_kb} kB idle, {peak_kb} kB peak over 300,000 events in one transaction"
     );
