@@ -387,6 +387,7 @@ fn rss_kb(pid: u32) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::print_stderr)] // prints its memory figures
 async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
     let (pg, broker, db) = start().await;
     let env = walbox_env(&pg, &broker);
@@ -435,7 +436,6 @@ async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
         dup.len()
     );
     assert_per_key_order(&records, false);
-    #[allow(clippy::print_stderr)] // the figures, for the test's output
     eprintln!(
         "walbox RSS: {idle_kb} kB idle, {peak_kb} kB peak over 300,000 events in one transaction"
     );
