@@ -9,13 +9,17 @@
 //!
 //! - `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling;
 //! - `walbox run --sink stdout` to /dev/null: walbox without a broker;
-//! - `walbox run` to the broker.
+//! - `walbox run` to the broker;
+//! - the polling relay it replaces (`polling.rs`), both variants, on the same
+//!   rows afterwards, with the extra WAL its UPDATEs write per event.
 //!
 //! Each is timed from its start until the slot's `confirmed_flush_lsn` reaches the
 //! last commit; peak RSS (VmHWM) and CPU seconds come from /proc. Figures are
 //! printed with the setup they came from.
 
 #![allow(clippy::print_stdout)] // the report is the output
+
+mod polling;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -93,8 +97,11 @@ fn nix_ticks() -> f64 {
 struct Figures {
     name: &'static str,
     seconds: f64,
-    peak_rss_kb: u64,
+    /// `None` for a contender that runs inside the benchmark's own process.
+    peak_rss_kb: Option<u64>,
     cpu_seconds: f64,
+    /// WAL the contender itself writes per event (the polling relay's UPDATEs).
+    extra_wal_per_event: Option<f64>,
 }
 
 async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
@@ -147,8 +154,9 @@ async fn drain(
     Ok(Figures {
         name,
         seconds,
-        peak_rss_kb: last.0,
+        peak_rss_kb: Some(last.0),
         cpu_seconds: last.1,
+        extra_wal_per_event: None,
     })
 }
 
@@ -294,6 +302,49 @@ async fn main() -> Result<(), Error> {
         results.push(drain(name, &db, slot, &target, child, started).await?);
     }
 
+    // The polling relay it replaces, both variants, on the same rows. The slots
+    // are done: dropped, so they hold no WAL while the UPDATEs write theirs.
+    for slot in ["ceiling", "walbox_stdout", "walbox_kafka"] {
+        db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await?;
+    }
+    polling::prepare(&db).await?;
+    let mut poller = pg.connect("postgres").await?;
+    for (name, marking) in [
+        ("polling relay, UPDATE per row", polling::Marking::PerRow),
+        (
+            "polling relay, UPDATE per batch",
+            polling::Marking::PerBatch,
+        ),
+    ] {
+        db.batch_execute("UPDATE outbox SET published_at = NULL WHERE published_at IS NOT NULL")
+            .await?;
+        db.batch_execute("VACUUM ANALYZE outbox").await?;
+        let before = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
+        let cpu_before = usage(std::process::id()).1;
+        let started = Instant::now();
+        let published = polling::drain(&mut poller, &broker.bootstrap(), marking).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        if published != a.events {
+            return Err(format!("{name} published {published} of {} events", a.events).into());
+        }
+        let after = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
+        let written: i64 = db
+            .query_one(
+                "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
+                &[&after, &before],
+            )
+            .await?
+            .get(0);
+        results.push(Figures {
+            name,
+            seconds,
+            peak_rss_kb: None,
+            cpu_seconds: usage(std::process::id()).1 - cpu_before,
+            extra_wal_per_event: Some(written as f64 / published as f64),
+        });
+    }
+
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mem_gb = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -318,19 +369,26 @@ async fn main() -> Result<(), Error> {
         a.walbox.display()
     );
     println!();
-    println!("| contender | seconds | events/s | WAL MB/s | of ceiling | peak RSS MB | CPU s |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| contender | seconds | events/s | WAL MB/s | of ceiling | peak RSS MB | CPU s | extra WAL per event |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let ceiling = results.first().map_or(1.0, |r| r.seconds);
     for r in &results {
         println!(
-            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {:.1} | {:.1} |",
+            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {} | {:.1} | {} |",
             r.name,
             r.seconds,
             a.events as f64 / r.seconds,
             wal_bytes as f64 / 1e6 / r.seconds,
             ceiling / r.seconds,
-            r.peak_rss_kb as f64 / 1024.0,
-            r.cpu_seconds
+            r.peak_rss_kb.map_or_else(
+                || "(in the bench process)".to_owned(),
+                |kb| format!("{:.1}", kb as f64 / 1024.0)
+            ),
+            r.cpu_seconds,
+            r.extra_wal_per_event
+                .map_or_else(|| "0".to_owned(), |b| format!("{b:.0} B"))
         );
     }
     Ok(())
