@@ -1,21 +1,25 @@
-//! `make bench`: how fast walbox drains a backlog, next to how fast PostgreSQL can
-//! hand the same changes out at all.
+//! `make bench`: how fast walbox drains a backlog and one huge transaction, next to
+//! how fast PostgreSQL can hand the same changes out at all, and next to the
+//! polling relay it replaces.
 //!
-//! One run, one machine, one backlog: N outbox events (default 500,000) committed
-//! in transactions of 10 rows before anything reads them, each row like a real
-//! service writes it (uuid id, aggregate type, one of 1,000 aggregate ids, event type,
-//! a ~300-byte jsonb payload, a headers jsonb with a traceparent). One slot per
-//! contender, all created before the load, so each drains identical WAL:
+//! One run, one machine. Rows like a real service writes them (uuid id, aggregate
+//! type, one of 1,000 aggregate ids, event type, a ~300-byte jsonb payload, a
+//! headers jsonb with a traceparent). For each slot scenario, one slot per
+//! contender is created before the load, so each drains identical WAL:
 //!
 //! - `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling;
 //! - `walbox run --sink stdout` to /dev/null: walbox without a broker;
-//! - `walbox run` to the broker;
-//! - the polling relay it replaces (`polling.rs`), both variants, on the same
-//!   rows afterwards, with the extra WAL its UPDATEs write per event.
+//! - `walbox run` to the broker.
 //!
 //! Each is timed from its start until the slot's `confirmed_flush_lsn` reaches the
-//! last commit; peak RSS (VmHWM) and CPU seconds come from /proc. Figures are
-//! printed with the setup they came from.
+//! last commit; peak RSS (VmHWM) and CPU seconds come from /proc. Scenarios:
+//!
+//! 1. Backlog drain: `--events` (default 1,000,000) in transactions of 10; then the
+//!    polling relay (`polling.rs`), both variants, publishes the same rows, with
+//!    the extra WAL its UPDATEs write per event.
+//! 2. One transaction of `--big-txn` rows (default 1,000,000).
+//!
+//! Figures are printed with the setup they came from.
 
 #![allow(clippy::print_stdout)] // the report is the output
 
@@ -31,12 +35,14 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 struct Args {
     events: u64,
+    big_txn: u64,
     walbox: PathBuf,
 }
 
 fn args() -> Result<Args, Error> {
     let mut a = Args {
         events: 500_000,
+        big_txn: 1_000_000,
         walbox: std::env::current_exe()?
             .parent()
             .map(|d| d.join("walbox"))
@@ -46,16 +52,21 @@ fn args() -> Result<Args, Error> {
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--events" => a.events = it.next().ok_or("--events needs a number")?.parse()?,
+            "--big-txn" => a.big_txn = it.next().ok_or("--big-txn needs a number")?.parse()?,
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
             other => {
-                return Err(
-                    format!("unknown argument {other:?} (use --events N, --walbox PATH)").into(),
-                );
+                return Err(format!(
+                    "unknown argument {other:?} (use --events N, --big-txn N, --walbox PATH)"
+                )
+                .into());
             }
         }
     }
     if a.events == 0 || !a.events.is_multiple_of(10) {
         return Err("--events must be a positive multiple of 10".into());
+    }
+    if a.big_txn == 0 {
+        return Err("--big-txn must be positive".into());
     }
     Ok(a)
 }
@@ -160,6 +171,208 @@ async fn drain(
     })
 }
 
+/// One outbox row like a real service writes it, for row number `n` (an SQL
+/// expression) of transaction `t`.
+const ROW_SELECT: &str = "
+    SELECT 'order', 'order-' || (n % 1000), 'OrderPlaced',
+           jsonb_build_object(
+             'order_id', 'ord-' || n, 'customer_id', 'cus-' || (n * 7 % 5000),
+             'currency', 'EUR', 'total_cents', n * 13 % 100000,
+             'lines', jsonb_build_array(
+               jsonb_build_object('sku', 'SKU-' || (n % 977), 'qty', 2, 'unit_cents', 1299),
+               jsonb_build_object('sku', 'SKU-' || (n * 3 % 977), 'qty', 1, 'unit_cents', 4550)),
+             'shipping', jsonb_build_object('method', 'standard', 'country', 'DE'),
+             'note', 'leave at the door'),
+           jsonb_build_object('traceparent', '00-' || md5(n::text) || '-00f067aa0ba902b7-01'),
+           1";
+
+const INSERT: &str = "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)";
+
+/// What every scenario shares.
+struct Bench {
+    a: Args,
+    pg: PgCluster,
+    broker: Broker,
+    db: tokio_postgres::Client,
+}
+
+const SLOTS: [&str; 3] = ["ceiling", "walbox_stdout", "walbox_kafka"];
+
+impl Bench {
+    /// Creates one slot per contender, runs `load`, then lets each contender
+    /// drain its slot; returns the figures and the WAL the load wrote.
+    async fn drain_slots(&self, load: &str) -> Result<(Vec<Figures>, i64), Error> {
+        let db = &self.db;
+        for slot in SLOTS {
+            db.execute(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&slot],
+            )
+            .await?;
+        }
+        let start_lsn = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+        let loading = Instant::now();
+        db.batch_execute(load).await?;
+        let target = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+        let wal_bytes: i64 = db
+            .query_one(
+                "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
+                &[&target, &start_lsn],
+            )
+            .await?
+            .get(0);
+        println!(
+            "loaded in {:.1} s: {:.1} MB of WAL",
+            loading.elapsed().as_secs_f64(),
+            wal_bytes as f64 / 1e6
+        );
+        let mut results = Vec::new();
+        // The ceiling: pg_recvlogical, protocol 1, to /dev/null.
+        let pg = &self.pg;
+        let started = Instant::now();
+        let child = Command::new(pg.bindir().join("pg_recvlogical"))
+            .args([
+                "-h",
+                pg.host(),
+                "-p",
+                &pg.port().to_string(),
+                "-U",
+                pg.user(),
+            ])
+            .args([
+                "-d",
+                "postgres",
+                "--slot",
+                "ceiling",
+                "--start",
+                "--no-loop",
+            ])
+            .args(["-f", "/dev/null", "-o", "proto_version=1"])
+            .args(["-o", "publication_names=walbox_outbox"])
+            .args(["--endpos", &target, "-s", "1", "-F", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        results.push(
+            drain(
+                "pg_recvlogical (ceiling)",
+                db,
+                "ceiling",
+                &target,
+                child,
+                started,
+            )
+            .await?,
+        );
+        for (name, slot, sink) in [
+            (
+                "walbox, stdout sink to /dev/null",
+                "walbox_stdout",
+                "stdout",
+            ),
+            ("walbox to the broker", "walbox_kafka", "kafka"),
+        ] {
+            let started = Instant::now();
+            let child = Command::new(&self.a.walbox)
+                .arg("run")
+                .env("WALBOX_DSN", pg.conninfo("postgres"))
+                .env("WALBOX_SLOT", slot)
+                .env(
+                    "WALBOX_CHECKPOINT",
+                    pg.client_dir().join(format!("{slot}.checkpoint.json")),
+                )
+                .env("WALBOX_SINK", sink)
+                .env("WALBOX_BOOTSTRAP_SERVERS", self.broker.bootstrap())
+                .env("WALBOX_CREATE_TOPICS", "true")
+                .env("WALBOX_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()?;
+            results.push(drain(name, db, slot, &target, child, started).await?);
+        }
+        // Done: the slots go, so they hold no WAL for what follows.
+        for slot in SLOTS {
+            db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+                .await?;
+            let _ = std::fs::remove_file(pg.client_dir().join(format!("{slot}.checkpoint.json")));
+        }
+        Ok((results, wal_bytes))
+    }
+
+    /// The polling relay, both variants, over the rows in the table.
+    async fn polling(&self, events: u64) -> Result<Vec<Figures>, Error> {
+        let db = &self.db;
+        polling::prepare(db).await?;
+        let mut poller = self.pg.connect("postgres").await?;
+        let mut results = Vec::new();
+        for (name, marking) in [
+            ("polling relay, UPDATE per row", polling::Marking::PerRow),
+            (
+                "polling relay, UPDATE per batch",
+                polling::Marking::PerBatch,
+            ),
+        ] {
+            db.batch_execute(
+                "UPDATE outbox SET published_at = NULL WHERE published_at IS NOT NULL",
+            )
+            .await?;
+            db.batch_execute("VACUUM ANALYZE outbox").await?;
+            let before = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+            let cpu_before = usage(std::process::id()).1;
+            let started = Instant::now();
+            let published = polling::drain(&mut poller, &self.broker.bootstrap(), marking).await?;
+            let seconds = started.elapsed().as_secs_f64();
+            if published != events {
+                return Err(format!("{name} published {published} of {events} events").into());
+            }
+            let after = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+            let written: i64 = db
+                .query_one(
+                    "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
+                    &[&after, &before],
+                )
+                .await?
+                .get(0);
+            results.push(Figures {
+                name,
+                seconds,
+                peak_rss_kb: None,
+                cpu_seconds: usage(std::process::id()).1 - cpu_before,
+                extra_wal_per_event: Some(written as f64 / published as f64),
+            });
+        }
+        Ok(results)
+    }
+}
+
+fn print_table(title: &str, events: u64, wal_bytes: i64, results: &[Figures]) {
+    println!();
+    println!("### {title}");
+    println!();
+    println!(
+        "| contender | seconds | events/s | WAL MB/s | of ceiling | peak RSS MB | CPU s | extra WAL per event |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let ceiling = results.first().map_or(1.0, |r| r.seconds);
+    for r in results {
+        println!(
+            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {} | {:.1} | {} |",
+            r.name,
+            r.seconds,
+            events as f64 / r.seconds,
+            wal_bytes as f64 / 1e6 / r.seconds,
+            ceiling / r.seconds,
+            r.peak_rss_kb.map_or_else(
+                || "(in the bench process)".to_owned(),
+                |kb| format!("{:.1}", kb as f64 / 1024.0)
+            ),
+            r.cpu_seconds,
+            r.extra_wal_per_event
+                .map_or_else(|| "0".to_owned(), |b| format!("{b:.0} B"))
+        );
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let a = args()?;
@@ -176,174 +389,36 @@ async fn main() -> Result<(), Error> {
         "{OUTBOX_DDL}; CREATE PUBLICATION walbox_outbox FOR TABLE outbox;"
     ))
     .await?;
-    for slot in ["ceiling", "walbox_stdout", "walbox_kafka"] {
-        db.execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&slot],
-        )
+    let bench = Bench { a, pg, broker, db };
+    let events = bench.a.events;
+    let big = bench.a.big_txn;
+
+    // 1. Backlog drain: transactions of 10 rows, committed before anyone reads.
+    println!("scenario 1: backlog of {events} events in transactions of 10");
+    let (backlog, backlog_wal) = bench
+        .drain_slots(&format!(
+            "DO $$
+             BEGIN
+               FOR t IN 0..{last} LOOP
+                 {INSERT} {ROW_SELECT} FROM generate_series(t * 10, t * 10 + 9) n;
+                 COMMIT;
+               END LOOP;
+             END $$;",
+            last = events / 10 - 1
+        ))
         .await?;
-    }
-    let start_lsn = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
-    let load = Instant::now();
-    db.batch_execute(&format!(
-        "DO $$
-         BEGIN
-           FOR t IN 1..{txns} LOOP
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)
-             SELECT 'order', 'order-' || ((t * 10 + g) % 1000), 'OrderPlaced',
-                    jsonb_build_object(
-                      'order_id', 'ord-' || (t * 10 + g), 'customer_id', 'cus-' || ((t * 7 + g) % 5000),
-                      'currency', 'EUR', 'total_cents', (t * 13 + g) % 100000,
-                      'lines', jsonb_build_array(
-                        jsonb_build_object('sku', 'SKU-' || (t % 977), 'qty', 2, 'unit_cents', 1299),
-                        jsonb_build_object('sku', 'SKU-' || (g % 977), 'qty', 1, 'unit_cents', 4550)),
-                      'shipping', jsonb_build_object('method', 'standard', 'country', 'DE'),
-                      'note', 'leave at the door'),
-                    jsonb_build_object('traceparent', '00-' || md5(t::text || g::text) || '-00f067aa0ba902b7-01'),
-                    1
-             FROM generate_series(1, 10) g;
-             COMMIT;
-           END LOOP;
-         END $$;",
-        txns = a.events / 10
-    ))
-    .await?;
-    let target = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
-    let wal_bytes: i64 = db
-        .query_one(
-            "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
-            &[&target, &start_lsn],
-        )
-        .await?
-        .get(0);
-    let avg_row: f64 = db
-        .query_one(
-            "SELECT avg(pg_column_size(outbox.*))::float8 FROM outbox",
-            &[],
-        )
-        .await?
-        .get(0);
-    println!(
-        "backlog: {} events in {} transactions of 10, {:.1} MB of WAL, {avg_row:.0} bytes per row, loaded in {:.1} s",
-        a.events,
-        a.events / 10,
-        wal_bytes as f64 / 1e6,
-        load.elapsed().as_secs_f64()
-    );
+    let mut with_polling = backlog;
+    with_polling.extend(bench.polling(events).await?);
 
-    let mut results = Vec::new();
-    // The ceiling: pg_recvlogical, protocol 1, to /dev/null.
-    let started = Instant::now();
-    let child = Command::new(pg.bindir().join("pg_recvlogical"))
-        .args([
-            "-h",
-            pg.host(),
-            "-p",
-            &pg.port().to_string(),
-            "-U",
-            pg.user(),
-            "-d",
-            "postgres",
-        ])
-        .args([
-            "--slot",
-            "ceiling",
-            "--start",
-            "--no-loop",
-            "-f",
-            "/dev/null",
-        ])
-        .args([
-            "-o",
-            "proto_version=1",
-            "-o",
-            "publication_names=walbox_outbox",
-        ])
-        .args(["--endpos", &target, "-s", "1", "-F", "1"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    results.push(
-        drain(
-            "pg_recvlogical (ceiling)",
-            &db,
-            "ceiling",
-            &target,
-            child,
-            started,
-        )
-        .await?,
-    );
-
-    for (name, slot, sink) in [
-        (
-            "walbox, stdout sink to /dev/null",
-            "walbox_stdout",
-            "stdout",
-        ),
-        ("walbox to the broker", "walbox_kafka", "kafka"),
-    ] {
-        let started = Instant::now();
-        let child = Command::new(&a.walbox)
-            .arg("run")
-            .env("WALBOX_DSN", pg.conninfo("postgres"))
-            .env("WALBOX_SLOT", slot)
-            .env(
-                "WALBOX_CHECKPOINT",
-                pg.client_dir().join(format!("{slot}.checkpoint.json")),
-            )
-            .env("WALBOX_SINK", sink)
-            .env("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap())
-            .env("WALBOX_CREATE_TOPICS", "true")
-            .env("WALBOX_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()?;
-        results.push(drain(name, &db, slot, &target, child, started).await?);
-    }
-
-    // The polling relay it replaces, both variants, on the same rows. The slots
-    // are done: dropped, so they hold no WAL while the UPDATEs write theirs.
-    for slot in ["ceiling", "walbox_stdout", "walbox_kafka"] {
-        db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
-            .await?;
-    }
-    polling::prepare(&db).await?;
-    let mut poller = pg.connect("postgres").await?;
-    for (name, marking) in [
-        ("polling relay, UPDATE per row", polling::Marking::PerRow),
-        (
-            "polling relay, UPDATE per batch",
-            polling::Marking::PerBatch,
-        ),
-    ] {
-        db.batch_execute("UPDATE outbox SET published_at = NULL WHERE published_at IS NOT NULL")
-            .await?;
-        db.batch_execute("VACUUM ANALYZE outbox").await?;
-        let before = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
-        let cpu_before = usage(std::process::id()).1;
-        let started = Instant::now();
-        let published = polling::drain(&mut poller, &broker.bootstrap(), marking).await?;
-        let seconds = started.elapsed().as_secs_f64();
-        if published != a.events {
-            return Err(format!("{name} published {published} of {} events", a.events).into());
-        }
-        let after = lsn(&db, "SELECT pg_current_wal_lsn()::text").await?;
-        let written: i64 = db
-            .query_one(
-                "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
-                &[&after, &before],
-            )
-            .await?
-            .get(0);
-        results.push(Figures {
-            name,
-            seconds,
-            peak_rss_kb: None,
-            cpu_seconds: usage(std::process::id()).1 - cpu_before,
-            extra_wal_per_event: Some(written as f64 / published as f64),
-        });
-    }
+    // 2. One transaction of `big` rows.
+    bench.db.batch_execute("TRUNCATE outbox").await?;
+    println!("scenario 2: one transaction of {big} events");
+    let (one_txn, one_txn_wal) = bench
+        .drain_slots(&format!(
+            "{INSERT} {ROW_SELECT} FROM generate_series(0, {last}) n",
+            last = big - 1
+        ))
+        .await?;
 
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mem_gb = std::fs::read_to_string("/proc/meminfo")
@@ -360,36 +435,26 @@ async fn main() -> Result<(), Error> {
     println!();
     println!(
         "setup: {cores} cores, {mem_gb:.0} GiB RAM, PostgreSQL {version} (fsync off, one cluster), broker {}, \
-         walbox {} (release)",
-        if broker.is_external() {
+         walbox {} (release); rows like a real service writes them (uuid id, one of 1,000 \
+         aggregate ids, ~300-byte jsonb payload, traceparent header)",
+        if bench.broker.is_external() {
             "external Kafka"
         } else {
             "tansu 0.6.0 (memory storage)"
         },
-        a.walbox.display()
+        bench.a.walbox.display()
     );
-    println!();
-    println!(
-        "| contender | seconds | events/s | WAL MB/s | of ceiling | peak RSS MB | CPU s | extra WAL per event |"
+    print_table(
+        &format!("Backlog drain: {events} events in transactions of 10"),
+        events,
+        backlog_wal,
+        &with_polling,
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    let ceiling = results.first().map_or(1.0, |r| r.seconds);
-    for r in &results {
-        println!(
-            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {} | {:.1} | {} |",
-            r.name,
-            r.seconds,
-            a.events as f64 / r.seconds,
-            wal_bytes as f64 / 1e6 / r.seconds,
-            ceiling / r.seconds,
-            r.peak_rss_kb.map_or_else(
-                || "(in the bench process)".to_owned(),
-                |kb| format!("{:.1}", kb as f64 / 1024.0)
-            ),
-            r.cpu_seconds,
-            r.extra_wal_per_event
-                .map_or_else(|| "0".to_owned(), |b| format!("{b:.0} B"))
-        );
-    }
+    print_table(
+        &format!("One transaction of {big} events"),
+        big,
+        one_txn_wal,
+        &one_txn,
+    );
     Ok(())
 }
