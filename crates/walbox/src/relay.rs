@@ -548,15 +548,17 @@ fn make_sink(config: &Config) -> Result<(AnySink, Deliveries)> {
 /// Sink tokens of in-flight events: (ticket, bytes), reusing slots.
 #[derive(Debug, Default)]
 struct InFlight {
-    entries: Vec<Option<(Ticket, usize)>>,
+    /// (ticket, bytes, commit time of the event's transaction in Postgres
+    /// microseconds, 0 when unknown).
+    entries: Vec<Option<(Ticket, usize, i64)>>,
     free: Vec<usize>,
     bytes: usize,
 }
 
 impl InFlight {
-    fn insert(&mut self, ticket: Ticket, size: usize) -> usize {
+    fn insert(&mut self, ticket: Ticket, size: usize, committed: i64) -> usize {
         self.bytes += size;
-        let entry = Some((ticket, size));
+        let entry = Some((ticket, size, committed));
         if let Some(token) = self.free.pop()
             && let Some(slot) = self.entries.get_mut(token)
         {
@@ -567,11 +569,11 @@ impl InFlight {
         self.entries.len() - 1
     }
 
-    fn remove(&mut self, token: usize) -> Option<Ticket> {
-        let (ticket, size) = self.entries.get_mut(token)?.take()?;
+    fn remove(&mut self, token: usize) -> Option<(Ticket, i64)> {
+        let (ticket, size, committed) = self.entries.get_mut(token)?.take()?;
         self.free.push(token);
         self.bytes -= size;
-        Some(ticket)
+        Some((ticket, committed))
     }
 }
 
@@ -584,6 +586,8 @@ struct OpenTxn {
     /// Events at the start of this transaction acknowledged before a restart:
     /// not sent again.
     skip: u32,
+    /// Commit time (Postgres microseconds since 2000-01-01).
+    committed: i64,
 }
 
 #[derive(Debug, Default)]
@@ -623,6 +627,8 @@ struct Relay<'a> {
     /// The prefix skipped in the front transaction, which the tracker does not
     /// count (its events are numbered from the first one sent).
     skipped_base: Option<Partial>,
+    /// Commit-to-acknowledgement latency of streamed events.
+    latency: Latency,
 }
 
 /// Hands events to the sink and keeps what is in flight.
@@ -643,6 +649,7 @@ impl Out {
         row: &[TupleValue],
         position: Position,
         txn: TxnId,
+        committed: i64,
     ) -> Result<()> {
         let event = match mapper.map(row, position) {
             Ok(event) => event,
@@ -673,7 +680,7 @@ impl Out {
             }
         };
         let ticket = tracker.event(txn);
-        let token = self.in_flight.insert(ticket, event.size());
+        let token = self.in_flight.insert(ticket, event.size(), committed);
         self.stats.events += 1;
         tracing::debug!(
             event_id = %event.event_id,
@@ -710,6 +717,7 @@ impl<'a> Relay<'a> {
             reached_end: false,
             resume_partial: None,
             skipped_base: None,
+            latency: Latency::new(),
         })
     }
 
@@ -806,7 +814,7 @@ impl<'a> Relay<'a> {
     }
 
     async fn delivered(&mut self, d: Delivery) -> Result<()> {
-        let ticket = self
+        let (ticket, committed) = self
             .out
             .in_flight
             .remove(d.token)
@@ -814,6 +822,7 @@ impl<'a> Relay<'a> {
         match d.result {
             Ok(()) => {
                 self.tracker.ack(ticket);
+                self.latency.record(committed);
                 Ok(())
             }
             Err(e) => {
@@ -832,7 +841,7 @@ impl<'a> Relay<'a> {
                         "dead-lettered"
                     );
                     self.out.stats.dead_lettered += 1;
-                    let token = self.out.in_flight.insert(ticket, dead.size());
+                    let token = self.out.in_flight.insert(ticket, dead.size(), committed);
                     return self.out.sink.send(dead, token).await.map_err(|e| match e {
                         SinkError::Kafka(_) => transient(e),
                         other => anyhow!(other),
@@ -863,7 +872,12 @@ impl<'a> Relay<'a> {
 
     async fn handle(&mut self, ev: ReplicationEvent) -> Result<()> {
         match ev {
-            ReplicationEvent::Begin { final_lsn, xid, .. } => {
+            ReplicationEvent::Begin {
+                final_lsn,
+                xid,
+                commit_time_micros,
+                ..
+            } => {
                 let commit_lsn = Lsn(final_lsn.0);
                 if self.stop_at.is_some_and(|end| commit_lsn >= end) {
                     self.reached_end = true;
@@ -887,6 +901,7 @@ impl<'a> Relay<'a> {
                     xid,
                     index: 0,
                     skip,
+                    committed: commit_time_micros,
                 });
             }
             ReplicationEvent::Commit { end_lsn, .. } => {
@@ -941,9 +956,9 @@ impl<'a> Relay<'a> {
                     xid: txn.xid,
                 };
                 txn.index += 1;
-                let id = txn.id;
+                let (id, committed) = (txn.id, txn.committed);
                 self.out
-                    .publish(&mut self.tracker, mapper, &i.new, position, id)
+                    .publish(&mut self.tracker, mapper, &i.new, position, id, committed)
                     .await?;
             }
             LogicalMessage::Update(u) if self.mappers.contains_key(&u.relation_oid) => {
@@ -962,7 +977,7 @@ impl<'a> Relay<'a> {
         Ok(())
     }
 
-    fn log_progress(&self) {
+    fn log_progress(&mut self) {
         let s = &self.out.stats;
         tracing::info!(
             events = s.events,
@@ -974,6 +989,7 @@ impl<'a> Relay<'a> {
             ignored_truncates = s.ignored_truncates,
             dead_lettered = s.dead_lettered,
             skipped = s.skipped,
+            commit_to_ack_ms = %self.latency.window_summary(),
             "progress"
         );
     }
@@ -1044,6 +1060,78 @@ fn rejected_dead_letter(e: &DeliveryError, template: &TopicTemplate) -> Option<E
         headers,
         position,
     })
+}
+
+/// Commit-to-acknowledgement latency: from the commit time the server gives a
+/// transaction to the broker's acknowledgement of each of its events (both
+/// clocks are this machine's when walbox runs beside the primary).
+struct Latency {
+    /// Since the last progress line.
+    window: hdrhistogram::Histogram<u64>,
+    /// Since the start of the session.
+    total: hdrhistogram::Histogram<u64>,
+}
+
+/// Microseconds between the Unix epoch and Postgres' (2000-01-01).
+const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+impl Latency {
+    fn new() -> Self {
+        let h = || {
+            // 1 µs to 1 hour, 3 significant figures: a few tens of kB.
+            hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3).unwrap_or_else(|_| {
+                hdrhistogram::Histogram::new(3).unwrap_or_else(|_| unreachable!())
+            })
+        };
+        Latency {
+            window: h(),
+            total: h(),
+        }
+    }
+
+    /// An event of a transaction committed at `committed` was acknowledged now.
+    fn record(&mut self, committed: i64) {
+        if committed == 0 {
+            return; // snapshot rows have no commit time
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        let micros = u64::try_from(now - PG_EPOCH_MICROS - committed)
+            .unwrap_or(1)
+            .max(1);
+        self.window.saturating_record(micros);
+        self.total.saturating_record(micros);
+    }
+
+    fn summary(h: &hdrhistogram::Histogram<u64>) -> String {
+        if h.is_empty() {
+            return "-".to_owned();
+        }
+        #[allow(clippy::cast_precision_loss)] // milliseconds for people to read
+        let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+        #[allow(clippy::cast_precision_loss)]
+        let max = h.max() as f64 / 1000.0;
+        format!(
+            "p50={:.1} p95={:.1} p99={:.1} max={max:.1} n={}",
+            ms(0.5),
+            ms(0.95),
+            ms(0.99),
+            h.len()
+        )
+    }
+
+    /// Percentiles since the last call; starts a new window.
+    fn window_summary(&mut self) -> String {
+        let s = Self::summary(&self.window);
+        self.window.reset();
+        s
+    }
+
+    /// Percentiles of the whole session.
+    fn total_summary(&self) -> String {
+        Self::summary(&self.total)
+    }
 }
 
 /// How a stream phase ended.
@@ -1260,6 +1348,7 @@ async fn stream(
         confirmed = %relay.tracker.confirmed(),
         reported = %reported,
         longest_feedback_delay_ms = longest_feedback_ms.load(Ordering::Relaxed),
+        commit_to_ack_ms = %relay.latency.total_summary(),
         "stopped"
     );
     saved?;
@@ -1509,7 +1598,7 @@ async fn take_snapshot(
                 index = index.saturating_add(1);
                 relay
                     .out
-                    .publish(&mut relay.tracker, &mapper, &row, position, txn)
+                    .publish(&mut relay.tracker, &mapper, &row, position, txn, 0)
                     .await?;
                 while let Ok(d) = deliveries.try_recv() {
                     relay.delivered(d).await?;
