@@ -18,6 +18,11 @@
 //!    polling relay (`polling.rs`), both variants, publishes the same rows, with
 //!    the extra WAL its UPDATEs write per event.
 //! 2. One transaction of `--big-txn` rows (default 1,000,000).
+//! 3. Steady load: four writers commit single-row transactions at 1,000, 5,000
+//!    and 20,000 events/s for `--steady-seconds` (default 60) while walbox streams
+//!    to the broker; walbox reports commit-to-acknowledgement latency (the
+//!    server's commit time to the broker's acknowledgement, p50/p95/p99/max), the
+//!    bench samples the slot's lag every second.
 //!
 //! Figures are printed with the setup they came from.
 
@@ -36,6 +41,7 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 struct Args {
     events: u64,
     big_txn: u64,
+    steady_seconds: u64,
     walbox: PathBuf,
 }
 
@@ -43,6 +49,7 @@ fn args() -> Result<Args, Error> {
     let mut a = Args {
         events: 500_000,
         big_txn: 1_000_000,
+        steady_seconds: 60,
         walbox: std::env::current_exe()?
             .parent()
             .map(|d| d.join("walbox"))
@@ -53,10 +60,16 @@ fn args() -> Result<Args, Error> {
         match flag.as_str() {
             "--events" => a.events = it.next().ok_or("--events needs a number")?.parse()?,
             "--big-txn" => a.big_txn = it.next().ok_or("--big-txn needs a number")?.parse()?,
+            "--steady-seconds" => {
+                a.steady_seconds = it
+                    .next()
+                    .ok_or("--steady-seconds needs a number")?
+                    .parse()?;
+            }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
             other => {
                 return Err(format!(
-                    "unknown argument {other:?} (use --events N, --big-txn N, --walbox PATH)"
+                    "unknown argument {other:?} (use --events N, --big-txn N, --steady-seconds N, --walbox PATH)"
                 )
                 .into());
             }
@@ -65,8 +78,8 @@ fn args() -> Result<Args, Error> {
     if a.events == 0 || !a.events.is_multiple_of(10) {
         return Err("--events must be a positive multiple of 10".into());
     }
-    if a.big_txn == 0 {
-        return Err("--big-txn must be positive".into());
+    if a.big_txn == 0 || a.steady_seconds == 0 {
+        return Err("--big-txn and --steady-seconds must be positive".into());
     }
     Ok(a)
 }
@@ -345,6 +358,178 @@ impl Bench {
     }
 }
 
+/// Figures of one steady-load run.
+struct Steady {
+    rate: u64,
+    achieved: f64,
+    /// `p50=.. p95=.. p99=.. max=.. n=..` in ms, as walbox reports it.
+    latency: String,
+    /// Slot lag (bytes behind the server's WAL) at the middle and the end of the
+    /// writing, and its maximum.
+    lag_mid: i64,
+    lag_end: i64,
+    lag_max: i64,
+    drain_seconds: f64,
+    peak_rss_kb: u64,
+    cpu_seconds: f64,
+}
+
+impl Bench {
+    /// walbox streams while writers commit `rate` single-row transactions per
+    /// second for `seconds`; walbox measures commit-to-acknowledgement latency.
+    async fn steady(&self, rate: u64, seconds: u64) -> Result<Steady, Error> {
+        const WRITERS: u64 = 4;
+        let db = &self.db;
+        let pg = &self.pg;
+        let slot = "walbox_steady";
+        db.execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await?;
+        let log_path = pg.client_dir().join(format!("steady-{rate}.log"));
+        let log = std::fs::File::create(&log_path)?;
+        let checkpoint = pg
+            .client_dir()
+            .join(format!("steady-{rate}.checkpoint.json"));
+        let mut child = Command::new(&self.a.walbox)
+            .arg("run")
+            .env("WALBOX_DSN", pg.conninfo("postgres"))
+            .env("WALBOX_SLOT", slot)
+            .env("WALBOX_CHECKPOINT", &checkpoint)
+            .env("WALBOX_BOOTSTRAP_SERVERS", self.broker.bootstrap())
+            .env("WALBOX_CREATE_TOPICS", "true")
+            .env("WALBOX_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()?;
+        let pid = child.id();
+        let ready = Instant::now();
+        while !std::fs::read_to_string(&log_path)?.contains("streaming") {
+            if ready.elapsed() > Duration::from_secs(60) {
+                return Err("walbox did not start streaming".into());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let total = rate * seconds;
+        let started = Instant::now();
+        let insert = format!(
+            "{INSERT} {} FROM (SELECT $1::bigint AS n) s",
+            ROW_SELECT.replacen("'order'", "'steady'", 1)
+        );
+        let mut writers = Vec::new();
+        for w in 0..WRITERS {
+            let client = pg.connect("postgres").await?;
+            let insert = insert.clone();
+            writers.push(tokio::spawn(async move {
+                let stmt = client.prepare(&insert).await?;
+                let mut i = w;
+                while i < total {
+                    // Event i is due at i / rate seconds; a writer that falls
+                    // behind writes at once (the achieved rate shows it).
+                    #[allow(clippy::cast_precision_loss)]
+                    let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+                    tokio::time::sleep_until(due.into()).await;
+                    let n = i64::try_from(i)?;
+                    client.execute(&stmt, &[&n]).await?;
+                    i += WRITERS;
+                }
+                Ok::<_, Error>(())
+            }));
+        }
+        let mut lags = Vec::new();
+        while !writers.iter().all(tokio::task::JoinHandle::is_finished) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let lag: i64 = db
+                .query_one(
+                    "SELECT coalesce((pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, 0)
+                     FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await?
+                .get(0);
+            lags.push(lag);
+        }
+        for w in writers {
+            w.await??;
+        }
+        let achieved = total as f64 / started.elapsed().as_secs_f64();
+        let target = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+        let draining = Instant::now();
+        loop {
+            let done: bool = db
+                .query_one(
+                    "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot, &target],
+                )
+                .await?
+                .get(0);
+            if done {
+                break;
+            }
+            if draining.elapsed() > Duration::from_secs(600) {
+                return Err(format!("walbox did not catch up after the {rate}/s run").into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let drain_seconds = draining.elapsed().as_secs_f64();
+        // VmHWM is the high-water mark: one reading at the end holds the peak.
+        let peak = usage(pid);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid)?),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        child.wait()?;
+        let text = std::fs::read_to_string(&log_path)?;
+        let latency = text
+            .lines()
+            .rev()
+            .find(|l| l.contains(" stopped"))
+            .and_then(|l| l.split("commit_to_ack_ms=").nth(1))
+            .map(|rest| rest.trim().trim_matches('"').to_owned())
+            .ok_or("walbox's stop line has no latency")?;
+        db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+            .await?;
+        Ok(Steady {
+            rate,
+            achieved,
+            latency,
+            lag_mid: lags.get(lags.len() / 2).copied().unwrap_or(0),
+            lag_end: lags.last().copied().unwrap_or(0),
+            lag_max: lags.iter().copied().max().unwrap_or(0),
+            drain_seconds,
+            peak_rss_kb: peak.0,
+            cpu_seconds: peak.1,
+        })
+    }
+}
+
+fn print_steady(seconds: u64, runs: &[Steady]) {
+    println!();
+    println!(
+        "### Steady load: single-row transactions at fixed rates for {seconds} s each, walbox to the broker"
+    );
+    println!();
+    println!(
+        "| target events/s | achieved events/s | commit-to-ack latency, ms | slot lag mid / end / max, kB | catch-up after, s | peak RSS MB | CPU s |"
+    );
+    println!("|---:|---:|---|---|---:|---:|---:|");
+    for r in runs {
+        println!(
+            "| {} | {:.0} | {} | {} / {} / {} | {:.2} | {:.1} | {:.1} |",
+            r.rate,
+            r.achieved,
+            r.latency,
+            r.lag_mid / 1024,
+            r.lag_end / 1024,
+            r.lag_max / 1024,
+            r.drain_seconds,
+            r.peak_rss_kb as f64 / 1024.0,
+            r.cpu_seconds
+        );
+    }
+}
+
 fn print_table(title: &str, events: u64, wal_bytes: i64, results: &[Figures]) {
     println!();
     println!("### {title}");
@@ -420,6 +605,17 @@ async fn main() -> Result<(), Error> {
         ))
         .await?;
 
+    // 3. Steady load at fixed rates.
+    bench.db.batch_execute("TRUNCATE outbox").await?;
+    let mut steady = Vec::new();
+    for rate in [1_000, 5_000, 20_000] {
+        println!(
+            "scenario 3: {rate} events/s for {} s",
+            bench.a.steady_seconds
+        );
+        steady.push(bench.steady(rate, bench.a.steady_seconds).await?);
+    }
+
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mem_gb = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -456,5 +652,6 @@ async fn main() -> Result<(), Error> {
         one_txn_wal,
         &one_txn,
     );
+    print_steady(bench.a.steady_seconds, &steady);
     Ok(())
 }
