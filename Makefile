@@ -34,11 +34,12 @@ clippy:
 ## Benchmarks print their figures and the setup they ran on.
 BENCH_EVENTS ?= 1000000
 BENCH_BIG_TXN ?= 1000000
+BENCH_STEADY_SECONDS ?= 60
 bench: bench-decoder bench-relay
 
 bench-relay: deps
 	$(CARGO) build --release -p walbox -p walbox-bench
-	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --walbox ./target/release/walbox
+	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --steady-seconds $(BENCH_STEADY_SECONDS) --walbox ./target/release/walbox
 
 bench-decoder:
 	$(CARGO) bench -p walbox-pgoutput --bench decode
