@@ -565,3 +565,36 @@ async fn postgres_restart_and_crash_mid_stream_lose_nothing() {
         "{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stdout_sink_writes_one_json_line_per_event() {
+    let (pg, broker, db) = start().await;
+    let mut env = walbox_env(&pg, &broker);
+    env.push(("WALBOX_SINK", "stdout".into()));
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 2, 50, 10, 10).await;
+    wait_confirmed(
+        &db,
+        "walbox",
+        current_lsn(&db).await,
+        Duration::from_secs(60),
+    )
+    .await;
+    walbox.signal(Signal::SIGTERM);
+    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    let log = walbox.log();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| l.starts_with("{\"topic\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1_000);
+    let ids = outbox_ids(&db).await;
+    for l in &lines {
+        assert_eq!(l["topic"], TOPIC);
+        assert!(ids.contains(l["headers"]["event_id"].as_str().unwrap()));
+        assert_eq!(l["value"]["event_id"], l["headers"]["event_id"]);
+        assert!(l["value"]["payload"]["seq"].is_i64());
+    }
+}
