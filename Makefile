@@ -39,7 +39,7 @@ bench: bench-decoder bench-relay
 
 bench-relay: deps
 	$(CARGO) build --release -p walbox -p walbox-bench
-	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --steady-seconds $(BENCH_STEADY_SECONDS) --walbox ./target/release/walbox
+	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox
 
 bench-decoder:
 	$(CARGO) bench -p walbox-pgoutput --bench decode

@@ -29,6 +29,7 @@
 #![allow(clippy::print_stdout)] // the report is the output
 
 mod polling;
+mod svg;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -42,6 +43,7 @@ struct Args {
     events: u64,
     big_txn: u64,
     steady_seconds: u64,
+    svg_dir: Option<PathBuf>,
     walbox: PathBuf,
 }
 
@@ -50,6 +52,7 @@ fn args() -> Result<Args, Error> {
         events: 500_000,
         big_txn: 1_000_000,
         steady_seconds: 60,
+        svg_dir: None,
         walbox: std::env::current_exe()?
             .parent()
             .map(|d| d.join("walbox"))
@@ -60,6 +63,9 @@ fn args() -> Result<Args, Error> {
         match flag.as_str() {
             "--events" => a.events = it.next().ok_or("--events needs a number")?.parse()?,
             "--big-txn" => a.big_txn = it.next().ok_or("--big-txn needs a number")?.parse()?,
+            "--svg-dir" => {
+                a.svg_dir = Some(PathBuf::from(it.next().ok_or("--svg-dir needs a path")?));
+            }
             "--steady-seconds" => {
                 a.steady_seconds = it
                     .next()
@@ -69,7 +75,7 @@ fn args() -> Result<Args, Error> {
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
             other => {
                 return Err(format!(
-                    "unknown argument {other:?} (use --events N, --big-txn N, --steady-seconds N, --walbox PATH)"
+                    "unknown argument {other:?} (use --events N, --big-txn N, --steady-seconds N, --svg-dir DIR, --walbox PATH)"
                 )
                 .into());
             }
@@ -504,6 +510,63 @@ impl Bench {
     }
 }
 
+/// A percentile out of walbox's `p50=.. p95=..` summary.
+fn percentile(summary: &str, name: &str) -> f64 {
+    summary
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn write_charts(
+    dir: &std::path::Path,
+    events: u64,
+    backlog: &[Figures],
+    steady: &[Steady],
+) -> Result<(), Error> {
+    let ceiling = backlog.first().map_or(1.0, |r| r.seconds);
+    let throughput: Vec<svg::Bar> = backlog
+        .iter()
+        .map(|r| {
+            let rate = events as f64 / r.seconds;
+            svg::Bar {
+                label: r.name.to_owned(),
+                value: rate,
+                note: format!("{rate:.0} events/s ({:.2} of ceiling)", ceiling / r.seconds),
+            }
+        })
+        .collect();
+    std::fs::write(
+        dir.join("bench-throughput.svg"),
+        svg::bars(
+            &format!("Backlog drain, {events} events: events per second"),
+            &throughput,
+        ),
+    )?;
+    let mut latency = Vec::new();
+    for r in steady {
+        for q in ["p50", "p95", "p99"] {
+            let ms = percentile(&r.latency, q);
+            latency.push(svg::Bar {
+                label: format!("walbox at {}/s, {q}", r.rate),
+                value: ms,
+                note: format!("{ms:.1} ms (achieved {:.0}/s)", r.achieved),
+            });
+        }
+    }
+    std::fs::write(
+        dir.join("bench-latency.svg"),
+        svg::bars(
+            "Steady load: commit-to-acknowledgement latency, ms",
+            &latency,
+        ),
+    )?;
+    println!();
+    println!("charts: {0}/bench-throughput.svg, {0}/bench-latency.svg", dir.display());
+    Ok(())
+}
+
 fn print_steady(seconds: u64, runs: &[Steady]) {
     println!();
     println!(
@@ -653,5 +716,8 @@ async fn main() -> Result<(), Error> {
         &one_txn,
     );
     print_steady(bench.a.steady_seconds, &steady);
+    if let Some(dir) = &bench.a.svg_dir {
+        write_charts(dir, events, &with_polling, &steady)?;
+    }
     Ok(())
 }
