@@ -563,7 +563,10 @@ fn write_charts(
         ),
     )?;
     println!();
-    println!("charts: {0}/bench-throughput.svg, {0}/bench-latency.svg", dir.display());
+    println!(
+        "charts: {0}/bench-throughput.svg, {0}/bench-latency.svg",
+        dir.display()
+    );
     Ok(())
 }
 

@@ -17,14 +17,21 @@ pub fn bars(title: &str, bars: &[Bar]) -> String {
     const LABEL: f64 = 250.0;
     const ROW: f64 = 28.0;
     const TOP: f64 = 40.0;
-    let max = bars.iter().map(|b| b.value).fold(0.0_f64, f64::max).max(1e-9);
+    let max = bars
+        .iter()
+        .map(|b| b.value)
+        .fold(0.0_f64, f64::max)
+        .max(1e-9);
     let height = TOP + ROW * bars.len() as f64 + 10.0;
     let mut out = String::new();
     let _ = writeln!(
         out,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="13">"#
     );
-    let _ = writeln!(out, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
+    let _ = writeln!(
+        out,
+        r##"<rect width="100%" height="100%" fill="#ffffff"/>"##
+    );
     let _ = writeln!(
         out,
         r#"<text x="10" y="24" font-size="15" font-weight="bold">{}</text>"#,
@@ -65,5 +72,7 @@ pub fn bars(title: &str, bars: &[Bar]) -> String {
 }
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }

@@ -470,7 +470,7 @@ async fn session(
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
-    relay.checkpoint = saved;
+    relay.adopt_checkpoint(saved);
     let (start, server_confirmed) = match plan {
         Plan::Snapshot { drop_slot } => {
             match take_snapshot(&mut relay, &mut deliveries, signals, drop_slot).await? {
@@ -605,6 +605,126 @@ struct Stats {
 /// How often the checkpoint is written while the position moves.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 
+/// What the checkpoint thread has flushed to disk.
+#[derive(Debug, Clone)]
+enum Saved {
+    /// Submission `seq` is on disk: position `lsn`; `snapshot_done` is false
+    /// while an initial snapshot is unfinished.
+    Done {
+        seq: u64,
+        lsn: Lsn,
+        snapshot_done: bool,
+    },
+    /// Nothing known yet.
+    Nothing,
+    /// A write failed; nothing after it is saved.
+    Failed(String),
+}
+
+/// Writes checkpoints on a thread of its own, so the relay never waits for a
+/// disk flush: it hands over the newest state and goes on, and only positions
+/// the thread reports flushed are reported to the server. Submissions that
+/// arrive while a write is under way are coalesced into the newest one.
+struct CheckpointWriter {
+    requests: std::sync::mpsc::Sender<(u64, Checkpoint)>,
+    saved: Arc<tokio::sync::watch::Sender<Saved>>,
+    submitted: u64,
+}
+
+impl CheckpointWriter {
+    fn new(store: CheckpointFile) -> Self {
+        let (requests, queue) = std::sync::mpsc::channel::<(u64, Checkpoint)>();
+        let saved = Arc::new(tokio::sync::watch::Sender::new(Saved::Nothing));
+        let report = Arc::clone(&saved);
+        let spawned = std::thread::Builder::new()
+            .name("walbox-checkpoint".into())
+            .spawn(move || {
+                while let Ok(mut next) = queue.recv() {
+                    while let Ok(newer) = queue.try_recv() {
+                        next = newer;
+                    }
+                    let (seq, cp) = next;
+                    let state = match store.save(&cp) {
+                        Ok(()) => Saved::Done {
+                            seq,
+                            lsn: cp.lsn,
+                            snapshot_done: !cp.snapshot_interrupted(),
+                        },
+                        Err(e) => Saved::Failed(e.to_string()),
+                    };
+                    let failed = matches!(state, Saved::Failed(_));
+                    report.send_replace(state);
+                    if failed {
+                        return;
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            saved.send_replace(Saved::Failed(format!(
+                "starting the checkpoint thread: {e}"
+            )));
+        }
+        CheckpointWriter {
+            requests,
+            saved,
+            submitted: 0,
+        }
+    }
+
+    /// `cp` is on disk already (loaded, or written before streaming).
+    fn known(&mut self, cp: &Checkpoint) {
+        self.submitted += 1;
+        self.saved.send_replace(Saved::Done {
+            seq: self.submitted,
+            lsn: cp.lsn,
+            snapshot_done: !cp.snapshot_interrupted(),
+        });
+    }
+
+    fn submit(&mut self, cp: Checkpoint) -> Result<()> {
+        self.submitted += 1;
+        self.requests
+            .send((self.submitted, cp))
+            .map_err(|_| anyhow!("the checkpoint thread stopped"))?;
+        Ok(())
+    }
+
+    /// The flushed position and whether the snapshot (if any) is recorded done;
+    /// an error once a write failed.
+    fn saved(&self) -> Result<Option<(Lsn, bool)>> {
+        match &*self.saved.borrow() {
+            Saved::Done {
+                lsn, snapshot_done, ..
+            } => Ok(Some((*lsn, *snapshot_done))),
+            Saved::Nothing => Ok(None),
+            Saved::Failed(e) => bail!("writing the checkpoint: {e}"),
+        }
+    }
+
+    /// Waits until everything submitted is on disk.
+    async fn flushed(&self, timeout: Duration) -> Result<()> {
+        let want = self.submitted;
+        let mut rx = self.saved.subscribe();
+        let waited = tokio::time::timeout(
+            timeout,
+            rx.wait_for(|s| match s {
+                Saved::Done { seq, .. } => *seq >= want,
+                Saved::Failed(_) => true,
+                Saved::Nothing => want == 0,
+            }),
+        )
+        .await;
+        match waited {
+            Err(_) => bail!(
+                "the checkpoint was not written within {} s",
+                timeout.as_secs()
+            ),
+            Ok(Err(_)) => bail!("the checkpoint thread stopped"),
+            Ok(Ok(_)) => self.saved().map(drop),
+        }
+    }
+}
+
 /// The stream side of the pipeline: decoding, mapping, the sink, the position.
 struct Relay<'a> {
     ctx: Ctx<'a>,
@@ -613,8 +733,10 @@ struct Relay<'a> {
     decoder: Decoder,
     mappers: HashMap<Oid, Mapper>,
     txn: Option<OpenTxn>,
-    /// The last saved checkpoint (`None` until the cluster's identity is known).
+    /// The newest checkpoint state (`None` until the cluster's identity is
+    /// known); the writer says which of it is on disk.
     checkpoint: Option<Checkpoint>,
+    writer: CheckpointWriter,
     saved_at: Instant,
     /// The snapshot's transaction and row count, until every row is acknowledged.
     pending_snapshot: Option<(TxnId, u64)>,
@@ -711,6 +833,7 @@ impl<'a> Relay<'a> {
             mappers: HashMap::new(),
             txn: None,
             checkpoint: None,
+            writer: CheckpointWriter::new(ctx.store.clone()),
             saved_at: Instant::now(),
             pending_snapshot: None,
             stop_at: None,
@@ -770,9 +893,22 @@ impl<'a> Relay<'a> {
         self.stop_at.map_or(confirmed, |end| confirmed.min(end))
     }
 
-    /// Writes the checkpoint when it is behind and `force` or the interval passed.
-    fn save_checkpoint(&mut self, force: bool) -> Result<()> {
+    /// Takes a checkpoint that is already on disk as the current one.
+    fn adopt_checkpoint(&mut self, cp: Option<Checkpoint>) {
+        if let Some(c) = &cp {
+            self.writer.known(c);
+        }
+        self.checkpoint = cp;
+    }
+
+    /// Hands the checkpoint to the writer when it is behind and the interval
+    /// passed; with `force`, whenever it is behind, and waits until it is on disk.
+    async fn save_checkpoint(&mut self, force: bool) -> Result<()> {
+        self.writer.saved()?;
         if !self.checkpoint_dirty() || !(force || self.saved_at.elapsed() >= CHECKPOINT_EVERY) {
+            if force {
+                self.writer.flushed(Duration::from_secs(60)).await?;
+            }
             return Ok(());
         }
         let savable = self.savable();
@@ -798,19 +934,23 @@ impl<'a> Relay<'a> {
             cp.lsn = cp.lsn.max(savable);
             cp.partial = partial;
         }
-        let store = self.ctx.store;
-        tokio::task::block_in_place(|| store.save(cp))?;
+        let next = cp.clone();
+        self.writer.submit(next)?;
         self.saved_at = Instant::now();
+        if force {
+            self.writer.flushed(Duration::from_secs(60)).await?;
+        }
         Ok(())
     }
 
-    /// The position that may be reported to the server: acknowledged and saved.
+    /// The position that may be reported to the server: acknowledged, and on
+    /// disk in the checkpoint.
     fn reportable(&self) -> Option<Lsn> {
-        let cp = self.checkpoint.as_ref()?;
-        if self.pending_snapshot.is_some() {
+        let (saved, snapshot_done) = self.writer.saved().ok()??;
+        if self.pending_snapshot.is_some() || !snapshot_done {
             return None;
         }
-        Some(self.tracker.confirmed().min(cp.lsn))
+        Some(self.tracker.confirmed().min(saved))
     }
 
     async fn delivered(&mut self, d: Delivery) -> Result<()> {
@@ -1207,7 +1347,7 @@ async fn stream(
             };
             tokio::task::block_in_place(|| ctx.store.save(&cp))?;
             tracing::info!(checkpoint = %ctx.store.path().display(), lsn = %cp.lsn, "checkpoint created");
-            relay.checkpoint = Some(cp);
+            relay.adopt_checkpoint(Some(cp));
         }
     }
     repl.start()
@@ -1301,7 +1441,7 @@ async fn stream(
             }
         };
         // The checkpoint first: the server never holds a position walbox could forget.
-        if let Err(e) = relay.save_checkpoint(false) {
+        if let Err(e) = relay.save_checkpoint(false).await {
             break Err(e);
         }
         if spec.report
@@ -1319,7 +1459,7 @@ async fn stream(
 
     // Whatever happened, the acknowledged position is safe: save it, and make
     // sure the server has what may be reported.
-    let saved = relay.save_checkpoint(true);
+    let saved = relay.save_checkpoint(true).await;
     if spec.report
         && saved.is_ok()
         && let Some(acked) = relay.reportable()
@@ -1533,7 +1673,7 @@ async fn take_snapshot(
         s.consistent_point = Some(point);
     }
     tokio::task::block_in_place(|| ctx.store.save(&cp))?;
-    relay.checkpoint = Some(cp);
+    relay.adopt_checkpoint(Some(cp));
     relay.tracker = AckTracker::new(point);
     tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
 
@@ -1672,7 +1812,7 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
     };
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
-    relay.checkpoint = saved;
+    relay.adopt_checkpoint(saved);
     let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, drop_slot).await?
     else {
         return Ok(());
@@ -1680,7 +1820,7 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
     // Wait for every row to be acknowledged, then record it.
     let timeout = Duration::from_millis(config.shutdown.timeout_ms);
     loop {
-        relay.save_checkpoint(true)?;
+        relay.save_checkpoint(true).await?;
         if relay.pending_snapshot.is_none() {
             break;
         }
@@ -1763,7 +1903,7 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
-    relay.checkpoint = saved;
+    relay.adopt_checkpoint(saved);
     relay.tracker = AckTracker::new(from);
     let spec = StreamSpec {
         start: from,
