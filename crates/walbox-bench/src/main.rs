@@ -148,7 +148,7 @@ async fn drain(
     started: Instant,
 ) -> Result<Figures, Error> {
     let pid = child.id();
-    let mut last = (0, 0.0);
+    let mut last = (0u64, 0.0f64);
     // Sample every 20 ms (the timing resolution) until the slot has it all.
     let deadline = started + Duration::from_secs(3600);
     loop {
@@ -156,7 +156,10 @@ async fn drain(
             // pg_recvlogical exits by itself at --endpos (after confirming it).
             break;
         }
-        last = usage(pid);
+        // A process that exits between the check above and this read leaves a
+        // zombie without VmHWM: keep the highest reading.
+        let now = usage(pid);
+        last = (last.0.max(now.0), last.1.max(now.1));
         let done: bool = db
             .query_one(
                 "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
@@ -542,6 +545,7 @@ fn write_charts(
         svg::bars(
             &format!("Backlog drain, {events} events: events per second"),
             &throughput,
+            false,
         ),
     )?;
     let mut latency = Vec::new();
@@ -558,8 +562,9 @@ fn write_charts(
     std::fs::write(
         dir.join("bench-latency.svg"),
         svg::bars(
-            "Steady load: commit-to-acknowledgement latency, ms",
+            "Steady load: commit-to-acknowledgement latency, ms (log scale)",
             &latency,
+            true,
         ),
     )?;
     println!();

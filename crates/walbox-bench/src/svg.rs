@@ -11,15 +11,17 @@ pub struct Bar {
     pub note: String,
 }
 
-/// A horizontal bar chart: one row per bar, longest bar = the largest value.
-pub fn bars(title: &str, bars: &[Bar]) -> String {
+/// A horizontal bar chart: one row per bar, longest bar = the largest value;
+/// with `log`, bar lengths follow the logarithm (values spanning decades).
+pub fn bars(title: &str, bars: &[Bar], log: bool) -> String {
     const WIDTH: f64 = 760.0;
     const LABEL: f64 = 250.0;
     const ROW: f64 = 28.0;
     const TOP: f64 = 40.0;
+    let scale = |v: f64| if log { (1.0 + v.max(0.0)).log10() } else { v };
     let max = bars
         .iter()
-        .map(|b| b.value)
+        .map(|b| scale(b.value))
         .fold(0.0_f64, f64::max)
         .max(1e-9);
     let height = TOP + ROW * bars.len() as f64 + 10.0;
@@ -40,7 +42,7 @@ pub fn bars(title: &str, bars: &[Bar]) -> String {
     let span = WIDTH - LABEL - 170.0;
     for (i, b) in bars.iter().enumerate() {
         let y = TOP + ROW * i as f64;
-        let w = (b.value / max * span).max(1.0);
+        let w = (scale(b.value) / max * span).max(1.0);
         let _ = writeln!(
             out,
             r#"<text x="{:.0}" y="{:.0}" text-anchor="end">{}</text>"#,
