@@ -138,6 +138,21 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
     Ok(db.query_one(sql, &[]).await?.get(0))
 }
 
+/// Whether `slot` has confirmed `target`.
+async fn slot_reached(
+    db: &tokio_postgres::Client,
+    slot: &str,
+    target: &str,
+) -> Result<bool, Error> {
+    Ok(db
+        .query_one(
+            "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot, &target],
+        )
+        .await?
+        .get(0))
+}
+
 /// Runs `child` until `slot` has confirmed `target`, sampling its usage.
 async fn drain(
     name: &'static str,
@@ -160,13 +175,7 @@ async fn drain(
         // zombie without VmHWM: keep the highest reading.
         let now = usage(pid);
         last = (last.0.max(now.0), last.1.max(now.1));
-        let done: bool = db
-            .query_one(
-                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot, &target],
-            )
-            .await?
-            .get(0);
+        let done = slot_reached(db, slot, target).await?;
         if done {
             break;
         }
@@ -466,13 +475,7 @@ impl Bench {
         let target = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
         let draining = Instant::now();
         loop {
-            let done: bool = db
-                .query_one(
-                    "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot, &target],
-                )
-                .await?
-                .get(0);
+            let done = slot_reached(db, slot, &target).await?;
             if done {
                 break;
             }

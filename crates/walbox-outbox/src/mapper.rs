@@ -404,14 +404,7 @@ impl Mapper {
                 .collect();
             format!("walbox.{safe}")
         });
-        let topic = template
-            .render(|_, _| Ok::<_, std::convert::Infallible>(base.as_str()))
-            .unwrap_or_else(|never| match never {});
-        let topic = if validate_topic(&topic).is_ok() {
-            topic
-        } else {
-            "walbox.dlq".to_owned()
-        };
+        let topic = template.dead_letter_topic(&base);
         let event_id = text(row, &self.id, "event id")
             .map(str::to_owned)
             .unwrap_or_else(|_| format!("{}#{}", position.commit_lsn, position.index));

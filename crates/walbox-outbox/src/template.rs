@@ -100,6 +100,23 @@ impl TopicTemplate {
     }
 }
 
+impl TopicTemplate {
+    /// The dead-letter topic for events meant for `topic`, this being the
+    /// dead-letter template (`{topic}` its only field); `walbox.dlq` when the
+    /// result is not a valid topic name.
+    #[must_use]
+    pub fn dead_letter_topic(&self, topic: &str) -> String {
+        let rendered = self
+            .render(|_, _| Ok::<_, std::convert::Infallible>(topic))
+            .unwrap_or_else(|never| match never {});
+        if validate_topic(&rendered).is_ok() {
+            rendered
+        } else {
+            "walbox.dlq".to_owned()
+        }
+    }
+}
+
 /// Checks a Kafka topic name: 1 to 249 characters of `[a-zA-Z0-9._-]`, not `.` or
 /// `..`. Returns the reason when it is not valid.
 pub fn validate_topic(topic: &str) -> Result<(), &'static str> {

@@ -109,11 +109,7 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         let mut all = Vec::new();
         for t in &config.outbox {
             for topic in crate::verify::topics_of(&sql, t, None).await? {
-                all.push(
-                    template
-                        .render(|_, _| Ok::<_, std::convert::Infallible>(topic.as_str()))
-                        .unwrap_or_else(|never| match never {}),
-                );
+                all.push(template.dead_letter_topic(&topic));
             }
         }
         all

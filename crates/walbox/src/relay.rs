@@ -376,6 +376,29 @@ pub async fn where_run_starts(
     ))
 }
 
+/// A gated replication session and the server's identity, checked against the
+/// relay's checkpoint (when it has one) before anything else runs on it.
+async fn connect_identified(
+    relay: &Relay<'_>,
+    cfg: pgwire_replication::ReplicationConfig,
+) -> Result<(ReplicationClient, pgwire_replication::IdentifySystem)> {
+    let ctx = relay.ctx;
+    let where_ = || format!("replication connection to {}", ctx.conn.describe());
+    let mut client = ReplicationClient::connect_gated(cfg)
+        .await
+        .with_context(where_)
+        .map_err(classify_replication)?;
+    let ident = client
+        .identify_system()
+        .await
+        .with_context(where_)
+        .map_err(classify_replication)?;
+    if let Some(cp) = &relay.checkpoint {
+        check_identity(cp, ctx.store, &ident, &ctx.config.source.slot)?;
+    }
+    Ok((client, ident))
+}
+
 /// Refuses a checkpoint written for another cluster, database or slot.
 fn check_identity(
     cp: &Checkpoint,
@@ -543,6 +566,15 @@ fn make_sink(config: &Config) -> Result<(AnySink, Deliveries)> {
             (AnySink::Stdout(sink), deliveries)
         }
     })
+}
+
+/// A sink that could not take an event: a Kafka client error may pass (a new
+/// session retries), anything else (a missing topic, configuration) would repeat.
+fn sink_error(e: SinkError) -> anyhow::Error {
+    match e {
+        SinkError::Kafka(_) => transient(e),
+        other => anyhow!(other),
+    }
 }
 
 /// Sink tokens of in-flight events: (ticket, bytes), reusing slots.
@@ -810,10 +842,7 @@ impl Out {
             position = %format_args!("{}#{}", position.commit_lsn, position.index),
             "sent to the sink"
         );
-        self.sink.send(event, token).await.map_err(|e| match e {
-            SinkError::Kafka(_) => transient(e),
-            other => anyhow!(other),
-        })
+        self.sink.send(event, token).await.map_err(sink_error)
     }
 }
 
@@ -982,10 +1011,7 @@ impl<'a> Relay<'a> {
                     );
                     self.out.stats.dead_lettered += 1;
                     let token = self.out.in_flight.insert(ticket, dead.size(), committed);
-                    return self.out.sink.send(dead, token).await.map_err(|e| match e {
-                        SinkError::Kafka(_) => transient(e),
-                        other => anyhow!(other),
-                    });
+                    return self.out.sink.send(dead, token).await.map_err(sink_error);
                 }
                 self.tracker.fail(ticket);
                 // Not about this message (timeout, broker unreachable or refusing,
@@ -1145,14 +1171,7 @@ fn rejected_dead_letter(e: &DeliveryError, template: &TopicTemplate) -> Option<E
     if record.headers.iter().any(|(k, _)| k == dl::ERROR_CLASS) {
         return None;
     }
-    let topic = template
-        .render(|_, _| Ok::<_, std::convert::Infallible>(e.topic.as_str()))
-        .unwrap_or_else(|never| match never {});
-    let topic = if walbox_outbox::validate_topic(&topic).is_ok() {
-        topic
-    } else {
-        "walbox.dlq".to_owned()
-    };
+    let topic = template.dead_letter_topic(&e.topic);
     let header = |name: &str| {
         record
             .headers
@@ -1323,17 +1342,9 @@ async fn stream(
         .with_feedback_observer(feedback_observer(Arc::clone(&longest_feedback_ms)));
     // Pin how the server renders values, so envelopes do not depend on its settings.
     repl_cfg.options = Some(SESSION_OPTIONS.into());
-    let mut repl = ReplicationClient::connect_gated(repl_cfg)
-        .await
-        .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
-        .map_err(classify_replication)?;
-    let ident = repl
-        .identify_system()
-        .await
-        .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
-        .map_err(classify_replication)?;
+    let (mut repl, ident) = connect_identified(relay, repl_cfg).await?;
     match &relay.checkpoint {
-        Some(cp) => check_identity(cp, ctx.store, &ident, &config.source.slot)?,
+        Some(_) => {}
         None => {
             // First start on this slot: the checkpoint adopts the slot's position.
             let cp = Checkpoint {
@@ -1610,22 +1621,13 @@ async fn take_snapshot(
     let slot = &config.source.slot;
     // The replication session that exports the snapshot; it stays open, idle,
     // until every row is read (the snapshot lives as long as it does).
-    let mut exporter = ReplicationClient::connect_gated(
+    let (mut exporter, ident) = connect_identified(
+        relay,
         ctx.conn
             .replication(slot, &config.source.publication)?
             .with_application_name("walbox snapshot"),
     )
-    .await
-    .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
-    .map_err(classify_replication)?;
-    let ident = exporter
-        .identify_system()
-        .await
-        .with_context(|| format!("replication connection to {}", ctx.conn.describe()))
-        .map_err(classify_replication)?;
-    if let Some(cp) = &relay.checkpoint {
-        check_identity(cp, ctx.store, &ident, slot)?;
-    }
+    .await?;
     let sql = ctx.conn.connect().await.map_err(classify_sql)?;
     if drop_slot {
         sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])

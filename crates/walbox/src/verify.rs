@@ -202,9 +202,7 @@ pub async fn run(args: Args) -> Result<()> {
         .with_context(|| format!("reading topic {topic}"))?;
         report.records += read;
         // Its dead letters, when there is a dead-letter topic.
-        let dlq = dead_letter
-            .render(|_, _| Ok::<_, ()>(topic.as_str()))
-            .unwrap_or_default();
+        let dlq = dead_letter.dead_letter_topic(topic);
         if !topics.contains(&dlq) {
             let ids = tokio::task::block_in_place(|| {
                 let mut ids = Vec::new();
