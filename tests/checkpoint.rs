@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use nix::sys::signal::Signal;
 use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions};
 
 const TOPIC: &str = "outbox.order";
@@ -26,19 +25,11 @@ async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
 
 /// A config file with a replay window.
 fn window_config(pg: &PgCluster, window: &str) -> String {
-    let path = pg.client_dir().join("window.toml");
-    std::fs::write(&path, format!("[source]\nreplay_window = \"{window}\"\n")).unwrap();
-    path.display().to_string()
-}
-
-fn stop(mut walbox: Walbox) {
-    walbox.signal(Signal::SIGTERM);
-    let log = walbox.log();
-    assert_eq!(
-        walbox.wait(Duration::from_secs(60)).code(),
-        Some(0),
-        "{log}"
-    );
+    config_file(
+        pg,
+        "window.toml",
+        &format!("[source]\nreplay_window = \"{window}\"\n"),
+    )
 }
 
 /// How many records each event id has.
@@ -60,10 +51,10 @@ async fn a_slot_behind_the_checkpoint_resumes_at_the_checkpoint_without_duplicat
     // A replay window keeps the slot where it is while walbox publishes: the same
     // state a server crash leaves when the slot's position was not yet saved.
     let cfg = window_config(&pg, "1h");
-    let walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     write_events(&pg, 2, 50, 10, 20).await;
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
-    stop(walbox);
+    walbox.stop();
     assert_eq!(
         confirmed_lsn(&db, "walbox").await,
         slot_start,
@@ -71,11 +62,11 @@ async fn a_slot_behind_the_checkpoint_resumes_at_the_checkpoint_without_duplicat
     );
     assert!(checkpoint(&pg).unwrap().lsn > slot_start);
 
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     write_events_from(&pg, 2, 10, 10, 20, 20).await;
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 1_200, "restart").await;
     let log = walbox.log();
-    stop(walbox);
+    walbox.stop();
     assert!(log.contains("starting at the checkpoint"), "{log}");
     let dup: Vec<_> = counts(&records)
         .into_iter()
@@ -93,7 +84,7 @@ async fn replay_publishes_a_range_again_and_run_continues_after_it() {
     setup(&env);
     let slot_start = confirmed_lsn(&db, "walbox").await;
     let cfg = window_config(&pg, "1h");
-    let walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     let (code, out, _) = walbox_cmd(&["doctor"], &env);
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("walbox run starts at"), "{out}");
@@ -107,7 +98,7 @@ async fn replay_publishes_a_range_again_and_run_continues_after_it() {
     let (code, _, err) = walbox_cmd(&["replay", "--from", &middle.to_string()], &env);
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("needs slot \"walbox\" to itself"), "{err}");
-    stop(walbox);
+    walbox.stop();
     let (code, out, err) = walbox_cmd(&["slot", "status", "--json", "--config", &cfg], &env);
     assert_eq!(code, Some(0), "{err}");
     let status: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -161,11 +152,11 @@ async fn replay_publishes_a_range_again_and_run_continues_after_it() {
     assert_per_key_order(&records, true);
 
     // Run continues after the replayed range: the next events once, nothing again.
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     write_events_from(&pg, 1, 10, 10, 10, 20).await;
     let last = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
-    stop(walbox);
+    walbox.stop();
     let records = read_topic(&broker.bootstrap(), TOPIC, 1_200).await;
     assert_eq!(
         records.len(),
@@ -180,11 +171,11 @@ async fn a_slot_ahead_of_the_checkpoint_or_recreated_is_refused_unless_accepted(
     let (pg, broker, db) = start().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 1, 1, 10, 10).await;
     let last = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
-    stop(walbox);
+    walbox.stop();
 
     // While walbox is down, five events are committed and someone moves the slot.
     write_events_from(&pg, 1, 1, 5, 5, 100).await;
@@ -215,11 +206,11 @@ async fn a_slot_ahead_of_the_checkpoint_or_recreated_is_refused_unless_accepted(
     );
 
     // The operator accepts: walbox continues from the slot.
-    let walbox = Walbox::spawn(&["run", "--accept-slot-position"], &env);
+    let mut walbox = Walbox::spawn(&["run", "--accept-slot-position"], &env);
     write_events_from(&pg, 1, 1, 3, 3, 200).await;
     let last = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
-    stop(walbox);
+    walbox.stop();
     let records = read_topic(&broker.bootstrap(), TOPIC, 13).await;
     assert_eq!(
         records.len(),
@@ -249,10 +240,10 @@ async fn a_lost_slot_stops_walbox_at_once_with_the_recovery_steps() {
         start_with(PgOptions::default().setting("max_slot_wal_keep_size", "1MB")).await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 1, 1, 10, 10).await;
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
-    stop(walbox);
+    walbox.stop();
     // Past max_slot_wal_keep_size while walbox is down: the next checkpoint
     // invalidates the slot.
     db.batch_execute("CREATE TABLE filler (b text)")
@@ -299,13 +290,7 @@ async fn a_standby_waits_for_the_slot_and_takes_over_when_the_holder_dies() {
     setup(&env);
     let mut first = Walbox::spawn(&["run"], &env);
     write_events(&pg, 1, 5, 10, 10).await;
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
+    wait_caught_up(&db).await;
     // Without --wait-for-slot a second relay is refused, naming the holder.
     let (code, _, err) = walbox_cmd(&["run"], &env);
     assert_eq!(code, Some(1), "{err}");
@@ -314,7 +299,7 @@ async fn a_standby_waits_for_the_slot_and_takes_over_when_the_holder_dies() {
         "{err}"
     );
 
-    let standby = Walbox::spawn(&["run", "--wait-for-slot"], &env);
+    let mut standby = Walbox::spawn(&["run", "--wait-for-slot"], &env);
     walbox_testkit::wait_until("the standby to wait", Duration::from_secs(30), || {
         standby
             .log()
@@ -327,7 +312,7 @@ async fn a_standby_waits_for_the_slot_and_takes_over_when_the_holder_dies() {
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 100, "takeover").await;
     assert_per_key_order(&records, true);
     assert!(standby.log().contains("taking over"), "{}", standby.log());
-    stop(standby);
+    standby.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -344,9 +329,8 @@ async fn a_restart_inside_a_large_transaction_skips_its_acknowledged_events() {
     )
     .await
     .unwrap();
-    let slow = pg.client_dir().join("slow.toml");
-    std::fs::write(&slow, "[sink]\nmax_in_flight = 5\n").unwrap();
-    let mut walbox = Walbox::spawn(&["run", "--config", slow.to_str().unwrap()], &env);
+    let slow = config_file(&pg, "slow.toml", "[sink]\nmax_in_flight = 5\n");
+    let mut walbox = Walbox::spawn(&["run", "--config", &slow], &env);
     walbox_testkit::wait_until(
         "part of the transaction to be acknowledged",
         Duration::from_secs(120),
@@ -362,10 +346,10 @@ async fn a_restart_inside_a_large_transaction_skips_its_acknowledged_events() {
     let saved = checkpoint(&pg).unwrap().partial.unwrap();
     assert!(saved.events < 30_000, "killed inside the transaction");
 
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 30_000, "restart").await;
     let log = walbox.log();
-    stop(walbox);
+    walbox.stop();
     assert!(log.contains("resuming inside a transaction"), "{log}");
     let n = counts(&records);
     for r in &records {
@@ -391,10 +375,10 @@ async fn a_checkpoint_of_another_cluster_is_refused() {
     let (pg, broker, db) = start().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 1, 1, 10, 10).await;
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
-    stop(walbox);
+    walbox.stop();
     let path = checkpoint_path(&pg);
     let mine = std::fs::read_to_string(&path).unwrap();
     let mut other: serde_json::Value = serde_json::from_str(&mine).unwrap();

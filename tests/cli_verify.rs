@@ -5,7 +5,6 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use nix::sys::signal::Signal;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster};
@@ -60,15 +59,8 @@ async fn verify_reports_missing_duplicated_and_out_of_order_events() {
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 2, 10, 10, 10).await;
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    wait_caught_up(&db).await;
+    walbox.stop();
 
     let (code, r, err) = verify(&env, &[]);
     assert_eq!(code, Some(0), "{r}\n{err}");
@@ -126,15 +118,8 @@ async fn verify_reports_missing_duplicated_and_out_of_order_events() {
 
     // walbox publishes the rest; what remains is the injected order problem.
     let mut walbox = Walbox::spawn(&["run"], &env);
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    wait_caught_up(&db).await;
+    walbox.stop();
     let (_, r, _) = verify(&env, &[]);
     assert_eq!(r["missing"], 0, "{r}");
     assert_eq!(r["records"], 205);

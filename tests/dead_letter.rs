@@ -6,7 +6,6 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use nix::sys::signal::Signal;
 use walbox_testkit::{Broker, PgCluster};
 
 /// An outbox whose payload is text, so a row can hold something that is not JSON.
@@ -93,8 +92,7 @@ async fn poison_rows_go_to_dead_letter_topics_and_the_stream_goes_on() {
     );
     assert_eq!(bad_topic[0].key_str(), Some("k3"));
 
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    walbox.stop();
     let log = walbox.log();
     assert!(log.contains("dead_lettered=3"), "{log}");
     assert!(
@@ -105,11 +103,9 @@ async fn poison_rows_go_to_dead_letter_topics_and_the_stream_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_stop_policy_a_poison_row_stops_walbox_naming_it() {
-    let (_pg, _broker, db, env) = start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("walbox.toml");
-    std::fs::write(&cfg, "[dead_letter]\npolicy = \"stop\"\n").unwrap();
-    let mut walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    let (pg, _broker, db, env) = start().await;
+    let cfg = config_file(&pg, "stop.toml", "[dead_letter]\npolicy = \"stop\"\n");
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     db.batch_execute(&insert("order", Some("k1"), "not json"))
         .await
         .unwrap();
@@ -129,9 +125,12 @@ async fn with_the_stop_policy_a_poison_row_stops_walbox_naming_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_larger_than_the_broker_accepts_is_dead_lettered_and_the_stream_goes_on() {
     let (pg, broker, db, env) = start().await;
-    let cfg = pg.client_dir().join("small.toml");
-    std::fs::write(&cfg, "[sink.kafka]\n\"message.max.bytes\" = 20000\n").unwrap();
-    let mut walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    let cfg = config_file(
+        &pg,
+        "small.toml",
+        "[sink.kafka]\n\"message.max.bytes\" = 20000\n",
+    );
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     let big = format!(r#"{{"seq": 1, "blob": "{}"}}"#, "x".repeat(50_000));
     db.batch_execute(
         &[
@@ -166,17 +165,19 @@ async fn a_message_larger_than_the_broker_accepts_is_dead_lettered_and_the_strea
     assert_eq!(d.key_str(), Some("k1"));
     let v: serde_json::Value = serde_json::from_slice(d.value.as_deref().unwrap()).unwrap();
     assert!(v["value_bytes"].as_u64().unwrap() > 50_000, "{v}");
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    walbox.stop();
     assert!(walbox.log().contains("dead_lettered=1"), "{}", walbox.log());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_replayed_to_their_topic_after_a_fix_and_kept() {
     let (pg, broker, db, env) = start().await;
-    let cfg = pg.client_dir().join("small.toml");
-    std::fs::write(&cfg, "[sink.kafka]\n\"message.max.bytes\" = 20000\n").unwrap();
-    let mut walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    let cfg = config_file(
+        &pg,
+        "small.toml",
+        "[sink.kafka]\n\"message.max.bytes\" = 20000\n",
+    );
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     let big = format!(r#"{{"seq": 2, "blob": "{}"}}"#, "x".repeat(50_000));
     db.batch_execute(
         &[
@@ -188,15 +189,8 @@ async fn dead_letters_are_replayed_to_their_topic_after_a_fix_and_kept() {
     )
     .await
     .unwrap();
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    wait_caught_up(&db).await;
+    walbox.stop();
     let dlq = read_topic(&broker.bootstrap(), "outbox.order.dlq", 2).await;
     assert_eq!(dlq.len(), 2);
 

@@ -24,16 +24,6 @@ async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
     (pg, broker, db)
 }
 
-fn stop(mut walbox: Walbox) {
-    walbox.signal(Signal::SIGTERM);
-    let log = walbox.log();
-    assert_eq!(
-        walbox.wait(Duration::from_secs(60)).code(),
-        Some(0),
-        "{log}"
-    );
-}
-
 /// A pseudo-random number below `n` (fault timing, not synchronisation).
 fn random_below(n: u64) -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -106,11 +96,11 @@ async fn twenty_kill_9_rounds_under_steady_writes_lose_nothing() {
         std::thread::sleep(Duration::from_millis(random_below(400)));
         walbox.kill9();
     }
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     stop_writing.store(true, Ordering::Relaxed);
     let written = writer.await.unwrap();
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, written, "20 kills").await;
-    stop(walbox);
+    walbox.stop();
     assert_duplicates_are_replays(&records);
     assert_per_key_order(&records, true);
 }
@@ -130,19 +120,13 @@ async fn a_transaction_open_across_a_restart_is_published_when_it_commits() {
     .await
     .unwrap();
     write_events(&pg, 2, 10, 10, 10).await;
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
+    wait_caught_up(&db).await;
     walbox.kill9();
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     write_events_from(&pg, 1, 10, 10, 10, 10).await;
     long.batch_execute("COMMIT").await.unwrap();
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 301, "restart").await;
-    stop(walbox);
+    walbox.stop();
     // Published in commit order: after everything that committed before it.
     let mut by_offset: Vec<_> = records.iter().collect();
     by_offset.sort_by_key(|r| {
@@ -167,7 +151,7 @@ async fn rows_sharing_an_event_id_are_both_published_with_it() {
     .unwrap();
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     db.batch_execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES
            ('00000000-0000-0000-0000-000000000001', 'order', 'k', 'E', '{\"seq\": 0}'),
@@ -175,14 +159,8 @@ async fn rows_sharing_an_event_id_are_both_published_with_it() {
     )
     .await
     .unwrap();
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
-    stop(walbox);
+    wait_caught_up(&db).await;
+    walbox.stop();
     let records = read_topic(&broker.bootstrap(), TOPIC, 2).await;
     assert_eq!(records.len(), 2);
     for r in &records {
@@ -199,7 +177,7 @@ async fn alter_table_while_streaming_loses_nothing() {
     let (pg, broker, db) = start().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let walbox = Walbox::spawn(&["run"], &env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 1, 5, 10, 10).await;
     // New columns (one with a default that rewrites nothing, one NULL) and a
     // dropped column that walbox does not map, mid-stream.
@@ -216,7 +194,7 @@ async fn alter_table_while_streaming_loses_nothing() {
     write_events_from(&pg, 1, 5, 10, 10, 10).await;
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 150, "ALTER TABLE").await;
     let log = walbox.log();
-    stop(walbox);
+    walbox.stop();
     assert_eq!(records.len(), 150, "{log}");
     assert!(
         log.matches("outbox table").count() >= 3,
@@ -238,13 +216,12 @@ async fn postgres_restarts_during_the_snapshot_and_the_snapshot_is_taken_again()
     .unwrap();
     drop(db);
     let env = walbox_env(&pg, &broker);
-    let cfg = pg.client_dir().join("snap.toml");
-    std::fs::write(
-        &cfg,
+    let cfg = config_file(
+        &pg,
+        "snap.toml",
         "[snapshot]\nmode = \"initial\"\norder_by = [\"seq\"]\n[sink]\nmax_in_flight = 5\n",
-    )
-    .unwrap();
-    let walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    );
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     let bootstrap = broker.bootstrap();
     tokio::task::spawn_blocking(move || {
         walbox_testkit::kafka::read_at_least(&bootstrap, TOPIC, 1_000, Duration::from_secs(60))
@@ -264,7 +241,7 @@ async fn postgres_restarts_during_the_snapshot_and_the_snapshot_is_taken_again()
     write_events_from(&pg, 1, 5, 10, 10, 100).await;
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 20_050, "restart").await;
     let log = walbox.log();
-    stop(walbox);
+    walbox.stop();
     assert!(log.contains("did not finish; taking it again"), "{log}");
     assert_duplicates_are_replays_or_snapshot(&records);
     assert_per_key_order(&records, true);
@@ -295,17 +272,14 @@ async fn a_broker_outage_longer_than_the_delivery_timeout_resumes_from_the_check
     db.batch_execute(OUTBOX_DDL).await.unwrap();
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let cfg = pg.client_dir().join("timeout.toml");
-    std::fs::write(&cfg, "[sink.kafka]\n\"message.timeout.ms\" = 3000\n").unwrap();
-    let walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    let cfg = config_file(
+        &pg,
+        "timeout.toml",
+        "[sink.kafka]\n\"message.timeout.ms\" = 3000\n",
+    );
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     write_events(&pg, 1, 5, 10, 10).await;
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
+    wait_caught_up(&db).await;
     let before = checkpoint(&pg).unwrap().lsn;
 
     broker.stop().unwrap();
@@ -323,7 +297,7 @@ async fn a_broker_outage_longer_than_the_delivery_timeout_resumes_from_the_check
     );
     broker.start_again().unwrap();
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 150, "outage").await;
-    stop(walbox);
+    walbox.stop();
     assert_duplicates_are_replays(&records);
     assert_per_key_order(&records, true);
 }
@@ -333,17 +307,10 @@ async fn a_silently_stalled_connection_is_detected_and_replaced() {
     let (pg, broker, db) = start().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let cfg = pg.client_dir().join("stall.toml");
-    std::fs::write(&cfg, "[source]\nstall_timeout_ms = 3000\n").unwrap();
-    let walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    let cfg = config_file(&pg, "stall.toml", "[source]\nstall_timeout_ms = 3000\n");
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     write_events(&pg, 1, 5, 10, 10).await;
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
+    wait_caught_up(&db).await;
     let pid: i32 = db
         .query_one(
             "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'walbox'",
@@ -367,23 +334,10 @@ async fn a_silently_stalled_connection_is_detected_and_replaced() {
     nix::sys::signal::kill(walsender, Signal::SIGCONT).unwrap();
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 100, "stall").await;
     let log = walbox.log();
-    stop(walbox);
+    walbox.stop();
     assert!(log.contains("has not processed a status update"), "{log}");
     assert_duplicates_are_replays(&records);
     assert_per_key_order(&records, true);
-}
-
-/// Resident set size of `pid` in kB.
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -392,13 +346,12 @@ async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
     let (pg, broker, db) = start().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
-    let cfg = pg.client_dir().join("bounded.toml");
-    std::fs::write(
-        &cfg,
+    let cfg = config_file(
+        &pg,
+        "bounded.toml",
         "[sink]\nmax_in_flight = 5000\nmax_in_flight_bytes = 4000000\n",
-    )
-    .unwrap();
-    let walbox = Walbox::spawn(&["run", "--config", cfg.to_str().unwrap()], &env);
+    );
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
     let idle_kb = rss_kb(walbox.pid());
     db.execute(
@@ -425,7 +378,7 @@ async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
     .await
     .unwrap();
     let records = read_topic(&broker.bootstrap(), TOPIC, 300_000).await;
-    stop(walbox);
+    walbox.stop();
     assert_eq!(records.len(), 300_000);
     let ids = outbox_ids(&db).await;
     let (missing, dup) = audit(&ids, &records);

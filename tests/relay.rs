@@ -115,8 +115,7 @@ async fn rollbacks_updates_and_insert_then_delete() {
     assert_eq!(keys.iter().filter(|k| **k == "kept").count(), 2);
     assert!(records.iter().all(|r| r.header("event_type") == Some("E")));
 
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    walbox.stop();
     let log = walbox.log();
     assert!(log.contains("ignored_updates=1"), "{log}");
     assert!(log.contains("ignored_deletes=1"), "{log}");
@@ -192,8 +191,7 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
         dup.len()
     );
     assert_per_key_order(&records, false);
-    again.signal(Signal::SIGTERM);
-    assert_eq!(again.wait(Duration::from_secs(60)).code(), Some(0));
+    again.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,8 +231,7 @@ async fn kill_9_at_several_points_loses_nothing() {
         );
     }
     assert_per_key_order(&records, true);
-    last_run.signal(Signal::SIGTERM);
-    assert_eq!(last_run.wait(Duration::from_secs(60)).code(), Some(0));
+    last_run.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,26 +315,7 @@ async fn broker_outage_holds_the_position_and_memory_then_delivers_everything() 
         missing.len()
     );
     assert_per_key_order(&records, true);
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(
-        walbox.wait(Duration::from_secs(60)).code(),
-        Some(0),
-        "{}",
-        walbox.log()
-    );
-}
-
-/// Resident set size of `pid` in kB.
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
+    walbox.stop();
 }
 
 #[test]
@@ -491,8 +469,7 @@ async fn the_relay_runs_as_a_role_that_is_not_a_superuser() {
         .unwrap()
         .get(0);
     assert!(!superuser);
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    walbox.stop();
 
     // The same role recreates the slot with a snapshot (the recovery path),
     // replays nothing twice afterwards, and streams on.
@@ -511,13 +488,7 @@ async fn the_relay_runs_as_a_role_that_is_not_a_superuser() {
         450,
         "200, the same 200 again from the snapshot, 50 new"
     );
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(
-        walbox.wait(Duration::from_secs(60)).code(),
-        Some(0),
-        "{}",
-        walbox.log()
-    );
+    walbox.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -574,15 +545,8 @@ async fn the_stdout_sink_writes_one_json_line_per_event() {
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 2, 50, 10, 10).await;
-    wait_confirmed(
-        &db,
-        "walbox",
-        current_lsn(&db).await,
-        Duration::from_secs(60),
-    )
-    .await;
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    wait_caught_up(&db).await;
+    walbox.stop();
     let log = walbox.log();
     let lines: Vec<serde_json::Value> = log
         .lines()

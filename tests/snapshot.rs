@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
-use nix::sys::signal::Signal;
 use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster};
 
 const TOPIC: &str = "outbox.order";
@@ -65,9 +64,11 @@ async fn writer(
 }
 
 fn snapshot_config(pg: &PgCluster, extra: &str) -> String {
-    let path = pg.client_dir().join("snapshot.toml");
-    std::fs::write(&path, format!("[snapshot]\norder_by = [\"seq\"]\n{extra}")).unwrap();
-    path.display().to_string()
+    config_file(
+        pg,
+        "snapshot.toml",
+        &format!("[snapshot]\norder_by = [\"seq\"]\n{extra}"),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -121,13 +122,7 @@ async fn setup_snapshot_hands_over_to_the_stream_under_concurrent_writes() {
     let written = writing.await.unwrap();
     let total = usize::try_from(100_000 + written).unwrap();
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, total, "handoff").await;
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(
-        walbox.wait(Duration::from_secs(60)).code(),
-        Some(0),
-        "{}",
-        walbox.log()
-    );
+    walbox.stop();
     let ids = outbox_ids(&db).await;
     let (missing, dup) = audit(&ids, &records);
     assert!(missing.is_empty(), "{} missing", missing.len());
@@ -180,13 +175,7 @@ async fn a_filtered_snapshot_cuts_over_from_a_polling_relay() {
     write_events_from(&pg, 1, 5, 10, 10, 500).await;
     let last = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(
-        walbox.wait(Duration::from_secs(60)).code(),
-        Some(0),
-        "{}",
-        walbox.log()
-    );
+    walbox.stop();
     let records = read_topic(&broker.bootstrap(), TOPIC, 450).await;
     assert_eq!(
         records.len(),
@@ -229,13 +218,12 @@ async fn an_interrupted_snapshot_is_never_taken_for_complete_and_is_taken_again(
     let cp = checkpoint(&pg).unwrap();
     assert!(cp.snapshot_interrupted(), "killed mid-snapshot: {cp:?}");
 
-    let fast = pg.client_dir().join("fast.toml");
-    std::fs::write(
-        &fast,
+    let fast = config_file(
+        &pg,
+        "fast.toml",
         "[snapshot]\nmode = \"initial\"\norder_by = [\"seq\"]\n",
-    )
-    .unwrap();
-    let mut walbox = Walbox::spawn(&["run", "--config", fast.to_str().unwrap()], &env);
+    );
+    let mut walbox = Walbox::spawn(&["run", "--config", &fast], &env);
     walbox_testkit::wait_until("the snapshot to finish", Duration::from_secs(120), || {
         checkpoint(&pg)
             .and_then(|c| c.snapshot)
@@ -245,8 +233,7 @@ async fn an_interrupted_snapshot_is_never_taken_for_complete_and_is_taken_again(
     .unwrap();
     write_events_from(&pg, 1, 10, 10, 10, 500).await;
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 50_100, "redo").await;
-    walbox.signal(Signal::SIGTERM);
-    assert_eq!(walbox.wait(Duration::from_secs(60)).code(), Some(0));
+    walbox.stop();
     let log = walbox.log();
     assert!(log.contains("did not finish; taking it again"), "{log}");
     assert!(

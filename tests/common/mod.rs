@@ -112,6 +112,13 @@ impl Walbox {
             .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
+    /// SIGTERM, and check it stops cleanly (exit 0) within a minute.
+    pub fn stop(&mut self) {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        let log = self.log();
+        assert_eq!(self.wait(Duration::from_secs(60)).code(), Some(0), "{log}");
+    }
+
     /// SIGKILL, and wait for it.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -436,4 +443,30 @@ pub fn walbox_cmd(args: &[&str], env: &[(&str, String)]) -> (Option<i32>, String
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Waits until the slot `walbox` has confirmed everything committed so far.
+pub async fn wait_caught_up(db: &tokio_postgres::Client) {
+    let last = current_lsn(db).await;
+    wait_confirmed(db, "walbox", last, Duration::from_secs(60)).await;
+}
+
+/// Writes a walbox configuration file beside the cluster; returns its path.
+pub fn config_file(pg: &PgCluster, name: &str, toml: &str) -> String {
+    let path = pg.client_dir().join(name);
+    std::fs::write(&path, toml).unwrap();
+    path.display().to_string()
+}
+
+/// Resident set size of `pid` in kB.
+pub fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
 }
