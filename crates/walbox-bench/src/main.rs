@@ -45,6 +45,41 @@ struct Args {
     steady_seconds: u64,
     svg_dir: Option<PathBuf>,
     walbox: PathBuf,
+    /// Scenarios to run (all by default).
+    only: Vec<Scenario>,
+}
+
+/// A part of the run that `--only` can pick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    Backlog,
+    Polling,
+    BigTxn,
+    Steady,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 4] = [
+        Scenario::Backlog,
+        Scenario::Polling,
+        Scenario::BigTxn,
+        Scenario::Steady,
+    ];
+
+    fn parse(s: &str) -> Result<Self, Error> {
+        Ok(match s {
+            "backlog" => Scenario::Backlog,
+            "polling" => Scenario::Polling,
+            "big-txn" => Scenario::BigTxn,
+            "steady" => Scenario::Steady,
+            other => {
+                return Err(format!(
+                    "--only: unknown scenario {other:?} (backlog, polling, big-txn, steady)"
+                )
+                .into());
+            }
+        })
+    }
 }
 
 fn args() -> Result<Args, Error> {
@@ -57,6 +92,7 @@ fn args() -> Result<Args, Error> {
             .parent()
             .map(|d| d.join("walbox"))
             .unwrap_or_else(|| PathBuf::from("walbox")),
+        only: Scenario::ALL.to_vec(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -73,9 +109,17 @@ fn args() -> Result<Args, Error> {
                     .parse()?;
             }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
+            "--only" => {
+                a.only = it
+                    .next()
+                    .ok_or("--only needs a list such as backlog,steady")?
+                    .split(',')
+                    .map(Scenario::parse)
+                    .collect::<Result<_, _>>()?;
+            }
             other => {
                 return Err(format!(
-                    "unknown argument {other:?} (use --events N, --big-txn N, --steady-seconds N, --svg-dir DIR, --walbox PATH)"
+                    "unknown argument {other:?} (use --events N, --big-txn N, --steady-seconds N, --svg-dir DIR, --walbox PATH, --only LIST)"
                 )
                 .into());
             }
@@ -612,15 +656,19 @@ fn print_table(title: &str, events: u64, wal_bytes: i64, results: &[Figures]) {
         "| contender | seconds | events/s | WAL MB/s | of ceiling | peak RSS MB | CPU s | extra WAL per event |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    let ceiling = results.first().map_or(1.0, |r| r.seconds);
+    // The ceiling's row comes first when the slot scenario ran.
+    let ceiling = results
+        .first()
+        .filter(|r| r.name.contains("ceiling"))
+        .map(|r| r.seconds);
     for r in results {
         println!(
-            "| {} | {:.2} | {:.0} | {:.1} | {:.2} | {} | {:.1} | {} |",
+            "| {} | {:.2} | {:.0} | {:.1} | {} | {} | {:.1} | {} |",
             r.name,
             r.seconds,
             events as f64 / r.seconds,
             wal_bytes as f64 / 1e6 / r.seconds,
-            ceiling / r.seconds,
+            ceiling.map_or_else(|| "-".to_owned(), |c| format!("{:.2}", c / r.seconds)),
             r.peak_rss_kb.map_or_else(
                 || "(in the bench process)".to_owned(),
                 |kb| format!("{:.1}", kb as f64 / 1024.0)
@@ -652,42 +700,61 @@ async fn main() -> Result<(), Error> {
     let events = bench.a.events;
     let big = bench.a.big_txn;
 
-    // 1. Backlog drain: transactions of 10 rows, committed before anyone reads.
-    println!("scenario 1: backlog of {events} events in transactions of 10");
-    let (backlog, backlog_wal) = bench
-        .drain_slots(&format!(
-            "DO $$
-             BEGIN
-               FOR t IN 0..{last} LOOP
-                 {INSERT} {ROW_SELECT} FROM generate_series(t * 10, t * 10 + 9) n;
-                 COMMIT;
-               END LOOP;
-             END $$;",
-            last = events / 10 - 1
-        ))
-        .await?;
-    let mut with_polling = backlog;
-    with_polling.extend(bench.polling(events).await?);
+    let runs = |s: Scenario| bench.a.only.contains(&s);
+
+    // 1. Backlog drain: transactions of 10 rows, committed before anyone reads;
+    //    the polling relay then publishes the same rows.
+    let backlog_load = format!(
+        "DO $$
+         BEGIN
+           FOR t IN 0..{last} LOOP
+             {INSERT} {ROW_SELECT} FROM generate_series(t * 10, t * 10 + 9) n;
+             COMMIT;
+           END LOOP;
+         END $$;",
+        last = events / 10 - 1
+    );
+    let mut with_polling = Vec::new();
+    let mut backlog_wal = 0;
+    if runs(Scenario::Backlog) {
+        println!("scenario 1: backlog of {events} events in transactions of 10");
+        let (backlog, wal) = bench.drain_slots(&backlog_load).await?;
+        with_polling = backlog;
+        backlog_wal = wal;
+    }
+    if runs(Scenario::Polling) {
+        if !runs(Scenario::Backlog) {
+            println!("loading {events} events in transactions of 10 for the polling relay");
+            bench.db.batch_execute(&backlog_load).await?;
+        }
+        with_polling.extend(bench.polling(events).await?);
+    }
 
     // 2. One transaction of `big` rows.
-    bench.db.batch_execute("TRUNCATE outbox").await?;
-    println!("scenario 2: one transaction of {big} events");
-    let (one_txn, one_txn_wal) = bench
-        .drain_slots(&format!(
-            "{INSERT} {ROW_SELECT} FROM generate_series(0, {last}) n",
-            last = big - 1
-        ))
-        .await?;
+    let mut one_txn = Vec::new();
+    let mut one_txn_wal = 0;
+    if runs(Scenario::BigTxn) {
+        bench.db.batch_execute("TRUNCATE outbox").await?;
+        println!("scenario 2: one transaction of {big} events");
+        (one_txn, one_txn_wal) = bench
+            .drain_slots(&format!(
+                "{INSERT} {ROW_SELECT} FROM generate_series(0, {last}) n",
+                last = big - 1
+            ))
+            .await?;
+    }
 
     // 3. Steady load at fixed rates.
-    bench.db.batch_execute("TRUNCATE outbox").await?;
     let mut steady = Vec::new();
-    for rate in [1_000, 5_000, 20_000] {
-        println!(
-            "scenario 3: {rate} events/s for {} s",
-            bench.a.steady_seconds
-        );
-        steady.push(bench.steady(rate, bench.a.steady_seconds).await?);
+    if runs(Scenario::Steady) {
+        bench.db.batch_execute("TRUNCATE outbox").await?;
+        for rate in [1_000, 5_000, 20_000] {
+            println!(
+                "scenario 3: {rate} events/s for {} s",
+                bench.a.steady_seconds
+            );
+            steady.push(bench.steady(rate, bench.a.steady_seconds).await?);
+        }
     }
 
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
@@ -714,20 +781,29 @@ async fn main() -> Result<(), Error> {
         },
         bench.a.walbox.display()
     );
-    print_table(
-        &format!("Backlog drain: {events} events in transactions of 10"),
-        events,
-        backlog_wal,
-        &with_polling,
-    );
-    print_table(
-        &format!("One transaction of {big} events"),
-        big,
-        one_txn_wal,
-        &one_txn,
-    );
-    print_steady(bench.a.steady_seconds, &steady);
-    if let Some(dir) = &bench.a.svg_dir {
+    if !with_polling.is_empty() {
+        print_table(
+            &format!("Backlog drain: {events} events in transactions of 10"),
+            events,
+            backlog_wal,
+            &with_polling,
+        );
+    }
+    if !one_txn.is_empty() {
+        print_table(
+            &format!("One transaction of {big} events"),
+            big,
+            one_txn_wal,
+            &one_txn,
+        );
+    }
+    if !steady.is_empty() {
+        print_steady(bench.a.steady_seconds, &steady);
+    }
+    // The charts compare all contenders: only a full run writes them.
+    if let Some(dir) = &bench.a.svg_dir
+        && bench.a.only.len() == Scenario::ALL.len()
+    {
         write_charts(dir, events, &with_polling, &steady)?;
     }
     Ok(())

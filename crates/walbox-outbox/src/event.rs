@@ -1,5 +1,11 @@
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use walbox_pgoutput::{Lsn, Xid};
+
+/// A header name: walbox's own names are static (no allocation per event); names
+/// from a row's headers column are owned.
+pub type HeaderName = Cow<'static, str>;
 
 /// Names of the Kafka headers walbox sets on every event.
 pub mod header {
@@ -44,8 +50,11 @@ pub struct Event {
     pub key: Option<Bytes>,
     /// The record value.
     pub value: Bytes,
+    /// The value is JSON walbox built itself (the envelope, a dead letter), so a
+    /// sink that embeds JSON need not check it.
+    pub json_value: bool,
     /// Record headers in order.
-    pub headers: Vec<(String, Bytes)>,
+    pub headers: Vec<(HeaderName, Bytes)>,
     /// Source position.
     pub position: Position,
 }

@@ -17,6 +17,6 @@ mod mapper;
 mod template;
 
 pub use config::{ColumnNames, TableConfig, ValueFormat};
-pub use event::{Event, Position, header};
+pub use event::{Event, HeaderName, Position, header};
 pub use mapper::{Mapper, MappingError, RowError, dead_letter_header};
 pub use template::{TemplateError, TopicTemplate, validate_topic};

@@ -1,10 +1,12 @@
 //! Compiling a [`TableConfig`] against a table's shape and mapping its rows.
 
+use std::borrow::Cow;
+
 use bytes::{BufMut, Bytes, BytesMut};
 use walbox_pgoutput::{Oid, Relation, TupleValue};
 
 use crate::config::{TableConfig, ValueFormat};
-use crate::event::{Event, Position, header};
+use crate::event::{Event, HeaderName, Position, header};
 use crate::template::{TemplateError, TopicTemplate, validate_topic};
 
 const BYTEA: Oid = 17;
@@ -146,7 +148,8 @@ impl RowError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PayloadKind {
-    /// json / jsonb: the server produced it, so it is JSON; checked anyway.
+    /// json / jsonb: the server checked it on input and renders it as JSON, so
+    /// it is embedded as it comes.
     Json,
     /// text types that must hold JSON.
     Text,
@@ -357,7 +360,8 @@ impl Mapper {
     /// The topic `row` names, validated.
     fn topic(&self, row: &[TupleValue]) -> Result<String, RowError> {
         let topic = match &self.topic {
-            TopicSource::Fixed(t) => t.clone(),
+            // Validated when the mapping was compiled.
+            TopicSource::Fixed(t) => return Ok(t.clone()),
             TopicSource::Column(c) => text(row, c, "topic")?.to_owned(),
             TopicSource::Template(t, cols) => t.render(|i, _| match cols.get(i) {
                 Some(c) => text(row, c, "topic template field"),
@@ -432,26 +436,26 @@ impl Mapper {
             .collect();
         let value = serde_json::json!({ "table": self.table, "columns": columns }).to_string();
         let mut headers = vec![
-            (header::EVENT_ID.to_owned(), Bytes::from(event_id.clone())),
+            (header::EVENT_ID.into(), Bytes::from(event_id.clone())),
             (
-                dead_letter_header::ERROR_CLASS.to_owned(),
+                dead_letter_header::ERROR_CLASS.into(),
                 Bytes::from_static(error.class().as_bytes()),
             ),
             (
-                dead_letter_header::ERROR.to_owned(),
+                dead_letter_header::ERROR.into(),
                 Bytes::from(error.to_string()),
             ),
             (
-                dead_letter_header::SOURCE_TABLE.to_owned(),
+                dead_letter_header::SOURCE_TABLE.into(),
                 Bytes::from(self.table.clone()),
             ),
         ];
         if let Some(t) = intended {
-            headers.push((dead_letter_header::SOURCE_TOPIC.to_owned(), Bytes::from(t)));
+            headers.push((dead_letter_header::SOURCE_TOPIC.into(), Bytes::from(t)));
         }
         push_position(&mut headers, position);
         headers.push((
-            dead_letter_header::ATTEMPTS.to_owned(),
+            dead_letter_header::ATTEMPTS.into(),
             Bytes::from_static(b"1"),
         ));
         Event {
@@ -459,6 +463,7 @@ impl Mapper {
             topic,
             key,
             value: Bytes::from(value),
+            json_value: true,
             headers,
             position,
         }
@@ -483,63 +488,55 @@ impl Mapper {
 
         let topic = self.topic(row)?;
 
-        let mut headers: Vec<(String, Bytes)> = Vec::with_capacity(8);
-        headers.push((
-            header::EVENT_ID.into(),
-            Bytes::copy_from_slice(event_id.as_bytes()),
-        ));
-        if let Some(t) = event_type {
-            headers.push((
-                header::EVENT_TYPE.into(),
-                Bytes::copy_from_slice(t.as_bytes()),
-            ));
-        }
-        if let Some(v) = schema_version {
-            headers.push((
-                header::SCHEMA_VERSION.into(),
-                Bytes::copy_from_slice(v.as_bytes()),
-            ));
-        }
-        if let Some(a) = aggregate_type {
-            headers.push((
-                header::AGGREGATE_TYPE.into(),
-                Bytes::copy_from_slice(a.as_bytes()),
-            ));
+        // Header values share the row's buffer: no copy per event.
+        let mut headers: Vec<(HeaderName, Bytes)> = Vec::with_capacity(10);
+        headers.push((header::EVENT_ID.into(), shared(row, &self.id)));
+        for (name, present, col) in [
+            (header::EVENT_TYPE, event_type.is_some(), &self.event_type),
+            (
+                header::SCHEMA_VERSION,
+                schema_version.is_some(),
+                &self.schema_version,
+            ),
+            (
+                header::AGGREGATE_TYPE,
+                aggregate_type.is_some(),
+                &self.aggregate_type,
+            ),
+        ] {
+            if let (true, Some(c)) = (present, col) {
+                headers.push((name.into(), shared(row, c)));
+            }
         }
         if let Some(c) = &self.headers {
             match row.get(c.index) {
                 Some(TupleValue::Null) | None => {}
                 Some(_) => {
                     let raw = bytes(row, c, "headers")?;
-                    let map: serde_json::Map<String, serde_json::Value> =
-                        serde_json::from_slice(raw).map_err(|_| RowError::HeadersNotObject {
-                            column: c.name.clone(),
-                        })?;
-                    for (k, v) in map {
-                        if let serde_json::Value::String(s) = v {
-                            headers.push((k, Bytes::from(s)));
-                        }
-                    }
+                    json_headers(raw, &mut headers).map_err(|_| RowError::HeadersNotObject {
+                        column: c.name.clone(),
+                    })?;
                 }
             }
         }
         push_position(&mut headers, position);
 
-        let value = match (&self.value_column, &self.payload) {
-            (Some(c), _) => bytes(row, c, "value")?.clone(),
+        let (value, json_value) = match (&self.value_column, &self.payload) {
+            (Some(c), _) => (bytes(row, c, "value")?.clone(), false),
             (None, Some((c, kind))) => {
                 let payload = payload_json(row, c, *kind)?;
                 let occurred_at = opt_text(row, self.occurred_at.as_ref(), "occurrence time")?;
-                envelope(
+                let value = envelope(
                     event_id,
                     event_type,
                     schema_version,
                     occurred_at,
                     &self.producer_json,
                     &payload,
-                )
+                );
+                (value, true)
             }
-            (None, None) => Bytes::new(),
+            (None, None) => (Bytes::new(), false),
         };
 
         Ok(Event {
@@ -547,23 +544,165 @@ impl Mapper {
             topic,
             key,
             value,
+            json_value,
             headers,
             position,
         })
     }
 }
 
-/// The source position headers: commit LSN, index, xid.
-fn push_position(headers: &mut Vec<(String, Bytes)>, position: Position) {
-    headers.push((
-        header::COMMIT_LSN.into(),
-        Bytes::from(position.commit_lsn.to_string()),
-    ));
-    headers.push((
-        header::INDEX.into(),
-        Bytes::from(position.index.to_string()),
-    ));
-    headers.push((header::XID.into(), Bytes::from(position.xid.to_string())));
+/// The source position headers: commit LSN, index, xid (one buffer for the three).
+fn push_position(headers: &mut Vec<(HeaderName, Bytes)>, position: Position) {
+    use std::fmt::Write as _;
+    let mut buf = BytesMut::with_capacity(48);
+    // Writing to a BytesMut cannot fail.
+    let _ = write!(buf, "{}", position.commit_lsn);
+    let lsn = buf.split().freeze();
+    let _ = write!(buf, "{}", position.index);
+    let index = buf.split().freeze();
+    let _ = write!(buf, "{}", position.xid);
+    headers.push((header::COMMIT_LSN.into(), lsn));
+    headers.push((header::INDEX.into(), index));
+    headers.push((header::XID.into(), buf.freeze()));
+}
+
+/// The value of column `c` (already read and checked), sharing the row's buffer.
+fn shared(row: &[TupleValue], c: &Col) -> Bytes {
+    match row.get(c.index) {
+        Some(TupleValue::Text(b) | TupleValue::Binary(b)) => b.clone(),
+        _ => Bytes::new(),
+    }
+}
+
+/// Appends the string members of the JSON object `raw` as headers, ordered by
+/// name (the last of duplicate names wins); other members are skipped. Names and
+/// values without escapes are not copied: values share `raw`'s buffer.
+fn json_headers(raw: &Bytes, out: &mut Vec<(HeaderName, Bytes)>) -> Result<(), serde_json::Error> {
+    let Members(mut members) = serde_json::from_slice(raw)?;
+    members.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut members = members.into_iter().peekable();
+    while let Some((name, value)) = members.next() {
+        if members.peek().is_some_and(|(next, _)| *next == name) {
+            continue; // a later duplicate wins
+        }
+        let Some(value) = value else { continue };
+        let value = match value {
+            Cow::Borrowed(v) => raw.slice_ref(v.as_bytes()),
+            Cow::Owned(v) => Bytes::from(v),
+        };
+        out.push((Cow::Owned(name.into_owned()), value));
+    }
+    Ok(())
+}
+
+/// The members of a JSON object in document order: name, and the value when it
+/// is a string.
+struct Members<'a>(Vec<(Cow<'a, str>, Option<Cow<'a, str>>)>);
+
+/// A JSON string, borrowed from the input when it has no escapes.
+struct JsonStr<'a>(Cow<'a, str>);
+
+/// A JSON value kept only when it is a string.
+struct IfString<'a>(Option<Cow<'a, str>>);
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(JsonStr(name)) = m.next_key()? {
+                    let IfString(value) = m.next_value()?;
+                    out.push((name, value));
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for JsonStr<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = JsonStr<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(JsonStr(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(JsonStr(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(JsonStr(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for IfString<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = IfString<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(IfString(Some(Cow::Borrowed(v))))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(IfString(Some(Cow::Owned(v.to_owned()))))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(IfString(Some(Cow::Owned(v))))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(IfString(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(IfString(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(IfString(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(IfString(None))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(IfString(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut s: A,
+            ) -> Result<Self::Value, A::Error> {
+                while s.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(IfString(None))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Self::Value, A::Error> {
+                while m
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(IfString(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 fn bytes<'a>(row: &'a [TupleValue], c: &Col, role: &'static str) -> Result<&'a Bytes, RowError> {
@@ -600,11 +739,12 @@ fn opt_text<'a>(
     }
 }
 
-/// The payload as JSON bytes, checked.
+/// The payload as JSON bytes; text and bytea are checked to hold JSON.
 fn payload_json(row: &[TupleValue], c: &Col, kind: PayloadKind) -> Result<Bytes, RowError> {
     let raw = bytes(row, c, "payload")?;
     let json = match kind {
-        PayloadKind::Json | PayloadKind::Text => raw.clone(),
+        PayloadKind::Json => return Ok(raw.clone()),
+        PayloadKind::Text => raw.clone(),
         PayloadKind::Bytea => {
             let hex = raw
                 .strip_prefix(b"\\x")

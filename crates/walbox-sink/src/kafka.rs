@@ -280,7 +280,7 @@ impl Sink for KafkaSink {
                             headers: event
                                 .headers
                                 .iter()
-                                .map(|(k, v)| (k.clone(), v.to_vec()))
+                                .map(|(k, v)| (k.to_string(), v.to_vec()))
                                 .collect(),
                             value_len: event.value.len(),
                         });

@@ -114,6 +114,11 @@ pub trait Sink {
     /// arrives later as a [`Delivery`] carrying `token`.
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError>;
 
+    /// The caller has sent everything it has for now and is about to wait for
+    /// deliveries: a sink that gathers events to hand them on in batches hands
+    /// on what it holds. Called before every wait, so nothing sent is held back.
+    fn end_batch(&mut self) {}
+
     /// Waits up to `timeout` for everything sent to be delivered or failed.
     async fn flush(&mut self, timeout: std::time::Duration) -> Result<(), SinkError>;
 }

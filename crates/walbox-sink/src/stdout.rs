@@ -7,59 +7,82 @@ use crate::{Deliveries, Delivery, DeliveryError, Sink, SinkError};
 
 /// Writes each event as one JSON line: `{"topic", "key", "headers", "value"}`.
 ///
-/// The value is embedded as it is when it is JSON, else as a string. A writer
-/// thread takes events as they come, writes every event waiting into a buffer,
-/// flushes standard output once, then acknowledges them: one flush per batch
-/// under load, one per event when events trickle in. An event is acknowledged
-/// only after its line was flushed.
+/// The value is embedded as it is when it is JSON, else as a string. Events are
+/// gathered on the caller's side and handed to a writer thread in batches (when
+/// [`BATCH`] are waiting, and at [`Sink::end_batch`]); the thread writes each
+/// batch, flushes standard output once, then acknowledges its events. An event is
+/// acknowledged only after its line was flushed. The thread keeps slow output
+/// off the caller's thread, which goes on answering the server meanwhile.
 #[derive(Debug)]
 pub struct StdoutSink {
-    lines: std::sync::mpsc::Sender<(Event, usize)>,
+    lines: std::sync::mpsc::Sender<Vec<(Event, usize)>>,
+    pending: Vec<(Event, usize)>,
 }
 
 impl StdoutSink {
     /// A sink and the receiver of its deliveries.
     #[must_use]
     pub fn new() -> (Self, Deliveries) {
+        Self::to_output(std::io::stdout())
+    }
+
+    /// The same sink writing to `output` instead of standard output.
+    #[must_use]
+    pub fn to_output(output: impl Write + Send + 'static) -> (Self, Deliveries) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let (lines, queue) = std::sync::mpsc::channel::<(Event, usize)>();
+        let (lines, queue) = std::sync::mpsc::channel::<Vec<(Event, usize)>>();
         std::thread::Builder::new()
             .name("walbox-stdout".into())
-            .spawn(move || writer(&queue, &tx))
+            .spawn(move || writer(output, &queue, &tx))
             .ok();
-        (StdoutSink { lines }, rx)
+        (
+            StdoutSink {
+                lines,
+                pending: Vec::with_capacity(BATCH),
+            },
+            rx,
+        )
+    }
+
+    fn hand_on(&mut self) -> Result<(), SinkError> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let batch = std::mem::replace(&mut self.pending, Vec::with_capacity(BATCH));
+        self.lines
+            .send(batch)
+            .map_err(|_| SinkError::Io(std::io::Error::other("the stdout writer stopped")))
     }
 }
 
-/// Most events written before a flush.
-const BATCH: usize = 4096;
+/// Most events handed to the writer at once.
+const BATCH: usize = 1024;
 
 fn writer(
-    queue: &std::sync::mpsc::Receiver<(Event, usize)>,
+    output: impl Write,
+    queue: &std::sync::mpsc::Receiver<Vec<(Event, usize)>>,
     acks: &mpsc::UnboundedSender<Delivery>,
 ) {
-    let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::with_capacity(256 * 1024, stdout.lock());
-    let mut batch: Vec<(String, String, usize)> = Vec::with_capacity(BATCH);
-    while let Ok(first) = queue.recv() {
-        let mut written = write_line(&mut out, &first.0);
-        batch.push((first.0.event_id, first.0.topic, first.1));
-        while batch.len() < BATCH {
-            let Ok((event, token)) = queue.try_recv() else {
+    let mut out = std::io::BufWriter::with_capacity(256 * 1024, output);
+    while let Ok(mut batch) = queue.recv() {
+        // Everything else waiting goes out with the same flush.
+        while let Ok(more) = queue.try_recv() {
+            batch.extend(more);
+        }
+        let mut written = Ok(());
+        for (event, _) in &batch {
+            written = write_line(&mut out, event);
+            if written.is_err() {
                 break;
-            };
-            if written.is_ok() {
-                written = write_line(&mut out, &event);
             }
-            batch.push((event.event_id, event.topic, token));
         }
         let result = written.and_then(|()| out.flush());
-        for (event_id, topic, token) in batch.drain(..) {
+        for (event, token) in batch {
             let result = match &result {
                 Ok(()) => Ok(()),
                 Err(e) => Err(DeliveryError {
-                    event_id,
-                    topic,
+                    event_id: event.event_id,
+                    topic: event.topic,
                     class: "io_error",
                     reason: e.to_string(),
                     rejected: None,
@@ -72,57 +95,68 @@ fn writer(
     }
 }
 
+/// Writes one event as a JSON line.
 fn write_line(out: &mut impl Write, event: &Event) -> std::io::Result<()> {
-    out.write_all(&json_line(event))
+    out.write_all(b"{\"topic\":")?;
+    write_string(out, &event.topic)?;
+    out.write_all(b",\"key\":")?;
+    match &event.key {
+        Some(k) => write_string(out, &String::from_utf8_lossy(k))?,
+        None => out.write_all(b"null")?,
+    }
+    out.write_all(b",\"headers\":{")?;
+    for (i, (k, v)) in event.headers.iter().enumerate() {
+        if i > 0 {
+            out.write_all(b",")?;
+        }
+        write_string(out, k)?;
+        out.write_all(b":")?;
+        write_string(out, &String::from_utf8_lossy(v))?;
+    }
+    out.write_all(b"},\"value\":")?;
+    // JSON values go in as they are (checked without building them unless walbox
+    // built them); anything else as a string.
+    if event.json_value || serde_json::from_slice::<serde::de::IgnoredAny>(&event.value).is_ok() {
+        out.write_all(event.value.trim_ascii())?;
+    } else {
+        write_string(out, &String::from_utf8_lossy(&event.value))?;
+    }
+    out.write_all(b"}\n")
 }
 
 /// One event as a JSON line.
-#[must_use]
-pub fn json_line(event: &Event) -> Vec<u8> {
+#[cfg(test)]
+fn json_line(event: &Event) -> Vec<u8> {
     let mut out = Vec::with_capacity(event.size() + 64);
-    out.extend_from_slice(b"{\"topic\":");
-    push_string(&mut out, &event.topic);
-    out.extend_from_slice(b",\"key\":");
-    match &event.key {
-        Some(k) => push_string(&mut out, &String::from_utf8_lossy(k)),
-        None => out.extend_from_slice(b"null"),
-    }
-    out.extend_from_slice(b",\"headers\":{");
-    for (i, (k, v)) in event.headers.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        push_string(&mut out, k);
-        out.push(b':');
-        push_string(&mut out, &String::from_utf8_lossy(v));
-    }
-    out.extend_from_slice(b"},\"value\":");
-    // JSON values go in as they are (checked without building them); anything
-    // else as a string.
-    if serde_json::from_slice::<serde::de::IgnoredAny>(&event.value).is_ok() {
-        out.extend_from_slice(event.value.trim_ascii());
-    } else {
-        push_string(&mut out, &String::from_utf8_lossy(&event.value));
-    }
-    out.extend_from_slice(b"}\n");
+    // Writing to a Vec cannot fail.
+    let _ = write_line(&mut out, event);
     out
 }
 
-fn push_string(out: &mut Vec<u8>, s: &str) {
-    // serde_json escapes exactly as JSON requires; writing to a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut *out, s);
+fn write_string(out: &mut impl Write, s: &str) -> std::io::Result<()> {
+    // serde_json escapes exactly as JSON requires.
+    serde_json::to_writer(out, s).map_err(std::io::Error::from)
 }
 
 impl Sink for StdoutSink {
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
-        self.lines
-            .send((event, token))
-            .map_err(|_| SinkError::Io(std::io::Error::other("the stdout writer stopped")))
+        self.pending.push((event, token));
+        if self.pending.len() >= BATCH {
+            self.hand_on()?;
+        }
+        Ok(())
+    }
+
+    fn end_batch(&mut self) {
+        // A stopped writer shows as delivery reports that never come; the relay's
+        // shutdown and flush timeouts report it.
+        let _ = self.hand_on();
     }
 
     async fn flush(&mut self, _timeout: std::time::Duration) -> Result<(), SinkError> {
-        // Every event is flushed before it is acknowledged.
-        Ok(())
+        // Every event is flushed before it is acknowledged; what is gathered goes
+        // to the writer now.
+        self.hand_on()
     }
 }
 
@@ -138,6 +172,7 @@ mod tests {
             topic: "outbox.order".into(),
             key: Some(Bytes::from_static(b"k\"1")),
             value: Bytes::copy_from_slice(value),
+            json_value: false,
             headers: vec![("event_id".into(), Bytes::from_static(b"e1"))],
             position: Position {
                 commit_lsn: walbox_pgoutput::Lsn(1),
@@ -159,5 +194,29 @@ mod tests {
         let line = json_line(&event(b"not json \x01"));
         let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(v["value"], "not json \u{1}");
+    }
+
+    #[tokio::test]
+    async fn gathered_events_are_written_and_acknowledged_in_order_at_end_batch() {
+        let (mut sink, mut deliveries) = StdoutSink::to_output(std::io::sink());
+        for token in 0..3 {
+            sink.send(event(b"{}"), token).await.unwrap();
+        }
+        assert_eq!(sink.pending.len(), 3, "held until the caller waits");
+        sink.end_batch();
+        assert!(sink.pending.is_empty());
+        for token in 0..3 {
+            let d = deliveries.recv().await.unwrap();
+            assert_eq!(d.token, token);
+            assert!(d.result.is_ok());
+        }
+        // A full batch goes on at once.
+        for token in 0..BATCH {
+            sink.send(event(b"{}"), token).await.unwrap();
+        }
+        assert!(sink.pending.is_empty());
+        for token in 0..BATCH {
+            assert_eq!(deliveries.recv().await.unwrap().token, token);
+        }
     }
 }

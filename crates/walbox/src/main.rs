@@ -149,11 +149,23 @@ fn main() -> std::process::ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    // The streaming commands run on one thread: the replication reader, the
+    // relay and the SQL connections hand work to each other for every event, and
+    // on one thread a hand-off is a queue push instead of a thread wakeup. The
+    // producer, the checkpoint writer and the stdout writer have threads of their
+    // own. The audit commands read topics with blocking calls and get workers.
+    let streaming = matches!(
+        cli.command,
+        Command::Run(_) | Command::Setup(_) | Command::Replay(_)
+    );
+    let mut builder = if streaming {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(2);
+        b
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "cannot start the runtime");

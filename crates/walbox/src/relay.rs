@@ -541,6 +541,13 @@ impl Sink for AnySink {
         }
     }
 
+    fn end_batch(&mut self) {
+        match self {
+            AnySink::Kafka(s) => s.end_batch(),
+            AnySink::Stdout(s) => s.end_batch(),
+        }
+    }
+
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
         match self {
             AnySink::Kafka(s) => s.flush(timeout).await,
@@ -873,6 +880,12 @@ impl<'a> Relay<'a> {
         })
     }
 
+    /// Whether to take new WAL: not at the in-flight bound, not past a replay's
+    /// end, and when stopping only to finish the transaction being read.
+    fn reading(&self, stopping: bool) -> bool {
+        !self.full() && !self.reached_end && (!stopping || self.txn.is_some())
+    }
+
     fn full(&self) -> bool {
         self.tracker.in_flight() >= self.ctx.config.sink.max_in_flight as u64
             || self.out.in_flight.bytes >= self.ctx.config.sink.max_in_flight_bytes
@@ -1190,21 +1203,18 @@ fn rejected_dead_letter(e: &DeliveryError, template: &TopicTemplate) -> Option<E
             .and_then(|v| v.parse().ok())
             .unwrap_or(0),
     };
-    let mut headers: Vec<(String, bytes::Bytes)> = record
+    let mut headers: Vec<(walbox_outbox::HeaderName, bytes::Bytes)> = record
         .headers
         .iter()
-        .map(|(k, v)| (k.clone(), bytes::Bytes::from(v.clone())))
+        .map(|(k, v)| (k.clone().into(), bytes::Bytes::from(v.clone())))
         .collect();
     headers.push((
-        dl::ERROR_CLASS.to_owned(),
+        dl::ERROR_CLASS.into(),
         bytes::Bytes::from_static(e.class.as_bytes()),
     ));
-    headers.push((dl::ERROR.to_owned(), bytes::Bytes::from(e.reason.clone())));
-    headers.push((
-        dl::SOURCE_TOPIC.to_owned(),
-        bytes::Bytes::from(e.topic.clone()),
-    ));
-    headers.push((dl::ATTEMPTS.to_owned(), bytes::Bytes::from_static(b"1")));
+    headers.push((dl::ERROR.into(), bytes::Bytes::from(e.reason.clone())));
+    headers.push((dl::SOURCE_TOPIC.into(), bytes::Bytes::from(e.topic.clone())));
+    headers.push((dl::ATTEMPTS.into(), bytes::Bytes::from_static(b"1")));
     let value = serde_json::json!({
         "topic": e.topic,
         "value_bytes": record.value_len,
@@ -1216,6 +1226,7 @@ fn rejected_dead_letter(e: &DeliveryError, template: &TopicTemplate) -> Option<E
         topic,
         key: record.key.clone().map(bytes::Bytes::from),
         value: bytes::Bytes::from(value),
+        json_value: true,
         headers,
         position,
     })
@@ -1229,6 +1240,9 @@ struct Latency {
     window: hdrhistogram::Histogram<u64>,
     /// Since the start of the session.
     total: hdrhistogram::Histogram<u64>,
+    /// The time (Unix microseconds) read for this turn of the stream loop: the
+    /// acknowledgements handled in one turn share one clock read.
+    now: Option<i64>,
 }
 
 /// Microseconds between the Unix epoch and Postgres' (2000-01-01).
@@ -1245,7 +1259,13 @@ impl Latency {
         Latency {
             window: h(),
             total: h(),
+            now: None,
         }
+    }
+
+    /// A new turn of the stream loop: the next record reads the clock again.
+    fn new_turn(&mut self) {
+        self.now = None;
     }
 
     /// An event of a transaction committed at `committed` was acknowledged now.
@@ -1253,9 +1273,11 @@ impl Latency {
         if committed == 0 {
             return; // snapshot rows have no commit time
         }
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        let now = *self.now.get_or_insert_with(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+        });
         let micros = u64::try_from(now - PG_EPOCH_MICROS - committed)
             .unwrap_or(1)
             .max(1);
@@ -1356,7 +1378,7 @@ async fn stream(
                 partial: None,
                 snapshot: None,
             };
-            tokio::task::block_in_place(|| ctx.store.save(&cp))?;
+            ctx.store.save(&cp)?;
             tracing::info!(checkpoint = %ctx.store.path().display(), lsn = %cp.lsn, "checkpoint created");
             relay.adopt_checkpoint(Some(cp));
         }
@@ -1388,8 +1410,12 @@ async fn stream(
     let mut housekeeping = tokio::time::interval(CHECKPOINT_EVERY);
     housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let stall_timeout = Duration::from_millis(config.source.stall_timeout_ms);
-    // When a message last came from the server while walbox was waiting for one.
+    // When a message last came from the server while walbox was waiting for one,
+    // to the housekeeping interval: `fresh` says one came since the last tick, so
+    // the clock is read once per tick, not once per message.
     let mut heard = Instant::now();
+    let mut fresh = false;
+    let mut shutdown = std::pin::pin!(tokio::time::sleep(Duration::ZERO));
 
     let outcome: Result<StreamEnd> = loop {
         if relay.reached_end && relay.tracker.in_flight() == 0 && relay.txn.is_none() {
@@ -1407,57 +1433,77 @@ async fn stream(
                 break Ok(StreamEnd::Stopped);
             }
         }
-        let full = relay.full();
-        let deadline = stopping.unwrap_or_else(Instant::now);
-        let reading = !full && !relay.reached_end && (stopping.is_none() || relay.txn.is_some());
+        let reading = relay.reading(stopping.is_some());
         if !reading {
             // Silence while walbox is not reading is walbox's own doing.
-            heard = Instant::now();
-        } else if !stall_timeout.is_zero() && heard.elapsed() >= stall_timeout {
-            if let Err(e) = check_stall(ctx, stall_timeout).await {
-                break Err(e);
-            }
-            heard = Instant::now();
+            fresh = true;
         }
+        let mut ticked = false;
+        relay.latency.new_turn();
+        relay.out.sink.end_batch();
         let step: Result<()> = tokio::select! {
             biased;
             // 1. A stop signal: stop reading, drain acknowledgements.
             Some(()) = signals.recv() => {
                 tracing::info!(in_flight = relay.tracker.in_flight(), "stopping: waiting for in-flight events");
-                stopping = Some(Instant::now() + Duration::from_millis(config.shutdown.timeout_ms));
+                let deadline = Instant::now() + Duration::from_millis(config.shutdown.timeout_ms);
+                stopping = Some(deadline);
+                shutdown.as_mut().reset(deadline.into());
                 Ok(())
             }
             // 2. Delivery reports before new input: they free room and move the position.
             Some(d) = deliveries.recv() => relay.delivered(d).await,
             // 3. The shutdown deadline.
-            () = tokio::time::sleep_until(deadline.into()), if stopping.is_some() => Ok(()),
+            () = &mut shutdown, if stopping.is_some() => Ok(()),
             // 4. New WAL, unless the in-flight bound is reached (backpressure). When
             //    stopping, only to the end of the transaction being read: its events
             //    count as delivered only once its Commit is seen, so stopping inside
             //    it would make the next start send them again.
             ev = repl.recv(), if reading => match ev {
                 Ok(Some(ev)) => {
-                    heard = Instant::now();
+                    fresh = true;
                     relay.handle(ev).await
                 }
                 Ok(None) => Err(transient(anyhow!("the replication stream ended"))),
                 Err(e) => Err(classify_replication(anyhow!(e).context("replication stream"))),
             },
             // 5. Checkpoint and report on time even when nothing else happens.
-            _ = housekeeping.tick() => Ok(()),
+            _ = housekeeping.tick() => {
+                ticked = true;
+                Ok(())
+            }
             // 6. Progress in the log.
             _ = progress.tick() => {
                 relay.log_progress();
                 Ok(())
             }
         };
+        // Whatever else is ready is handled in the same turn, so the bookkeeping
+        // below runs once per batch rather than once per message.
+        let step = match step {
+            Ok(()) => {
+                drain_ready(relay, deliveries, &mut repl, stopping.is_some(), &mut fresh).await
+            }
+            Err(e) => Err(e),
+        };
+        if ticked {
+            if fresh {
+                heard = Instant::now();
+                fresh = false;
+            } else if !stall_timeout.is_zero() && heard.elapsed() >= stall_timeout {
+                if let Err(e) = check_stall(ctx, stall_timeout).await {
+                    break Err(e);
+                }
+                heard = Instant::now();
+            }
+        }
         // The checkpoint first: the server never holds a position walbox could forget.
         if let Err(e) = relay.save_checkpoint(false).await {
             break Err(e);
         }
         if spec.report
             && let Some(acked) = relay.reportable()
-            && let Some(target) = holdback.target(Instant::now(), acked)
+            && let Some(target) = holdback.target(Instant::now, acked)
             && target > reported
         {
             repl.update_applied_lsn(pgwire_replication::Lsn(target.as_u64()));
@@ -1474,7 +1520,7 @@ async fn stream(
     if spec.report
         && saved.is_ok()
         && let Some(acked) = relay.reportable()
-        && let Some(target) = holdback.target(Instant::now(), acked)
+        && let Some(target) = holdback.target(Instant::now, acked)
         && target > reported
     {
         repl.update_applied_lsn(pgwire_replication::Lsn(target.as_u64()));
@@ -1504,6 +1550,62 @@ async fn stream(
     );
     saved?;
     outcome
+}
+
+/// Most messages handled in one turn of the stream loop beyond the first.
+const BATCH: usize = 256;
+
+/// Handles the delivery reports and WAL messages that are ready now, without
+/// waiting, up to [`BATCH`] of each: one wakeup of the loop serves many events.
+///
+/// The WAL channel is polled only while the replication worker runs: once it has
+/// ended, the loop's own `recv` collects its result (the channel's close and the
+/// worker's result come together on the single-threaded runtime `run` uses).
+async fn drain_ready(
+    relay: &mut Relay<'_>,
+    deliveries: &mut Deliveries,
+    repl: &mut ReplicationClient,
+    stopping: bool,
+    fresh: &mut bool,
+) -> Result<()> {
+    for _ in 0..BATCH {
+        let mut progressed = false;
+        if let Ok(d) = deliveries.try_recv() {
+            relay.delivered(d).await?;
+            progressed = true;
+        }
+        if relay.reading(stopping) && repl.is_running() {
+            match ready_now(repl.recv()) {
+                Some(Ok(Some(ev))) => {
+                    *fresh = true;
+                    relay.handle(ev).await?;
+                    progressed = true;
+                }
+                Some(Ok(None)) => return Err(transient(anyhow!("the replication stream ended"))),
+                Some(Err(e)) => {
+                    return Err(classify_replication(
+                        anyhow!(e).context("replication stream"),
+                    ));
+                }
+                None => {}
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// The output of `fut` if it is ready on its first poll. Only for futures that
+/// may be dropped unfinished without losing anything (a channel's `recv`).
+fn ready_now<F: std::future::Future>(fut: F) -> Option<F::Output> {
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(out) => Some(out),
+        std::task::Poll::Pending => None,
+    }
 }
 
 /// Nothing came from the server for `timeout` while walbox waited: an idle
@@ -1580,11 +1682,12 @@ impl Holdback {
     }
 
     /// The position to report when `acked` is acknowledged at `now`.
-    fn target(&mut self, now: Instant, acked: Lsn) -> Option<Lsn> {
+    fn target(&mut self, now: impl FnOnce() -> Instant, acked: Lsn) -> Option<Lsn> {
         match self.window {
             ReplayWindow::None => Some(acked),
             ReplayWindow::Bytes(n) => Some(Lsn(acked.as_u64().saturating_sub(n))),
             ReplayWindow::Time(d) => {
+                let now = now();
                 if self.samples.back().is_none_or(|(_, l)| *l < acked) {
                     self.samples.push_back((now, acked));
                 }
@@ -1651,7 +1754,7 @@ async fn take_snapshot(
             rows: 0,
         }),
     };
-    tokio::task::block_in_place(|| ctx.store.save(&cp))?;
+    ctx.store.save(&cp)?;
     let created = exporter
         .simple_query(&format!(
             "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
@@ -1674,7 +1777,7 @@ async fn take_snapshot(
     if let Some(s) = cp.snapshot.as_mut() {
         s.consistent_point = Some(point);
     }
-    tokio::task::block_in_place(|| ctx.store.save(&cp))?;
+    ctx.store.save(&cp)?;
     relay.adopt_checkpoint(Some(cp));
     relay.tracker = AckTracker::new(point);
     tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
@@ -1706,6 +1809,7 @@ async fn take_snapshot(
             let fetch = sql.simple_query(&fetch_sql);
             tokio::pin!(fetch);
             let messages = loop {
+                relay.out.sink.end_batch();
                 tokio::select! {
                     biased;
                     Some(()) = signals.recv() => {
@@ -1723,6 +1827,7 @@ async fn take_snapshot(
             let n = chunk.len() as u64;
             for row in chunk {
                 while relay.full() {
+                    relay.out.sink.end_batch();
                     tokio::select! {
                         biased;
                         Some(()) = signals.recv() => {
@@ -1826,6 +1931,7 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
         if relay.pending_snapshot.is_none() {
             break;
         }
+        relay.out.sink.end_batch();
         tokio::select! {
             biased;
             Some(()) = signals.recv() => {
@@ -2152,19 +2258,36 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let mut none = Holdback::new(ReplayWindow::None);
-        assert_eq!(none.target(t0, lsn("0/500")), Some(lsn("0/500")));
+        assert_eq!(none.target(|| t0, lsn("0/500")), Some(lsn("0/500")));
         let mut bytes = Holdback::new(ReplayWindow::Bytes(0x100));
-        assert_eq!(bytes.target(t0, lsn("0/500")), Some(lsn("0/400")));
-        assert_eq!(bytes.target(t0, lsn("0/50")), Some(lsn("0/0")));
+        assert_eq!(bytes.target(|| t0, lsn("0/500")), Some(lsn("0/400")));
+        assert_eq!(bytes.target(|| t0, lsn("0/50")), Some(lsn("0/0")));
         let mut time = Holdback::new(ReplayWindow::Time(s(60)));
-        assert_eq!(time.target(t0, lsn("0/100")), None);
-        assert_eq!(time.target(t0 + s(30), lsn("0/200")), None);
-        assert_eq!(time.target(t0 + s(60), lsn("0/300")), Some(lsn("0/100")));
+        assert_eq!(time.target(|| t0, lsn("0/100")), None);
+        assert_eq!(time.target(|| t0 + s(30), lsn("0/200")), None);
+        assert_eq!(time.target(|| t0 + s(60), lsn("0/300")), Some(lsn("0/100")));
         assert_eq!(
-            time.target(t0 + s(89), lsn("0/300")),
+            time.target(|| t0 + s(89), lsn("0/300")),
             None,
             "nothing newer is old enough"
         );
-        assert_eq!(time.target(t0 + s(120), lsn("0/300")), Some(lsn("0/300")));
+        assert_eq!(
+            time.target(|| t0 + s(120), lsn("0/300")),
+            Some(lsn("0/300"))
+        );
+    }
+
+    #[test]
+    fn ready_now_takes_only_what_is_already_there() {
+        let (tx, mut rx) = mpsc::unbounded_channel::<u32>();
+        assert_eq!(ready_now(rx.recv()), None, "nothing sent yet");
+        tx.send(1).unwrap();
+        tx.send(2).unwrap();
+        assert_eq!(ready_now(rx.recv()), Some(Some(1)));
+        // A recv given up unfinished loses nothing.
+        assert_eq!(ready_now(rx.recv()), Some(Some(2)));
+        assert_eq!(ready_now(rx.recv()), None);
+        drop(tx);
+        assert_eq!(ready_now(rx.recv()), Some(None), "closed");
     }
 }

@@ -337,7 +337,11 @@ fn timestamps_become_rfc3339() {
 
 #[test]
 fn dead_letters_carry_the_row_the_reason_and_the_position() {
-    let m = Mapper::compile(&TableConfig::new("outbox"), "p", &relation(STANDARD)).unwrap();
+    // A text payload, which can hold something that is not JSON (json and jsonb
+    // cannot).
+    let mut columns = STANDARD.to_vec();
+    columns[4].1 = TEXT;
+    let m = Mapper::compile(&TableConfig::new("outbox"), "p", &relation(&columns)).unwrap();
     let dlq = TopicTemplate::parse("{topic}.dlq").unwrap();
 
     // Payload not JSON: the intended topic is known.
@@ -385,4 +389,39 @@ fn dead_letters_carry_the_row_the_reason_and_the_position() {
     );
     assert_eq!(d.event_id, "16/B374D848#3");
     assert_eq!(d.topic, "dead.letters");
+}
+
+#[test]
+fn header_members_are_read_in_name_order_with_values_shared_with_the_row() {
+    let raw = Bytes::from_static(
+        br#"{"traceparent": "00-abc-01", "b\u0041": "x\ny", "n": 1, "o": {"k": "v"}, "a": [1, "s"], "z": null, "t": true, "d": "1", "d": "2"}"#,
+    );
+    let mut out = Vec::new();
+    json_headers(&raw, &mut out).unwrap();
+    let got: Vec<(&str, &[u8])> = out.iter().map(|(k, v)| (k.as_ref(), v.as_ref())).collect();
+    assert_eq!(
+        got,
+        vec![
+            ("bA", &b"x\ny"[..]),
+            ("d", b"2"),
+            ("traceparent", b"00-abc-01"),
+        ]
+    );
+    // A value without escapes points into the row's buffer.
+    let range = raw.as_ptr_range();
+    assert!(range.contains(&out[2].1.as_ptr()));
+
+    for not_an_object in [
+        &br#"["a"]"#[..],
+        b"\"s\"",
+        b"{\"a\": }",
+        b"{\"a\": \"b\"} x",
+    ] {
+        let mut out = Vec::new();
+        assert!(
+            json_headers(&Bytes::copy_from_slice(not_an_object), &mut out).is_err(),
+            "{}",
+            String::from_utf8_lossy(not_an_object)
+        );
+    }
 }
