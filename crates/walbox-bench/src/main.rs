@@ -47,6 +47,8 @@ struct Args {
     walbox: PathBuf,
     /// Scenarios to run (all by default).
     only: Vec<Scenario>,
+    /// Rates of the steady-load scenario, events/s.
+    rates: Vec<u64>,
 }
 
 /// A part of the run that `--only` can pick.
@@ -93,6 +95,7 @@ fn args() -> Result<Args, Error> {
             .map(|d| d.join("walbox"))
             .unwrap_or_else(|| PathBuf::from("walbox")),
         only: Scenario::ALL.to_vec(),
+        rates: vec![1_000, 5_000, 20_000],
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -109,6 +112,14 @@ fn args() -> Result<Args, Error> {
                     .parse()?;
             }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
+            "--rates" => {
+                a.rates = it
+                    .next()
+                    .ok_or("--rates needs a list such as 1000,5000")?
+                    .split(',')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()?;
+            }
             "--only" => {
                 a.only = it
                     .next()
@@ -119,7 +130,7 @@ fn args() -> Result<Args, Error> {
             }
             other => {
                 return Err(format!(
-                    "unknown argument {other:?} (use --events N, --big-txn N, --steady-seconds N, --svg-dir DIR, --walbox PATH, --only LIST)"
+                    "unknown argument {other:?} (use --events N, --big-txn N, --steady-seconds N, --svg-dir DIR, --walbox PATH, --only LIST, --rates LIST)"
                 )
                 .into());
             }
@@ -128,8 +139,8 @@ fn args() -> Result<Args, Error> {
     if a.events == 0 || !a.events.is_multiple_of(10) {
         return Err("--events must be a positive multiple of 10".into());
     }
-    if a.big_txn == 0 || a.steady_seconds == 0 {
-        return Err("--big-txn and --steady-seconds must be positive".into());
+    if a.big_txn == 0 || a.steady_seconds == 0 || a.rates.contains(&0) {
+        return Err("--big-txn, --steady-seconds and --rates must be positive".into());
     }
     Ok(a)
 }
@@ -426,6 +437,8 @@ struct Steady {
     achieved: f64,
     /// `p50=.. p95=.. p99=.. max=.. n=..` in ms, as walbox reports it.
     latency: String,
+    /// The same from the commit to walbox reading the transaction.
+    read_latency: String,
     /// Slot lag (bytes behind the server's WAL) at the middle and the end of the
     /// writing, and its maximum.
     lag_mid: i64,
@@ -537,19 +550,29 @@ impl Bench {
         )?;
         child.wait()?;
         let text = std::fs::read_to_string(&log_path)?;
-        let latency = text
+        let stop_line = text
             .lines()
             .rev()
             .find(|l| l.contains(" stopped"))
-            .and_then(|l| l.split("commit_to_ack_ms=").nth(1))
+            .ok_or("walbox logged no stop line")?;
+        let latency = stop_line
+            .split("commit_to_ack_ms=")
+            .nth(1)
             .map(|rest| rest.trim().trim_matches('"').to_owned())
             .ok_or("walbox's stop line has no latency")?;
+        let read_latency = stop_line
+            .split("commit_to_read_ms=")
+            .nth(1)
+            .and_then(|rest| rest.split(" commit_to_ack_ms=").next())
+            .map(|v| v.trim().trim_matches('"').to_owned())
+            .ok_or("walbox's stop line has no commit-to-read latency")?;
         db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
             .await?;
         Ok(Steady {
             rate,
             achieved,
             latency,
+            read_latency,
             lag_mid: lags.get(lags.len() / 2).copied().unwrap_or(0),
             lag_end: lags.last().copied().unwrap_or(0),
             lag_max: lags.iter().copied().max().unwrap_or(0),
@@ -629,15 +652,17 @@ fn print_steady(seconds: u64, runs: &[Steady]) {
     );
     println!();
     println!(
-        "| target events/s | achieved events/s | commit-to-ack latency, ms | slot lag mid / end / max, kB | catch-up after, s | peak RSS MB | CPU s |"
+        "| target events/s | achieved events/s | commit-to-ack latency, ms | of which commit-to-read p50 / p99, ms | slot lag mid / end / max, kB | catch-up after, s | peak RSS MB | CPU s |"
     );
-    println!("|---:|---:|---|---|---:|---:|---:|");
+    println!("|---:|---:|---|---|---|---:|---:|---:|");
     for r in runs {
         println!(
-            "| {} | {:.0} | {} | {} / {} / {} | {:.2} | {:.1} | {:.1} |",
+            "| {} | {:.0} | {} | {:.1} / {:.1} | {} / {} / {} | {:.2} | {:.1} | {:.1} |",
             r.rate,
             r.achieved,
             r.latency,
+            percentile(&r.read_latency, "p50"),
+            percentile(&r.read_latency, "p99"),
             r.lag_mid / 1024,
             r.lag_end / 1024,
             r.lag_max / 1024,
@@ -748,7 +773,7 @@ async fn main() -> Result<(), Error> {
     let mut steady = Vec::new();
     if runs(Scenario::Steady) {
         bench.db.batch_execute("TRUNCATE outbox").await?;
-        for rate in [1_000, 5_000, 20_000] {
+        for rate in bench.a.rates.clone() {
             println!(
                 "scenario 3: {rate} events/s for {} s",
                 bench.a.steady_seconds

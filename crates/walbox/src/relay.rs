@@ -1074,6 +1074,7 @@ impl<'a> Relay<'a> {
                             "resuming inside a transaction: its acknowledged events are not sent again");
                     }
                 }
+                self.latency.record_read(commit_time_micros);
                 self.txn = Some(OpenTxn {
                     id: self.tracker.begin(commit_lsn),
                     commit_lsn,
@@ -1234,12 +1235,16 @@ fn rejected_dead_letter(e: &DeliveryError, template: &TopicTemplate) -> Option<E
 
 /// Commit-to-acknowledgement latency: from the commit time the server gives a
 /// transaction to the broker's acknowledgement of each of its events (both
-/// clocks are this machine's when walbox runs beside the primary).
+/// clocks are this machine's when walbox runs beside the primary). Beside it, the
+/// commit-to-read latency (the commit time to walbox reading the transaction's
+/// Begin) says how much of it is spent before walbox has the change at all.
 struct Latency {
     /// Since the last progress line.
     window: hdrhistogram::Histogram<u64>,
     /// Since the start of the session.
     total: hdrhistogram::Histogram<u64>,
+    /// Commit to read, per transaction, since the start of the session.
+    read: hdrhistogram::Histogram<u64>,
     /// The time (Unix microseconds) read for this turn of the stream loop: the
     /// acknowledgements handled in one turn share one clock read.
     now: Option<i64>,
@@ -1259,6 +1264,7 @@ impl Latency {
         Latency {
             window: h(),
             total: h(),
+            read: h(),
             now: None,
         }
     }
@@ -1268,21 +1274,35 @@ impl Latency {
         self.now = None;
     }
 
-    /// An event of a transaction committed at `committed` was acknowledged now.
-    fn record(&mut self, committed: i64) {
-        if committed == 0 {
-            return; // snapshot rows have no commit time
-        }
+    /// Microseconds since `committed` (Postgres microseconds), at least 1; the
+    /// clock is read once per turn.
+    fn since(&mut self, committed: i64) -> u64 {
         let now = *self.now.get_or_insert_with(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
         });
-        let micros = u64::try_from(now - PG_EPOCH_MICROS - committed)
+        u64::try_from(now - PG_EPOCH_MICROS - committed)
             .unwrap_or(1)
-            .max(1);
+            .max(1)
+    }
+
+    /// An event of a transaction committed at `committed` was acknowledged now.
+    fn record(&mut self, committed: i64) {
+        if committed == 0 {
+            return; // snapshot rows have no commit time
+        }
+        let micros = self.since(committed);
         self.window.saturating_record(micros);
         self.total.saturating_record(micros);
+    }
+
+    /// A transaction committed at `committed` was read now.
+    fn record_read(&mut self, committed: i64) {
+        if committed != 0 {
+            let micros = self.since(committed);
+            self.read.saturating_record(micros);
+        }
     }
 
     fn summary(h: &hdrhistogram::Histogram<u64>) -> String {
@@ -1312,6 +1332,11 @@ impl Latency {
     /// Percentiles of the whole session.
     fn total_summary(&self) -> String {
         Self::summary(&self.total)
+    }
+
+    /// Commit-to-read percentiles of the whole session.
+    fn read_summary(&self) -> String {
+        Self::summary(&self.read)
     }
 }
 
@@ -1545,6 +1570,7 @@ async fn stream(
         confirmed = %relay.tracker.confirmed(),
         reported = %reported,
         longest_feedback_delay_ms = longest_feedback_ms.load(Ordering::Relaxed),
+        commit_to_read_ms = %relay.latency.read_summary(),
         commit_to_ack_ms = %relay.latency.total_summary(),
         "stopped"
     );
