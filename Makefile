@@ -35,11 +35,12 @@ clippy:
 BENCH_EVENTS ?= 1000000
 BENCH_BIG_TXN ?= 1000000
 BENCH_STEADY_SECONDS ?= 60
+BENCH_ARGS ?=
 bench: bench-decoder bench-relay
 
 bench-relay: deps
 	$(CARGO) build --release -p walbox -p walbox-bench
-	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox
+	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
 
 bench-decoder:
 	$(CARGO) bench -p walbox-pgoutput --bench decode

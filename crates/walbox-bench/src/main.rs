@@ -21,10 +21,13 @@
 //! 3. Steady load: four writers commit single-row transactions at 1,000, 5,000
 //!    and 20,000 events/s for `--steady-seconds` (default 60) while walbox streams
 //!    to the broker; walbox reports commit-to-acknowledgement latency (the
-//!    server's commit time to the broker's acknowledgement, p50/p95/p99/max), the
+//!    server's commit time to the broker's acknowledgement, p50/p95/p99/max) and,
+//!    of it, the commit-to-read latency (to walbox reading the transaction); the
 //!    bench samples the slot's lag every second.
 //!
-//! Figures are printed with the setup they came from.
+//! `--only backlog,polling,big-txn,steady` runs some of them and `--rates` picks
+//! the steady rates; only a full run writes the charts. Figures are printed with
+//! the setup they came from.
 
 #![allow(clippy::print_stdout)] // the report is the output
 
@@ -296,6 +299,7 @@ impl Bench {
             )
             .await?;
         }
+        db.batch_execute("CHECKPOINT").await?;
         let start_lsn = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
         let loading = Instant::now();
         db.batch_execute(load).await?;
@@ -774,6 +778,9 @@ async fn main() -> Result<(), Error> {
     if runs(Scenario::Steady) {
         bench.db.batch_execute("TRUNCATE outbox").await?;
         for rate in bench.a.rates.clone() {
+            // Each rate starts from a quiet server: the checkpoint of what earlier
+            // scenarios wrote does not land in the middle of this one.
+            bench.db.batch_execute("CHECKPOINT").await?;
             println!(
                 "scenario 3: {rate} events/s for {} s",
                 bench.a.steady_seconds
