@@ -116,20 +116,14 @@ fn args() -> Result<Args, Error> {
             }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
             "--rates" => {
-                a.rates = it
-                    .next()
-                    .ok_or("--rates needs a list such as 1000,5000")?
-                    .split(',')
-                    .map(str::parse)
-                    .collect::<Result<_, _>>()?;
+                let list = it.next().ok_or("--rates needs a list such as 1000,5000")?;
+                a.rates = comma_list(&list, |r| Ok(r.parse()?))?;
             }
             "--only" => {
-                a.only = it
+                let list = it
                     .next()
-                    .ok_or("--only needs a list such as backlog,steady")?
-                    .split(',')
-                    .map(Scenario::parse)
-                    .collect::<Result<_, _>>()?;
+                    .ok_or("--only needs a list such as backlog,steady")?;
+                a.only = comma_list(&list, Scenario::parse)?;
             }
             other => {
                 return Err(format!(
@@ -146,6 +140,11 @@ fn args() -> Result<Args, Error> {
         return Err("--big-txn, --steady-seconds and --rates must be positive".into());
     }
     Ok(a)
+}
+
+/// The items of a comma-separated flag value.
+fn comma_list<T>(list: &str, item: impl Fn(&str) -> Result<T, Error>) -> Result<Vec<T>, Error> {
+    list.split(',').map(item).collect()
 }
 
 /// Peak RSS (kB) and CPU seconds of a running process.

@@ -599,10 +599,8 @@ fn json_headers(raw: &Bytes, out: &mut Vec<(HeaderName, Bytes)>) -> Result<(), s
 /// is a string.
 struct Members<'a>(Vec<(Cow<'a, str>, Option<Cow<'a, str>>)>);
 
-/// A JSON string, borrowed from the input when it has no escapes.
-struct JsonStr<'a>(Cow<'a, str>);
-
-/// A JSON value kept only when it is a string.
+/// A JSON value kept only when it is a string (borrowed from the input when it
+/// has no escapes).
 struct IfString<'a>(Option<Cow<'a, str>>);
 
 impl<'de> serde::Deserialize<'de> for Members<'de> {
@@ -618,7 +616,10 @@ impl<'de> serde::Deserialize<'de> for Members<'de> {
                 mut m: A,
             ) -> Result<Self::Value, A::Error> {
                 let mut out = Vec::new();
-                while let Some(JsonStr(name)) = m.next_key()? {
+                while let Some(IfString(name)) = m.next_key()? {
+                    // JSON object keys are strings.
+                    let name =
+                        name.ok_or_else(|| serde::de::Error::custom("a key that is not a string"))?;
                     let IfString(value) = m.next_value()?;
                     out.push((name, value));
                 }
@@ -626,28 +627,6 @@ impl<'de> serde::Deserialize<'de> for Members<'de> {
             }
         }
         d.deserialize_map(V)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for JsonStr<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = JsonStr<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(JsonStr(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(JsonStr(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-                Ok(JsonStr(Cow::Owned(v)))
-            }
-        }
-        d.deserialize_str(V)
     }
 }
 
