@@ -196,6 +196,17 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
 }
 
 /// Whether `slot` has confirmed `target`.
+/// Bytes of WAL between two LSNs (in text form).
+async fn wal_between(db: &tokio_postgres::Client, from: &str, to: &str) -> Result<i64, Error> {
+    Ok(db
+        .query_one(
+            "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
+            &[&to, &from],
+        )
+        .await?
+        .get(0))
+}
+
 async fn slot_reached(
     db: &tokio_postgres::Client,
     slot: &str,
@@ -303,13 +314,7 @@ impl Bench {
         let loading = Instant::now();
         db.batch_execute(load).await?;
         let target = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
-        let wal_bytes: i64 = db
-            .query_one(
-                "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
-                &[&target, &start_lsn],
-            )
-            .await?
-            .get(0);
+        let wal_bytes = wal_between(db, &start_lsn, &target).await?;
         println!(
             "loaded in {:.1} s: {:.1} MB of WAL",
             loading.elapsed().as_secs_f64(),
@@ -415,13 +420,7 @@ impl Bench {
                 return Err(format!("{name} published {published} of {events} events").into());
             }
             let after = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
-            let written: i64 = db
-                .query_one(
-                    "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
-                    &[&after, &before],
-                )
-                .await?
-                .get(0);
+            let written = wal_between(db, &before, &after).await?;
             results.push(Figures {
                 name,
                 seconds,
@@ -691,11 +690,16 @@ fn print_table(title: &str, events: u64, wal_bytes: i64, results: &[Figures]) {
         .map(|r| r.seconds);
     for r in results {
         println!(
-            "| {} | {:.2} | {:.0} | {:.1} | {} | {} | {:.1} | {} |",
+            "| {} | {:.2} | {:.0} | {} | {} | {} | {:.1} | {} |",
             r.name,
             r.seconds,
             events as f64 / r.seconds,
-            wal_bytes as f64 / 1e6 / r.seconds,
+            // Unknown when the load was not measured (polling alone).
+            if wal_bytes > 0 {
+                format!("{:.1}", wal_bytes as f64 / 1e6 / r.seconds)
+            } else {
+                "-".to_owned()
+            },
             ceiling.map_or_else(|| "-".to_owned(), |c| format!("{:.2}", c / r.seconds)),
             r.peak_rss_kb.map_or_else(
                 || "(in the bench process)".to_owned(),
@@ -754,6 +758,9 @@ async fn main() -> Result<(), Error> {
         if !runs(Scenario::Backlog) {
             println!("loading {events} events in transactions of 10 for the polling relay");
             bench.db.batch_execute(&backlog_load).await?;
+            // walbox creates the topic in a full run (6 partitions, its default).
+            walbox_testkit::kafka::create_topic(&bench.broker.bootstrap(), "outbox.order", 6)
+                .await?;
         }
         with_polling.extend(bench.polling(events).await?);
     }

@@ -94,28 +94,20 @@ pub async fn drain(
                 version.unwrap_or(1)
             );
             let version = version.unwrap_or(1).to_string();
-            let mut headers = OwnedHeaders::new()
-                .insert(Header {
-                    key: "event_id",
-                    value: Some(&id),
-                })
-                .insert(Header {
-                    key: "event_type",
-                    value: Some(&event_type),
-                })
-                .insert(Header {
-                    key: "schema_version",
-                    value: Some(&version),
-                })
-                .insert(Header {
-                    key: "aggregate_type",
-                    value: Some(&aggregate_type),
-                });
-            if let Some(t) = &traceparent {
-                headers = headers.insert(Header {
-                    key: "traceparent",
-                    value: Some(t),
-                });
+            let mut headers = OwnedHeaders::new_with_capacity(5);
+            for (key, value) in [
+                ("event_id", Some(&id)),
+                ("event_type", Some(&event_type)),
+                ("schema_version", Some(&version)),
+                ("aggregate_type", Some(&aggregate_type)),
+                ("traceparent", traceparent.as_ref()),
+            ] {
+                if let Some(value) = value {
+                    headers = headers.insert(Header {
+                        key,
+                        value: Some(value),
+                    });
+                }
             }
             let topic = format!("outbox.{aggregate_type}");
             let record = FutureRecord::to(&topic)
