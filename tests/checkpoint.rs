@@ -169,9 +169,7 @@ async fn replay_publishes_a_range_again_and_run_continues_after_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_ahead_of_the_checkpoint_or_recreated_is_refused_unless_accepted() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 1, 1, 10, 10).await;
     let last = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
@@ -238,9 +236,7 @@ async fn a_slot_ahead_of_the_checkpoint_or_recreated_is_refused_unless_accepted(
 async fn a_lost_slot_stops_walbox_at_once_with_the_recovery_steps() {
     let (pg, broker, db) =
         start_with(PgOptions::default().setting("max_slot_wal_keep_size", "1MB")).await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 1, 1, 10, 10).await;
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
     walbox.stop();
@@ -286,9 +282,7 @@ async fn a_lost_slot_stops_walbox_at_once_with_the_recovery_steps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_waits_for_the_slot_and_takes_over_when_the_holder_dies() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut first = Walbox::spawn(&["run"], &env);
+    let (env, mut first) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 1, 5, 10, 10).await;
     wait_caught_up(&db).await;
     // Without --wait-for-slot a second relay is refused, naming the holder.
@@ -373,9 +367,7 @@ async fn a_restart_inside_a_large_transaction_skips_its_acknowledged_events() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_of_another_cluster_is_refused() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 1, 1, 10, 10).await;
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
     walbox.stop();

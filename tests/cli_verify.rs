@@ -55,9 +55,7 @@ async fn verify_reports_missing_duplicated_and_out_of_order_events() {
     let broker = Broker::start().unwrap();
     let db = pg.connect("postgres").await.unwrap();
     db.batch_execute(OUTBOX_DDL).await.unwrap();
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 2, 10, 10, 10).await;
     wait_caught_up(&db).await;
     walbox.stop();

@@ -122,14 +122,19 @@ async fn with_the_stop_policy_a_poison_row_stops_walbox_naming_it() {
     assert!(confirmed_lsn(&db, "walbox").await < current_lsn(&db).await);
 }
 
+/// A configuration whose producer refuses records over 20,000 bytes.
+fn small_messages(pg: &PgCluster) -> String {
+    config_file(
+        pg,
+        "small.toml",
+        "[sink.kafka]\n\"message.max.bytes\" = 20000\n",
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_larger_than_the_broker_accepts_is_dead_lettered_and_the_stream_goes_on() {
     let (pg, broker, db, env) = start().await;
-    let cfg = config_file(
-        &pg,
-        "small.toml",
-        "[sink.kafka]\n\"message.max.bytes\" = 20000\n",
-    );
+    let cfg = small_messages(&pg);
     let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     let big = format!(r#"{{"seq": 1, "blob": "{}"}}"#, "x".repeat(50_000));
     db.batch_execute(
@@ -172,11 +177,7 @@ async fn a_message_larger_than_the_broker_accepts_is_dead_lettered_and_the_strea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_replayed_to_their_topic_after_a_fix_and_kept() {
     let (pg, broker, db, env) = start().await;
-    let cfg = config_file(
-        &pg,
-        "small.toml",
-        "[sink.kafka]\n\"message.max.bytes\" = 20000\n",
-    );
+    let cfg = small_messages(&pg);
     let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     let big = format!(r#"{{"seq": 2, "blob": "{}"}}"#, "x".repeat(50_000));
     db.batch_execute(

@@ -108,9 +108,7 @@ async fn twenty_kill_9_rounds_under_steady_writes_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_open_across_a_restart_is_published_when_it_commits() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     let long = pg.connect("postgres").await.unwrap();
     long.batch_execute(
         "BEGIN;
@@ -149,9 +147,7 @@ async fn rows_sharing_an_event_id_are_both_published_with_it() {
     )
     .await
     .unwrap();
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (_, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     db.batch_execute(
         "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES
            ('00000000-0000-0000-0000-000000000001', 'order', 'k', 'E', '{\"seq\": 0}'),
@@ -175,9 +171,7 @@ async fn rows_sharing_an_event_id_are_both_published_with_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alter_table_while_streaming_loses_nothing() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (_, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 1, 5, 10, 10).await;
     // New columns (one with a default that rewrites nothing, one NULL) and a
     // dropped column that walbox does not map, mid-stream.

@@ -74,9 +74,7 @@ async fn twenty_thousand_events_from_four_writers_arrive_once_in_key_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollbacks_updates_and_insert_then_delete() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (_, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     let insert = |key: &str, seq: i64| {
         format!(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -124,9 +122,7 @@ async fn rollbacks_updates_and_insert_then_delete() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_outbox_does_not_hold_wal_while_other_tables_write() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let _walbox = Walbox::spawn(&["run"], &env);
+    let (_, _walbox) = Walbox::set_up_and_run(&pg, &broker);
     db.batch_execute("CREATE TABLE busy (id bigserial PRIMARY KEY, filler text)")
         .await
         .unwrap();
@@ -154,9 +150,7 @@ async fn an_idle_outbox_does_not_hold_wal_while_other_tables_write() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
     let (pg, broker, db) = start().await;
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     let created = confirmed_lsn(&db, "walbox").await;
     let writer = write_events(&pg, 2, 100, 10, 20);
     // Stop while the writers are still writing.
@@ -495,9 +489,7 @@ async fn the_relay_runs_as_a_role_that_is_not_a_superuser() {
 async fn postgres_restart_and_crash_mid_stream_lose_nothing() {
     let (mut pg, broker, db) = start().await;
     drop(db);
-    let env = walbox_env(&pg, &broker);
-    setup(&env);
-    let mut walbox = Walbox::spawn(&["run"], &env);
+    let (_, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     let mut expected = 0;
     for (round, crash) in [false, true].into_iter().enumerate() {
         let db = pg.connect("postgres").await.unwrap();
@@ -548,11 +540,7 @@ async fn the_stdout_sink_writes_one_json_line_per_event() {
     wait_caught_up(&db).await;
     walbox.stop();
     let log = walbox.log();
-    let lines: Vec<serde_json::Value> = log
-        .lines()
-        .filter(|l| l.starts_with("{\"topic\""))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&log);
     assert_eq!(lines.len(), 1_000);
     let ids = outbox_ids(&db).await;
     for l in &lines {

@@ -266,11 +266,7 @@ async fn a_snapshot_through_the_stdout_sink_writes_every_row_once() {
     .await
     .unwrap();
     assert_eq!(code, Some(0), "{err}");
-    let lines: Vec<serde_json::Value> = out
-        .lines()
-        .filter(|l| l.starts_with("{\"topic\""))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&out);
     assert_eq!(lines.len(), 2_500, "{err}");
     let ids = outbox_ids(&db).await;
     let written: std::collections::HashSet<&str> = lines

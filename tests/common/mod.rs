@@ -78,6 +78,18 @@ impl Walbox {
         }
     }
 
+    /// `walbox setup`, then `walbox run`, with the usual environment; returns
+    /// the environment for later commands.
+    pub fn set_up_and_run(
+        pg: &PgCluster,
+        broker: &Broker,
+    ) -> (Vec<(&'static str, String)>, Walbox) {
+        let env = walbox_env(pg, broker);
+        setup(&env);
+        let walbox = Walbox::spawn(&["run"], &env);
+        (env, walbox)
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)
@@ -469,4 +481,13 @@ pub fn rss_kb(pid: u32) -> u64 {
                 .and_then(|v| v.parse().ok())
         })
         .unwrap_or(0)
+}
+
+/// The stdout sink's JSON lines in `output` (other lines skipped), parsed.
+pub fn json_lines(output: &str) -> Vec<serde_json::Value> {
+    output
+        .lines()
+        .filter(|l| l.starts_with("{\"topic\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
