@@ -167,8 +167,8 @@ pub fn checkpoint_path(pg: &PgCluster) -> std::path::PathBuf {
 }
 
 /// walbox's saved checkpoint.
-pub fn checkpoint(pg: &PgCluster) -> Option<walbox_replication::Checkpoint> {
-    walbox_replication::CheckpointFile::new(checkpoint_path(pg))
+pub fn checkpoint(pg: &PgCluster) -> Option<walbox_core::Checkpoint> {
+    walbox_core::CheckpointFile::new(checkpoint_path(pg))
         .load()
         .unwrap()
 }

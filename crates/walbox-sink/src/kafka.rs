@@ -299,6 +299,14 @@ impl Sink for KafkaSink {
         }
     }
 
+    fn abort(&mut self) {
+        // Queued messages are never sent; requests on the wire are abandoned
+        // (a broker may still have written those: they precede the failure in
+        // the partition only if they were sent before it).
+        self.producer
+            .purge(rdkafka::producer::PurgeConfig::default().queue().inflight());
+    }
+
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
         let producer = Arc::clone(&self.producer);
         tokio::task::spawn_blocking(move || producer.flush(timeout))

@@ -119,6 +119,12 @@ pub trait Sink {
     /// on what it holds. Called before every wait, so nothing sent is held back.
     fn end_batch(&mut self) {}
 
+    /// A delivery failed: nothing more of this session may reach the
+    /// destination, so that no later event of a partition lands after an earlier
+    /// one that failed. Events still queued are dropped (their reports may come
+    /// as failures or not at all); the session ends after this.
+    fn abort(&mut self) {}
+
     /// Waits up to `timeout` for everything sent to be delivered or failed.
     async fn flush(&mut self, timeout: std::time::Duration) -> Result<(), SinkError>;
 }

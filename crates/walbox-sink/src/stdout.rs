@@ -153,6 +153,10 @@ impl Sink for StdoutSink {
         let _ = self.hand_on();
     }
 
+    fn abort(&mut self) {
+        self.pending.clear();
+    }
+
     async fn flush(&mut self, _timeout: std::time::Duration) -> Result<(), SinkError> {
         // Every event is flushed before it is acknowledged; what is gathered goes
         // to the writer now.

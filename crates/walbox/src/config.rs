@@ -93,55 +93,41 @@ impl Default for SnapshotConfig {
     }
 }
 
-/// How far the slot's confirmed position stays behind the acknowledged one, so
-/// `walbox replay` can publish that range again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ReplayWindow {
-    /// The slot follows the acknowledged position.
-    #[default]
-    None,
-    /// Positions acknowledged at least this long ago.
-    Time(std::time::Duration),
-    /// This many bytes of WAL behind.
-    Bytes(u64),
-}
+pub use walbox_core::ReplayWindow;
 
-impl std::str::FromStr for ReplayWindow {
-    type Err = anyhow::Error;
-
-    /// `0`, a duration (`500ms`, `90s`, `15min`, `2h`, `7d`) or a size with
-    /// Postgres' units (`64kB`, `512MB`, `2GB`, `1TB`; powers of 1024).
-    fn from_str(text: &str) -> Result<Self> {
-        let t = text.trim();
-        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-        let (number, unit) = t.split_at(split);
-        let n: u64 = number.parse().with_context(|| {
-            format!("{text:?}: expected a number and a unit, like 15min or 1GB")
-        })?;
-        let unit = unit.trim();
-        let secs = |k: u64| ReplayWindow::Time(std::time::Duration::from_secs(n.saturating_mul(k)));
-        let window = match unit {
-            "" if n == 0 => ReplayWindow::None,
-            "ms" => ReplayWindow::Time(std::time::Duration::from_millis(n)),
-            "s" => secs(1),
-            "min" => secs(60),
-            "h" => secs(3_600),
-            "d" => secs(86_400),
-            "B" => ReplayWindow::Bytes(n),
-            "kB" => ReplayWindow::Bytes(n.saturating_mul(1 << 10)),
-            "MB" => ReplayWindow::Bytes(n.saturating_mul(1 << 20)),
-            "GB" => ReplayWindow::Bytes(n.saturating_mul(1 << 30)),
-            "TB" => ReplayWindow::Bytes(n.saturating_mul(1 << 40)),
-            _ => {
-                bail!("{text:?}: unknown unit {unit:?}; use ms, s, min, h, d or B, kB, MB, GB, TB")
-            }
-        };
-        Ok(match window {
-            ReplayWindow::Time(d) if d.is_zero() => ReplayWindow::None,
-            ReplayWindow::Bytes(0) => ReplayWindow::None,
-            w => w,
-        })
-    }
+/// Parses `source.replay_window`: `0`, a duration (`500ms`, `90s`, `15min`,
+/// `2h`, `7d`) or a size with Postgres' units (`64kB`, `512MB`, `2GB`, `1TB`;
+/// powers of 1024).
+pub fn parse_replay_window(text: &str) -> Result<ReplayWindow> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: u64 = number
+        .parse()
+        .with_context(|| format!("{text:?}: expected a number and a unit, like 15min or 1GB"))?;
+    let unit = unit.trim();
+    let secs = |k: u64| ReplayWindow::Time(std::time::Duration::from_secs(n.saturating_mul(k)));
+    let window = match unit {
+        "" if n == 0 => ReplayWindow::None,
+        "ms" => ReplayWindow::Time(std::time::Duration::from_millis(n)),
+        "s" => secs(1),
+        "min" => secs(60),
+        "h" => secs(3_600),
+        "d" => secs(86_400),
+        "B" => ReplayWindow::Bytes(n),
+        "kB" => ReplayWindow::Bytes(n.saturating_mul(1 << 10)),
+        "MB" => ReplayWindow::Bytes(n.saturating_mul(1 << 20)),
+        "GB" => ReplayWindow::Bytes(n.saturating_mul(1 << 30)),
+        "TB" => ReplayWindow::Bytes(n.saturating_mul(1 << 40)),
+        _ => {
+            bail!("{text:?}: unknown unit {unit:?}; use ms, s, min, h, d or B, kB, MB, GB, TB")
+        }
+    };
+    Ok(match window {
+        ReplayWindow::Time(d) if d.is_zero() => ReplayWindow::None,
+        ReplayWindow::Bytes(0) => ReplayWindow::None,
+        w => w,
+    })
 }
 
 /// What happens to an outbox row that cannot become an event (payload not JSON,
@@ -509,15 +495,12 @@ impl Config {
 
     /// `source.replay_window`, parsed.
     pub fn replay_window(&self) -> Result<ReplayWindow> {
-        self.source
-            .replay_window
-            .parse()
-            .context("source.replay_window")
+        parse_replay_window(&self.source.replay_window).context("source.replay_window")
     }
 
     /// The checkpoint store.
-    pub fn checkpoint_store(&self) -> walbox_replication::CheckpointFile {
-        walbox_replication::CheckpointFile::new(self.checkpoint.path.clone().unwrap_or_else(|| {
+    pub fn checkpoint_store(&self) -> walbox_core::CheckpointFile {
+        walbox_core::CheckpointFile::new(self.checkpoint.path.clone().unwrap_or_else(|| {
             PathBuf::from(format!("walbox-{}.checkpoint.json", self.source.slot))
         }))
     }
@@ -600,7 +583,7 @@ mod tests {
     #[test]
     fn replay_windows_parse_with_units() {
         use std::time::Duration;
-        let w = |t: &str| t.parse::<ReplayWindow>();
+        let w = parse_replay_window;
         assert_eq!(w("0").unwrap(), ReplayWindow::None);
         assert_eq!(w("0s").unwrap(), ReplayWindow::None);
         assert_eq!(

@@ -106,6 +106,12 @@ struct RunArgs {
     /// accept that the events in between are not published by walbox.
     #[arg(long)]
     accept_slot_position: bool,
+    /// Start although the server's WAL ends before walbox's checkpoint (a server
+    /// restored from an older copy, or a standby promoted before it had
+    /// everything): accept that transactions it commits below the checkpoint are
+    /// not published.
+    #[arg(long)]
+    accept_wal_behind: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -179,6 +185,7 @@ fn main() -> std::process::ExitCode {
                     from_lsn: a.from_lsn,
                     wait_for_slot: a.wait_for_slot,
                     accept_slot_position: a.accept_slot_position,
+                    accept_wal_behind: a.accept_wal_behind,
                 };
                 relay::run(config::Config::load(&a.overrides)?, options).await
             }

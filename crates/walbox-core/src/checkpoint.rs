@@ -46,7 +46,7 @@ pub struct Checkpoint {
 
 /// The acknowledged beginning of one transaction: the resume position is the
 /// transaction's start, and its first `events` events need not be sent again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Partial {
     /// The transaction's commit LSN, as its Begin message gives it.
@@ -54,6 +54,12 @@ pub struct Partial {
     pub commit_lsn: Lsn,
     /// Events `0..events` (the `walbox_index` header) are acknowledged.
     pub events: u64,
+    /// The outbox tables (`schema.name`, sorted) whose inserts were counted as
+    /// events. A restart configured with other tables would count other events,
+    /// so it sends the transaction whole instead of skipping. Empty in files
+    /// written before it was recorded: treated as different.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tables: Vec<String>,
 }
 
 /// Progress of an initial snapshot.
@@ -247,6 +253,7 @@ mod tests {
             partial: Some(Partial {
                 commit_lsn: "0/16B4000".parse().unwrap(),
                 events: 7,
+                tables: vec!["public.outbox".into()],
             }),
             snapshot: Some(SnapshotState {
                 consistent_point: Some("0/16B0000".parse().unwrap()),

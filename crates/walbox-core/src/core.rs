@@ -1,0 +1,777 @@
+//! [`Core`]: the relay's state and every decision it makes, fed by the shell.
+//!
+//! The shell hands the core what happened (a WAL message, a delivery result, a
+//! flushed checkpoint, the clock) and carries out what the core asks: events to
+//! send ([`Core::next_send`]), checkpoints to write ([`Core::checkpoint_due`]),
+//! positions to report ([`Core::position_to_report`]). The core never waits and
+//! never touches a socket, a file or a thread, so a test can drive it through any
+//! history.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use walbox_outbox::{Event, Mapper, Position, TableConfig, TopicTemplate};
+use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, TupleValue, Xid};
+
+use crate::ack::{AckTracker, TxnId};
+use crate::checkpoint::{Checkpoint, Partial};
+use crate::error::{CoreError, Failure};
+use crate::holdback::{Holdback, ReplayWindow};
+use crate::ledger::Ledger;
+
+/// What the core needs to know of the configuration.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    /// The outbox tables.
+    pub tables: Vec<TableConfig>,
+    /// The producer name written into envelopes.
+    pub producer: String,
+    /// Where dead letters go (`{topic}` is the intended topic).
+    pub dead_letter_topic: TopicTemplate,
+    /// Stop at the first poison row instead of dead-lettering it.
+    pub stop_on_poison: bool,
+    /// Most events in flight.
+    pub max_in_flight: u64,
+    /// Most bytes in flight.
+    pub max_in_flight_bytes: usize,
+    /// How far the reported position stays behind the acknowledged one.
+    pub replay_window: ReplayWindow,
+    /// How often the checkpoint is written while the position moves.
+    pub checkpoint_every: Duration,
+}
+
+impl CoreConfig {
+    /// The configured tables, sorted: what the count of a partly acknowledged
+    /// transaction's events depends on.
+    #[must_use]
+    pub fn table_set(&self) -> Vec<String> {
+        let mut t: Vec<String> = self
+            .tables
+            .iter()
+            .map(|t| {
+                let (s, n) = t.qualified();
+                format!("{s}.{n}")
+            })
+            .collect();
+        t.sort();
+        t.dedup();
+        t
+    }
+}
+
+/// A message from the replication stream, as the shell's client gives it.
+#[derive(Debug, Clone)]
+pub enum WalMessage {
+    /// A transaction starts.
+    Begin {
+        /// Its commit LSN.
+        final_lsn: Lsn,
+        /// Its transaction id.
+        xid: Xid,
+        /// Its commit time (Postgres microseconds since 2000-01-01).
+        commit_time: i64,
+    },
+    /// The transaction ends; its commit record ends at `end_lsn`.
+    Commit {
+        /// End of the commit record.
+        end_lsn: Lsn,
+    },
+    /// The server's WAL end, from a keepalive.
+    KeepAlive {
+        /// The server's WAL end.
+        wal_end: Lsn,
+    },
+    /// Any other pgoutput message (Relation, Insert, ...), undecoded.
+    Data(Bytes),
+}
+
+/// The outcome of one event the sink took.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// Durably accepted.
+    Acked,
+    /// Not accepted.
+    Failed(Failure),
+}
+
+/// Counters for the log.
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    /// Events handed to the sink (dead letters included).
+    pub events: u64,
+    /// Transactions read.
+    pub transactions: u64,
+    /// Updates of outbox rows (ignored: an event is an insert).
+    pub ignored_updates: u64,
+    /// Deletes of outbox rows.
+    pub ignored_deletes: u64,
+    /// Truncates of outbox tables.
+    pub ignored_truncates: u64,
+    /// Changes other than inserts to published tables that are not outboxes.
+    pub ignored_other: u64,
+    /// Events dead-lettered.
+    pub dead_lettered: u64,
+    /// Events of a partly acknowledged transaction not sent again on resume.
+    pub skipped: u64,
+}
+
+#[derive(Debug)]
+struct OpenTxn {
+    id: TxnId,
+    commit_lsn: Lsn,
+    xid: Xid,
+    index: u32,
+    /// Events at the start of this transaction acknowledged before a restart:
+    /// not sent again.
+    skip: u32,
+    committed: i64,
+}
+
+/// What the checkpoint writer has on disk.
+#[derive(Debug, Clone, Copy)]
+struct Flushed {
+    lsn: Lsn,
+    snapshot_done: bool,
+}
+
+/// The relay's state as a pure machine.
+#[derive(Debug)]
+pub struct Core {
+    cfg: CoreConfig,
+    tables: Vec<String>,
+    tracker: AckTracker,
+    decoder: Decoder,
+    mappers: HashMap<Oid, Mapper>,
+    /// Published relations that are not outboxes, by oid: their names.
+    unmapped: HashMap<Oid, String>,
+    txn: Option<OpenTxn>,
+    ledger: Ledger,
+    sends: VecDeque<(Event, usize)>,
+    stats: Stats,
+    /// The newest checkpoint state (`None` until the cluster's identity is known).
+    checkpoint: Option<Checkpoint>,
+    flushed: Option<Flushed>,
+    submitted_at: Option<Instant>,
+    /// The snapshot's transaction and row count, until every row is acknowledged.
+    pending_snapshot: Option<(TxnId, u64)>,
+    /// The snapshot being published: its transaction, position and next index.
+    snapshot: Option<(TxnId, Lsn, u32)>,
+    /// Replay: stop before the first transaction that commits at or after it.
+    stop_at: Option<Lsn>,
+    reached_end: bool,
+    /// Positions above this are not saved or reported (the publication was last
+    /// verified there).
+    limit: Option<Lsn>,
+    /// On resume: the checkpoint's acknowledged prefix of the first transaction,
+    /// until that transaction arrives.
+    resume_partial: Option<Partial>,
+    /// The prefix skipped in the front transaction, which the tracker does not
+    /// count (its events are numbered from the first one sent).
+    skipped_base: Option<Partial>,
+    holdback: Holdback,
+    reported: Lsn,
+}
+
+impl Core {
+    /// A core with nothing read yet; its position is `Lsn(0)` until
+    /// [`resume_at`](Self::resume_at) or [`begin_snapshot`](Self::begin_snapshot).
+    #[must_use]
+    pub fn new(cfg: CoreConfig) -> Self {
+        Core {
+            tables: cfg.table_set(),
+            holdback: Holdback::new(cfg.replay_window),
+            cfg,
+            tracker: AckTracker::new(Lsn(0)),
+            decoder: Decoder::new(),
+            mappers: HashMap::new(),
+            unmapped: HashMap::new(),
+            txn: None,
+            ledger: Ledger::default(),
+            sends: VecDeque::new(),
+            stats: Stats::default(),
+            checkpoint: None,
+            flushed: None,
+            submitted_at: None,
+            pending_snapshot: None,
+            snapshot: None,
+            stop_at: None,
+            reached_end: false,
+            limit: None,
+            resume_partial: None,
+            skipped_base: None,
+            reported: Lsn(0),
+        }
+    }
+
+    // ---- set-up -------------------------------------------------------------
+
+    /// Takes a checkpoint that is already on disk (loaded, or written before
+    /// streaming) as the current one.
+    pub fn adopt_checkpoint(&mut self, cp: Option<Checkpoint>) {
+        if let Some(c) = &cp {
+            self.flushed = Some(Flushed {
+                lsn: c.lsn,
+                snapshot_done: !c.snapshot_interrupted(),
+            });
+        }
+        self.checkpoint = cp;
+    }
+
+    /// The current checkpoint state.
+    #[must_use]
+    pub fn checkpoint(&self) -> Option<&Checkpoint> {
+        self.checkpoint.as_ref()
+    }
+
+    /// Streaming starts at `start`; the server already holds `server_confirmed`.
+    /// With `resume`, the first events of the transaction the checkpoint records
+    /// as partly acknowledged are skipped, when the checkpoint counted them over
+    /// the same tables; otherwise that transaction is sent whole again.
+    pub fn resume_at(&mut self, start: Lsn, server_confirmed: Lsn, resume: Option<Partial>) {
+        self.tracker = AckTracker::new(start);
+        self.reported = server_confirmed;
+        self.resume_partial = resume.and_then(|p| {
+            if p.tables == self.tables {
+                Some(p)
+            } else {
+                tracing::warn!(
+                    commit_lsn = %p.commit_lsn,
+                    events = p.events,
+                    counted_over = ?p.tables,
+                    configured = ?self.tables,
+                    "the checkpoint counted a partly acknowledged transaction over other outbox \
+                     tables; it is sent whole again (its acknowledged events are repeated, with \
+                     the same ids)"
+                );
+                None
+            }
+        });
+    }
+
+    /// The stream continues after a snapshot; the server holds `server_confirmed`.
+    pub fn continue_after_snapshot(&mut self, server_confirmed: Lsn) {
+        self.reported = server_confirmed;
+    }
+
+    /// Replay: stop before transactions that commit at or after `end`, and never
+    /// save a position past it.
+    pub fn stop_at(&mut self, end: Lsn) {
+        self.stop_at = Some(end);
+    }
+
+    /// Positions above `limit` are neither saved nor reported.
+    pub fn limit_position(&mut self, limit: Option<Lsn>) {
+        self.limit = limit;
+    }
+
+    // ---- state --------------------------------------------------------------
+
+    /// Whether to take new WAL: not at an in-flight bound, not past a replay's
+    /// end, and when stopping only to finish the transaction being read.
+    #[must_use]
+    pub fn reading(&self, stopping: bool) -> bool {
+        !self.full() && !self.reached_end && (!stopping || self.txn.is_some())
+    }
+
+    /// Whether an in-flight bound (count or bytes) is reached.
+    #[must_use]
+    pub fn full(&self) -> bool {
+        self.tracker.in_flight() >= self.cfg.max_in_flight
+            || self.ledger.bytes() >= self.cfg.max_in_flight_bytes
+    }
+
+    /// Events in flight.
+    #[must_use]
+    pub fn in_flight(&self) -> u64 {
+        self.ledger.count()
+    }
+
+    /// Bytes in flight.
+    #[must_use]
+    pub fn in_flight_bytes(&self) -> usize {
+        self.ledger.bytes()
+    }
+
+    /// Whether a transaction is being read.
+    #[must_use]
+    pub fn in_transaction(&self) -> bool {
+        self.txn.is_some()
+    }
+
+    /// Replay: the end was reached (nothing more will be read).
+    #[must_use]
+    pub fn reached_end(&self) -> bool {
+        self.reached_end
+    }
+
+    /// Nothing in flight and no transaction open.
+    #[must_use]
+    pub fn idle(&self) -> bool {
+        self.ledger.count() == 0 && self.txn.is_none() && self.sends.is_empty()
+    }
+
+    /// The acknowledged position.
+    #[must_use]
+    pub fn confirmed(&self) -> Lsn {
+        self.tracker.confirmed()
+    }
+
+    /// The last position handed out by [`position_to_report`](Self::position_to_report).
+    #[must_use]
+    pub fn reported(&self) -> Lsn {
+        self.reported
+    }
+
+    /// The counters.
+    #[must_use]
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Whether the snapshot's rows are not all acknowledged yet.
+    #[must_use]
+    pub fn snapshot_pending(&self) -> bool {
+        self.pending_snapshot.is_some() || self.snapshot.is_some()
+    }
+
+    /// The next event to hand to the sink, with its token.
+    pub fn next_send(&mut self) -> Option<(Event, usize)> {
+        self.sends.pop_front()
+    }
+
+    // ---- input: the stream --------------------------------------------------
+
+    /// One message from the replication stream.
+    ///
+    /// # Errors
+    /// A message that cannot be decoded or is out of protocol, an outbox table
+    /// whose shape cannot be mapped, an insert into a published table that is
+    /// not an outbox, a poison row under the stop policy.
+    pub fn on_wal(&mut self, msg: WalMessage) -> Result<(), CoreError> {
+        match msg {
+            WalMessage::Begin {
+                final_lsn,
+                xid,
+                commit_time,
+            } => {
+                if self.stop_at.is_some_and(|end| final_lsn >= end) {
+                    self.reached_end = true;
+                    return Ok(());
+                }
+                if self.txn.is_some() {
+                    return Err(CoreError::Protocol("Begin inside a transaction"));
+                }
+                let mut skip = 0;
+                if let Some(p) = self.resume_partial.clone()
+                    && final_lsn >= p.commit_lsn
+                {
+                    self.resume_partial = None;
+                    if final_lsn == p.commit_lsn {
+                        skip = u32::try_from(p.events).unwrap_or(u32::MAX);
+                        tracing::info!(commit_lsn = %final_lsn, events = p.events,
+                            "resuming inside a transaction: its acknowledged events are not sent again");
+                        self.skipped_base = Some(p);
+                    }
+                }
+                self.txn = Some(OpenTxn {
+                    id: self.tracker.begin(final_lsn),
+                    commit_lsn: final_lsn,
+                    xid,
+                    index: 0,
+                    skip,
+                    committed: commit_time,
+                });
+            }
+            WalMessage::Commit { end_lsn } => {
+                let txn = self
+                    .txn
+                    .take()
+                    .ok_or(CoreError::Protocol("Commit without Begin"))?;
+                self.tracker.commit(txn.id, end_lsn);
+                self.stats.transactions += 1;
+            }
+            WalMessage::KeepAlive { wal_end } => {
+                self.tracker.idle_wal_end(wal_end);
+                if self.txn.is_none() && self.stop_at.is_some_and(|end| wal_end >= end) {
+                    self.reached_end = true;
+                }
+            }
+            WalMessage::Data(data) => {
+                let msg = self.decoder.decode(&data)?;
+                self.change(msg)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn table_config(&self, namespace: &str, name: &str) -> Option<&TableConfig> {
+        self.cfg
+            .tables
+            .iter()
+            .find(|t| t.qualified() == (namespace, name))
+    }
+
+    fn change(&mut self, msg: LogicalMessage) -> Result<(), CoreError> {
+        match msg {
+            LogicalMessage::Relation(r) => {
+                if let Some(cfg) = self.table_config(&r.namespace, &r.name) {
+                    let mapper = Mapper::compile(cfg, &self.cfg.producer, &r)?;
+                    tracing::info!(
+                        table = mapper.table(),
+                        oid = r.oid,
+                        columns = r.columns.len(),
+                        "outbox table"
+                    );
+                    self.unmapped.remove(&r.oid);
+                    self.mappers.insert(r.oid, mapper);
+                } else {
+                    if let Some(old) = self.mappers.remove(&r.oid) {
+                        tracing::warn!(
+                            oid = r.oid,
+                            was = old.table(),
+                            now = %format_args!("{}.{}", r.namespace, r.name),
+                            "an outbox table was renamed; it is no longer an outbox"
+                        );
+                    }
+                    self.unmapped
+                        .insert(r.oid, format!("{}.{}", r.namespace, r.name));
+                }
+            }
+            LogicalMessage::Insert(i) => {
+                let Some(mapper) = self.mappers.get(&i.relation_oid) else {
+                    let table = self
+                        .unmapped
+                        .get(&i.relation_oid)
+                        .cloned()
+                        .unwrap_or_else(|| format!("relation {}", i.relation_oid));
+                    return Err(CoreError::Unmapped {
+                        table,
+                        oid: i.relation_oid,
+                        commit_lsn: self.txn.as_ref().map(|t| t.commit_lsn),
+                    });
+                };
+                let txn = self
+                    .txn
+                    .as_mut()
+                    .ok_or(CoreError::Protocol("Insert outside a transaction"))?;
+                if txn.index < txn.skip {
+                    txn.index += 1;
+                    self.stats.skipped += 1;
+                    return Ok(());
+                }
+                let position = Position {
+                    commit_lsn: txn.commit_lsn,
+                    index: txn.index,
+                    xid: txn.xid,
+                };
+                txn.index += 1;
+                let (id, committed) = (txn.id, txn.committed);
+                let event = map_row(
+                    mapper,
+                    &i.new,
+                    position,
+                    &self.cfg,
+                    &mut self.stats.dead_lettered,
+                )?;
+                self.queue(event, id, committed);
+            }
+            LogicalMessage::Update(u) => {
+                if self.mappers.contains_key(&u.relation_oid) {
+                    self.stats.ignored_updates += 1;
+                } else {
+                    self.stats.ignored_other += 1;
+                }
+            }
+            LogicalMessage::Delete(d) => {
+                if self.mappers.contains_key(&d.relation_oid) {
+                    self.stats.ignored_deletes += 1;
+                } else {
+                    self.stats.ignored_other += 1;
+                }
+            }
+            LogicalMessage::Truncate(t) => {
+                if t.relation_oids.iter().any(|o| self.mappers.contains_key(o)) {
+                    self.stats.ignored_truncates += 1;
+                } else {
+                    self.stats.ignored_other += 1;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn queue(&mut self, event: Event, txn: TxnId, committed: i64) {
+        let ticket = self.tracker.event(txn);
+        let token = self.ledger.insert(ticket, event.size(), committed);
+        self.stats.events += 1;
+        tracing::debug!(
+            event_id = %event.event_id,
+            topic = %event.topic,
+            position = %format_args!("{}#{}", event.position.commit_lsn, event.position.index),
+            "sent to the sink"
+        );
+        self.sends.push_back((event, token));
+    }
+
+    // ---- input: the snapshot ------------------------------------------------
+
+    /// A snapshot taken at `point` is about to be published, as one transaction
+    /// whose events carry positions `(point, 0..)`; the stream then continues
+    /// from `stream_start` (the slot's consistent point, at or before `point`).
+    pub fn begin_snapshot(&mut self, stream_start: Lsn, point: Lsn) {
+        self.tracker = AckTracker::new(stream_start);
+        let txn = self.tracker.begin(stream_start);
+        self.snapshot = Some((txn, point, 0));
+    }
+
+    /// One row of the snapshot, mapped with `mapper`.
+    ///
+    /// # Errors
+    /// Outside a snapshot; a poison row under the stop policy.
+    pub fn snapshot_row(&mut self, mapper: &Mapper, row: &[TupleValue]) -> Result<(), CoreError> {
+        let (txn, point, index) = self
+            .snapshot
+            .as_mut()
+            .ok_or(CoreError::Protocol("snapshot row outside a snapshot"))?;
+        let position = Position {
+            commit_lsn: *point,
+            index: *index,
+            xid: 0,
+        };
+        *index = index.saturating_add(1);
+        let txn = *txn;
+        let event = map_row(
+            mapper,
+            row,
+            position,
+            &self.cfg,
+            &mut self.stats.dead_lettered,
+        )?;
+        self.queue(event, txn, 0);
+        Ok(())
+    }
+
+    /// Every row of the snapshot was read (`rows` of them); it is complete once
+    /// all are acknowledged.
+    pub fn end_snapshot(&mut self, rows: u64) {
+        if let Some((txn, _, _)) = self.snapshot.take() {
+            let start = self.tracker.confirmed();
+            self.tracker.commit(txn, start);
+            self.pending_snapshot = Some((txn, rows));
+        }
+    }
+
+    // ---- input: the sink ----------------------------------------------------
+
+    /// The sink's outcome for the event of `token`. Returns the commit time of
+    /// an acknowledged event's transaction (for latency), `None` otherwise.
+    ///
+    /// # Errors
+    /// A failed delivery (the position stays before it; see
+    /// [`CoreError::is_transient`]), or a token the core never gave out.
+    pub fn on_delivery(
+        &mut self,
+        token: usize,
+        outcome: Outcome,
+    ) -> Result<Option<i64>, CoreError> {
+        let (ticket, committed) = self
+            .ledger
+            .remove(token)
+            .ok_or(CoreError::UnknownToken(token))?;
+        match outcome {
+            Outcome::Acked => {
+                self.tracker.ack(ticket);
+                Ok(Some(committed))
+            }
+            Outcome::Failed(f) => {
+                if f.about_message
+                    && !self.cfg.stop_on_poison
+                    && let Some(dead) = f.dead_letter(&self.cfg.dead_letter_topic)
+                {
+                    // Refused for what it is (too large): its dead letter takes its
+                    // place; the position passes it once that is acknowledged.
+                    tracing::warn!(
+                        event_id = %f.event_id,
+                        topic = %f.topic,
+                        class = f.class,
+                        reason = %f.reason,
+                        dead_letter_topic = %dead.topic,
+                        "dead-lettered"
+                    );
+                    self.stats.dead_lettered += 1;
+                    let token = self.ledger.insert(ticket, dead.size(), committed);
+                    self.sends.push_back((dead, token));
+                    return Ok(None);
+                }
+                self.tracker.fail(ticket);
+                // Nothing more goes out in this session: what was queued is
+                // dropped, and the position stays before the failed event.
+                self.sends.clear();
+                Err(CoreError::Delivery {
+                    transient: !f.about_message,
+                    confirmed: self.tracker.confirmed(),
+                    failure: Box::new(f),
+                })
+            }
+        }
+    }
+
+    // ---- output: the checkpoint and the reported position -------------------
+
+    /// The acknowledged position, within a replay's end and the limit.
+    fn savable(&self) -> Lsn {
+        let mut at = self.tracker.confirmed();
+        if let Some(end) = self.stop_at {
+            at = at.min(end);
+        }
+        if let Some(limit) = self.limit {
+            at = at.min(limit);
+        }
+        at
+    }
+
+    /// The acknowledged prefix of the oldest unconfirmed transaction, as the
+    /// checkpoint records it.
+    fn partial(&self, cp: &Checkpoint) -> Option<Partial> {
+        let tracked = self.tracker.partial().map(|(commit_lsn, events)| {
+            let base = self
+                .skipped_base
+                .as_ref()
+                .filter(|b| b.commit_lsn == commit_lsn)
+                .map_or(0, |b| b.events);
+            Partial {
+                commit_lsn,
+                events: base + events,
+                tables: self.tables.clone(),
+            }
+        });
+        // Only a transaction after the saved position (not one a replay or an
+        // earlier --from-lsn sends again).
+        let after = cp.lsn.max(self.savable());
+        match tracked.filter(|p| p.commit_lsn >= after) {
+            Some(p) => Some(p),
+            // Nothing new acknowledged in it yet: the saved prefix still holds
+            // while the position has not moved past its transaction.
+            None if self.savable() <= cp.lsn => cp.partial.clone(),
+            None => None,
+        }
+    }
+
+    /// Whether the checkpoint is behind what could be saved.
+    fn checkpoint_dirty(&self) -> bool {
+        let Some(cp) = &self.checkpoint else {
+            return false;
+        };
+        if let Some((txn, _)) = self.pending_snapshot {
+            return self.tracker.settled(txn);
+        }
+        if self.snapshot.is_some() {
+            return false;
+        }
+        self.savable() > cp.lsn || self.partial(cp) != cp.partial
+    }
+
+    /// The checkpoint to hand to the writer, when it is behind and the interval
+    /// passed since the last one (with `force`, whenever it is behind).
+    pub fn checkpoint_due(&mut self, now: Instant, force: bool) -> Option<Checkpoint> {
+        if !self.checkpoint_dirty() {
+            return None;
+        }
+        if !force
+            && self
+                .submitted_at
+                .is_some_and(|t| now.saturating_duration_since(t) < self.cfg.checkpoint_every)
+        {
+            return None;
+        }
+        let savable = self.savable();
+        let settled = self
+            .pending_snapshot
+            .filter(|(txn, _)| self.tracker.settled(*txn));
+        if let Some((_, rows)) = settled {
+            if let Some(s) = self.checkpoint.as_mut().and_then(|c| c.snapshot.as_mut()) {
+                s.complete = true;
+                s.rows = rows;
+            }
+            self.pending_snapshot = None;
+            tracing::info!(rows, consistent_point = %savable,
+                "snapshot complete: every row acknowledged");
+        }
+        let partial = self.checkpoint.as_ref().and_then(|c| self.partial(c));
+        let waiting = self.pending_snapshot.is_some();
+        let cp = self.checkpoint.as_mut()?;
+        if !waiting {
+            cp.lsn = cp.lsn.max(savable);
+            cp.partial = partial;
+        }
+        self.submitted_at = Some(now);
+        Some(cp.clone())
+    }
+
+    /// The checkpoint writer has `lsn` on disk; `snapshot_done` is false while
+    /// an initial snapshot is unfinished.
+    pub fn on_checkpoint_flushed(&mut self, lsn: Lsn, snapshot_done: bool) {
+        self.flushed = Some(Flushed { lsn, snapshot_done });
+    }
+
+    /// The position that may be reported to the server: acknowledged, and on
+    /// disk in the checkpoint.
+    #[must_use]
+    pub fn reportable(&self) -> Option<Lsn> {
+        let flushed = self.flushed?;
+        if self.snapshot_pending() || !flushed.snapshot_done {
+            return None;
+        }
+        Some(self.savable().min(flushed.lsn))
+    }
+
+    /// A position to report to the server now, when it is newer than the last
+    /// one reported (held back by the replay window).
+    pub fn position_to_report(&mut self, now: impl FnOnce() -> Instant) -> Option<Lsn> {
+        let acked = self.reportable()?;
+        let target = self.holdback.target(now, acked)?;
+        (target > self.reported).then(|| {
+            self.reported = target;
+            target
+        })
+    }
+}
+
+/// Maps `row`, or builds its dead letter (counting it), or stops under the
+/// stop policy.
+fn map_row(
+    mapper: &Mapper,
+    row: &[TupleValue],
+    position: Position,
+    cfg: &CoreConfig,
+    dead_lettered: &mut u64,
+) -> Result<Event, CoreError> {
+    match mapper.map(row, position) {
+        Ok(event) => Ok(event),
+        Err(e) => {
+            let dead = mapper.dead_letter(row, position, &e, &cfg.dead_letter_topic);
+            if cfg.stop_on_poison {
+                return Err(CoreError::Poison {
+                    event_id: dead.event_id,
+                    position,
+                    table: mapper.table().to_owned(),
+                    class: e.class(),
+                    reason: e.to_string(),
+                });
+            }
+            tracing::warn!(
+                table = mapper.table(),
+                event_id = %dead.event_id,
+                position = %format_args!("{}#{}", position.commit_lsn, position.index),
+                class = e.class(),
+                reason = %e,
+                topic = %dead.topic,
+                "dead-lettered"
+            );
+            *dead_lettered += 1;
+            Ok(dead)
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! What can stop the core, and what a failed delivery carries.
+
+use walbox_outbox::{Event, MappingError, Position, TopicTemplate};
+use walbox_pgoutput::{DecodeError, Lsn, Oid};
+
+/// A failed delivery, as the sink reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// The event.
+    pub event_id: String,
+    /// Its topic.
+    pub topic: String,
+    /// Short class of the failure (for logs and dead-letter headers).
+    pub class: &'static str,
+    /// What the destination said.
+    pub reason: String,
+    /// The failure is about the message itself (sending it again would fail
+    /// again), not about where it went.
+    pub about_message: bool,
+    /// For a failure about the message, the record as sent, without its value.
+    pub rejected: Option<Rejected>,
+}
+
+/// A record the destination refused for what it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejected {
+    /// Its key.
+    pub key: Option<Vec<u8>>,
+    /// Its headers, in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Size of its value in bytes.
+    pub value_len: usize,
+}
+
+impl Failure {
+    /// The dead letter that takes the refused event's place: its key and
+    /// headers, the failure's class and reason, and a value that describes it
+    /// (the value itself is what was refused). `None` when there is no record,
+    /// or the record is a dead letter already.
+    #[must_use]
+    pub fn dead_letter(&self, template: &TopicTemplate) -> Option<Event> {
+        use walbox_outbox::dead_letter_header as dl;
+        let record = self.rejected.as_ref()?;
+        if record.headers.iter().any(|(k, _)| k == dl::ERROR_CLASS) {
+            return None;
+        }
+        let header = |name: &str| {
+            record
+                .headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        };
+        let position = Position {
+            commit_lsn: header(walbox_outbox::header::COMMIT_LSN)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(Lsn(0)),
+            index: header(walbox_outbox::header::INDEX)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+            xid: header(walbox_outbox::header::XID)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        };
+        let mut headers: Vec<(walbox_outbox::HeaderName, bytes::Bytes)> = record
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone().into(), bytes::Bytes::from(v.clone())))
+            .collect();
+        headers.push((
+            dl::ERROR_CLASS.into(),
+            bytes::Bytes::from_static(self.class.as_bytes()),
+        ));
+        headers.push((dl::ERROR.into(), bytes::Bytes::from(self.reason.clone())));
+        headers.push((
+            dl::SOURCE_TOPIC.into(),
+            bytes::Bytes::from(self.topic.clone()),
+        ));
+        headers.push((dl::ATTEMPTS.into(), bytes::Bytes::from_static(b"1")));
+        let value = serde_json::json!({
+            "topic": self.topic,
+            "value_bytes": record.value_len,
+            "value": null,
+        })
+        .to_string();
+        Some(Event {
+            event_id: self.event_id.clone(),
+            topic: template.dead_letter_topic(&self.topic),
+            key: record.key.clone().map(bytes::Bytes::from),
+            value: bytes::Bytes::from(value),
+            json_value: true,
+            headers,
+            position,
+        })
+    }
+}
+
+/// Why the core stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    /// A message from the server could not be decoded.
+    #[error("decoding the replication stream: {0}")]
+    Decode(#[from] DecodeError),
+    /// Messages out of protocol order.
+    #[error("replication stream out of order: {0}")]
+    Protocol(&'static str),
+    /// An outbox table's shape does not fit its configuration.
+    #[error(transparent)]
+    Mapping(#[from] MappingError),
+    /// An insert into a published table that is no outbox: walbox cannot map it
+    /// and does not pass it in silence.
+    #[error(
+        "an insert into {table} (oid {oid}{}) reached walbox through the publication, but \
+         {table} matches no [[outbox]] entry; walbox stops before its position. Add it to \
+         [[outbox]], or remove it from the publication (ALTER PUBLICATION ... DROP TABLE); for \
+         a partition of a partitioned outbox, set publish_via_partition_root = true on the \
+         publication (`walbox setup` does)",
+        commit_lsn.map(|l| format!(", transaction committing at {l}")).unwrap_or_default()
+    )]
+    Unmapped {
+        /// The relation's name as the stream gave it.
+        table: String,
+        /// Its oid.
+        oid: Oid,
+        /// The transaction's commit LSN.
+        commit_lsn: Option<Lsn>,
+    },
+    /// A row that cannot become an event, under the stop policy.
+    #[error(
+        "outbox row with event id {event_id} at {}#{} (xid {}) in {table} cannot be published \
+         ({class}): {reason}",
+        position.commit_lsn, position.index, position.xid
+    )]
+    Poison {
+        /// The row's event id (or its stand-in).
+        event_id: String,
+        /// Its position.
+        position: Position,
+        /// Its table.
+        table: String,
+        /// The error's class.
+        class: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A delivery failed; the position stays at `confirmed`.
+    #[error(
+        "delivery of event {} to {} failed ({}): {}; the position stays at {confirmed} and the \
+         next session resumes there",
+        failure.event_id, failure.topic, failure.class, failure.reason
+    )]
+    Delivery {
+        /// Whether a new session may succeed (not about the message itself).
+        transient: bool,
+        /// The acknowledged position.
+        confirmed: Lsn,
+        /// The failure.
+        failure: Box<Failure>,
+    },
+    /// A delivery report for a token the core never gave out.
+    #[error("delivery report for an unknown event (token {0})")]
+    UnknownToken(usize),
+}
+
+impl CoreError {
+    /// Whether a new session, resuming from the checkpoint, can succeed.
+    #[must_use]
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            CoreError::Delivery {
+                transient: true,
+                ..
+            }
+        )
+    }
+}

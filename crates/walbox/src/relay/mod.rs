@@ -1,0 +1,312 @@
+//! `walbox run`, `walbox setup --snapshot`, `walbox replay`: the shell around
+//! [`walbox_core::Core`]. It owns every connection, thread and timer: it feeds the
+//! core the slot's messages, the snapshot's rows, the sink's delivery reports and
+//! the clock, and carries out what the core asks (send an event, write a
+//! checkpoint, report a position). Sessions, backoff and the stop signal live
+//! here; every decision about events and positions lives in the core.
+
+mod checkpoint_writer;
+mod latency;
+mod plan;
+mod replay;
+mod shell;
+mod sink;
+mod snapshot;
+mod stream;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, anyhow};
+use tokio::sync::mpsc;
+
+use crate::config::Config;
+use crate::pg::ConnParams;
+use walbox_core::CheckpointFile;
+use walbox_pgoutput::Lsn;
+
+pub use plan::where_run_starts;
+pub use replay::replay;
+pub use snapshot::setup_snapshot;
+
+use plan::{Plan, plan, slot_info, wait_for_slot};
+use shell::Relay;
+use sink::make_sink;
+use snapshot::take_snapshot;
+use stream::{StreamSpec, stream};
+
+/// An error after which a new session, resuming from the slot's confirmed
+/// position, can succeed: connection loss, a server restart, a delivery that timed
+/// out. Displays as the error it wraps.
+#[derive(Debug)]
+struct Transient(anyhow::Error);
+
+impl std::fmt::Display for Transient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for Transient {}
+
+fn transient(e: impl Into<anyhow::Error>) -> anyhow::Error {
+    anyhow::Error::new(Transient(e.into()))
+}
+
+/// A failed SQL connection is transient when the server may answer later (refused,
+/// reset, starting up, shutting down); wrong credentials, a missing database, a
+/// certificate that does not verify, or a bad TLS setup would only repeat.
+fn classify_sql(e: anyhow::Error) -> anyhow::Error {
+    let Some(pg) = e
+        .chain()
+        .find_map(|c| c.downcast_ref::<tokio_postgres::Error>())
+    else {
+        return e; // not from the connection itself: configuration
+    };
+    if let Some(db) = pg.as_db_error() {
+        let code = db.code().code();
+        let lasting = code.starts_with("28") || code == "3D000" || code == "42501";
+        return if lasting { e } else { transient(e) };
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(pg);
+    while let Some(err) = source {
+        let tls = err.downcast_ref::<rustls::Error>().is_some()
+            || err
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some());
+        if tls {
+            return e;
+        }
+        source = err.source();
+    }
+    transient(e)
+}
+
+/// Replication errors: I/O and server errors (restart, shutdown, a lost
+/// connection) are transient; authentication, TLS and protocol errors are not.
+fn classify_replication(e: anyhow::Error) -> anyhow::Error {
+    use pgwire_replication::PgWireError;
+    match e.chain().find_map(|c| c.downcast_ref::<PgWireError>()) {
+        Some(PgWireError::Io(_) | PgWireError::Server(_)) => transient(e),
+        _ => e,
+    }
+}
+
+fn is_transient(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<Transient>().is_some()
+}
+
+/// Backoff before session `attempt` (1, 2, ...): 250 ms doubling to 30 s, with
+/// up to 20% jitter so that several relays do not reconnect in step.
+fn backoff(attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let base = 250u64
+        .saturating_mul(1 << attempt.saturating_sub(1).min(10))
+        .min(30_000);
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    Duration::from_millis(base + random % (base / 5 + 1))
+}
+
+/// A session that ran this long resets the backoff.
+const HEALTHY_SESSION: Duration = Duration::from_secs(60);
+
+/// What `walbox run` was asked on its command line.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Start here instead of at the checkpoint (the first session only).
+    pub from_lsn: Option<Lsn>,
+    /// Wait while another reader holds the slot, then take it over.
+    pub wait_for_slot: bool,
+    /// Start at the slot's position even when it is ahead of the checkpoint
+    /// (events between them were never published by walbox).
+    pub accept_slot_position: bool,
+    /// Start although the server's WAL ends before the checkpoint (the server
+    /// was restored from an older copy, or a lagging standby was promoted).
+    pub accept_wal_behind: bool,
+}
+
+/// The configuration and the checkpoint store, shared by every phase.
+#[derive(Clone, Copy)]
+pub(crate) struct Ctx<'a> {
+    pub(crate) config: &'a Config,
+    pub(crate) conn: &'a ConnParams,
+    pub(crate) store: &'a CheckpointFile,
+}
+
+/// Runs the relay until a signal stops it or a fatal error does. Transient errors
+/// end the session; after a backoff a new one resumes from the checkpoint
+/// (events after it are sent again, with the same ids).
+pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
+    // First, so a stop request during start-up is a clean stop too.
+    let mut signals = signals()?;
+    let conn = ConnParams::parse(config.dsn()?)?;
+    let store = config.checkpoint_store();
+    let ctx = Ctx {
+        config: &config,
+        conn: &conn,
+        store: &store,
+    };
+    let mut attempt = 0u32;
+    loop {
+        let began = Instant::now();
+        let result = session(ctx, &options, attempt, &mut signals).await;
+        // An explicit start position applies once; later sessions resume from
+        // the checkpoint, which then reflects it.
+        options.from_lsn = None;
+        options.accept_slot_position = false;
+        options.accept_wal_behind = false;
+        let Err(e) = result else {
+            return Ok(());
+        };
+        if !is_transient(&e) {
+            return Err(e);
+        }
+        if began.elapsed() >= HEALTHY_SESSION {
+            attempt = 0;
+        }
+        attempt += 1;
+        let delay = backoff(attempt);
+        tracing::warn!(
+            error = %format!("{e:#}"),
+            attempt,
+            retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            "session ended; resuming from the checkpoint"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            Some(()) = signals.recv() => {
+                tracing::info!("stopped while waiting to reconnect");
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// One session: check the slot and checkpoint, create the sink, then snapshot
+/// and/or stream until stopped or failed.
+async fn session(
+    ctx: Ctx<'_>,
+    options: &RunOptions,
+    attempt: u32,
+    signals: &mut mpsc::UnboundedReceiver<()>,
+) -> Result<()> {
+    let config = ctx.config;
+    let slot_name = &config.source.slot;
+    let sql = ctx.conn.connect().await.map_err(classify_sql)?;
+    let saved = ctx.store.load()?;
+    let mut slot = slot_info(&sql, slot_name).await.map_err(classify_sql)?;
+    if let Some(info) = slot.clone()
+        && let Some(pid) = info.active_pid
+    {
+        if options.wait_for_slot {
+            match wait_for_slot(&sql, slot_name, info, signals).await? {
+                Some(free) => slot = Some(free),
+                None => return Ok(()),
+            }
+        } else {
+            let e = anyhow!(
+                "slot {slot_name:?} is in use by pid {pid} (another walbox?); stop it, or start \
+                 this one with --wait-for-slot to take over when it ends"
+            );
+            // After a lost connection the old walsender can hold the slot a little
+            // longer; at first start a holder is another reader.
+            return Err(if attempt > 0 { transient(e) } else { e });
+        }
+    }
+    let plan = plan(config, ctx.store, saved.as_ref(), slot.as_ref(), options)?;
+    drop(sql);
+    let (sink, mut deliveries) = make_sink(config)?;
+    let mut relay = Relay::new(ctx, sink)?;
+    relay.adopt_checkpoint(saved);
+    let (start, server_confirmed) = match plan {
+        Plan::Snapshot { drop_slot } => {
+            match take_snapshot(&mut relay, &mut deliveries, signals, drop_slot).await? {
+                Some(point) => {
+                    relay.core.continue_after_snapshot(point);
+                    (point, point)
+                }
+                None => return Ok(()),
+            }
+        }
+        Plan::Stream {
+            start,
+            server_confirmed,
+        } => {
+            let resume = relay
+                .core
+                .checkpoint()
+                .filter(|cp| cp.lsn == start && options.from_lsn.is_none())
+                .and_then(|cp| cp.partial.clone());
+            relay.core.resume_at(start, server_confirmed, resume);
+            (start, server_confirmed)
+        }
+    };
+    let spec = StreamSpec {
+        start,
+        server_confirmed,
+        report: true,
+        stop_at: None,
+        accept_wal_behind: options.accept_wal_behind,
+    };
+    stream(&mut relay, &mut deliveries, signals, &spec)
+        .await
+        .map(drop)
+}
+
+/// Session settings of every connection that reads row values, so values render
+/// the same in the stream and the snapshot, whatever the server's defaults.
+pub(crate) const SESSION_OPTIONS: &str = "-c TimeZone=UTC -c DateStyle=ISO,YMD";
+
+#[allow(clippy::print_stdout)] // command output
+fn println_out(line: &str) {
+    println!("{line}");
+}
+
+/// Records the longest time an acknowledged position waited before the server had it.
+fn feedback_observer(longest_ms: Arc<AtomicU64>) -> pgwire_replication::FeedbackObserver {
+    pgwire_replication::FeedbackObserver::new(move |sent| {
+        let ms = u64::try_from(sent.pending_for.as_millis()).unwrap_or(u64::MAX);
+        longest_ms.fetch_max(ms, Ordering::Relaxed);
+    })
+}
+
+/// Polls `done` until it holds or `timeout` passes; says which.
+async fn walbox_wait(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    true
+}
+
+/// SIGINT / SIGTERM: the first asks for a clean stop; the second exits at once
+/// without confirming anything more.
+fn signals() -> Result<mpsc::UnboundedReceiver<()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate())?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut seen = 0;
+        loop {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            seen += 1;
+            if seen > 1 {
+                tracing::warn!("second signal: exiting now");
+                std::process::exit(130);
+            }
+            let _ = tx.send(());
+        }
+    });
+    Ok(rx)
+}

@@ -1,0 +1,421 @@
+//! Where a session starts: the checkpoint, the slot and the options against each
+//! other, and the server's identity against the checkpoint.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tokio::sync::mpsc;
+use walbox_core::{Checkpoint, CheckpointFile};
+use walbox_pgoutput::Lsn;
+
+use super::{RunOptions, classify_sql};
+use crate::config::{Config, SnapshotMode};
+
+/// The slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone)]
+pub(super) struct SlotInfo {
+    pub(super) plugin: Option<String>,
+    pub(super) same_database: bool,
+    pub(super) active_pid: Option<i32>,
+    pub(super) confirmed: Option<Lsn>,
+    pub(super) wal_status: Option<String>,
+}
+
+pub(super) async fn slot_info(
+    sql: &tokio_postgres::Client,
+    slot: &str,
+) -> Result<Option<SlotInfo>> {
+    let row = sql
+        .query_opt(
+            "SELECT plugin::text, database = current_database(), active_pid,
+                    confirmed_flush_lsn::text, wal_status
+             FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .context("reading pg_replication_slots")?;
+    row.map(|r| {
+        let confirmed: Option<String> = r.get(3);
+        Ok(SlotInfo {
+            plugin: r.get(0),
+            same_database: r.get::<_, Option<bool>>(1) == Some(true),
+            active_pid: r.get(2),
+            confirmed: confirmed
+                .map(|c| c.parse())
+                .transpose()
+                .context("slot position")?,
+            wal_status: r.get(4),
+        })
+    })
+    .transpose()
+}
+
+/// Where a session starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Plan {
+    /// Create the slot with an exported snapshot, publish the existing rows,
+    /// then stream; `drop_slot` first removes the slot of an interrupted one.
+    Snapshot { drop_slot: bool },
+    /// Stream from `start`; the server holds `server_confirmed`.
+    Stream { start: Lsn, server_confirmed: Lsn },
+}
+
+/// How to recover events that a slot no longer has.
+pub(super) const RECOVER: &str = "To publish them, create a new slot with a snapshot of the rows that \
+    were not published (`walbox slot drop`, then `walbox setup --snapshot --snapshot-where \
+    \"...\"`); to continue without them, start once with --accept-slot-position";
+
+/// Decides where to start from the checkpoint, the slot and the options.
+pub(super) fn plan(
+    config: &Config,
+    store: &CheckpointFile,
+    saved: Option<&Checkpoint>,
+    slot: Option<&SlotInfo>,
+    options: &RunOptions,
+) -> Result<Plan> {
+    let name = &config.source.slot;
+    if let Some(cp) = saved
+        && cp.snapshot_interrupted()
+    {
+        tracing::warn!(
+            slot = %name,
+            checkpoint = %store.path().display(),
+            "the initial snapshot did not finish; taking it again from a new slot \
+             (rows it published already are published again, with the same event ids)"
+        );
+        return Ok(Plan::Snapshot {
+            drop_slot: slot.is_some(),
+        });
+    }
+    let Some(slot) = slot else {
+        if let Some(cp) = saved {
+            bail!(
+                "replication slot {name:?} does not exist, but the checkpoint {} says walbox \
+                 published up to {}: the slot was dropped, and outbox events committed while \
+                 it was gone are not in any slot. {RECOVER}",
+                store.path().display(),
+                cp.lsn
+            );
+        }
+        if config.snapshot.mode == SnapshotMode::Initial {
+            return Ok(Plan::Snapshot { drop_slot: false });
+        }
+        bail!(
+            "replication slot {name:?} does not exist; create it with `walbox setup` \
+             (`walbox setup --snapshot` also publishes the rows already in the outbox)"
+        );
+    };
+    if slot.plugin.as_deref() != Some("pgoutput") {
+        bail!(
+            "slot {name:?} uses plugin {:?}, walbox needs pgoutput",
+            slot.plugin
+        );
+    }
+    if !slot.same_database {
+        bail!("slot {name:?} belongs to another database");
+    }
+    if slot.wal_status.as_deref() == Some("lost") {
+        let since = saved.map_or_else(
+            || "its confirmed position".to_owned(),
+            |cp| format!("{} (walbox's checkpoint)", cp.lsn),
+        );
+        bail!(
+            "slot {name:?} is invalidated (wal_status = lost): the server removed WAL it still \
+             needed (max_slot_wal_keep_size), so outbox events committed after {since} may be \
+             missing. {RECOVER}"
+        );
+    }
+    let confirmed = slot
+        .confirmed
+        .with_context(|| format!("slot {name:?} has no confirmed position"))?;
+    if let Some(from) = options.from_lsn {
+        if from < confirmed {
+            bail!(
+                "--from-lsn {from} is before slot {name:?}'s confirmed position; the earliest \
+                 position still available is {confirmed}"
+            );
+        }
+        if let Some(cp) = saved
+            && from > cp.lsn
+        {
+            tracing::warn!(from = %from, checkpoint = %cp.lsn,
+                "--from-lsn is after the checkpoint: events between them are skipped");
+        }
+        return Ok(Plan::Stream {
+            start: from,
+            server_confirmed: confirmed,
+        });
+    }
+    let start = match saved {
+        None => confirmed,
+        Some(cp) if cp.lsn >= confirmed => {
+            if cp.lsn > confirmed {
+                tracing::info!(slot = %confirmed, checkpoint = %cp.lsn,
+                    "the slot is behind the checkpoint (server crash or replay window); \
+                     starting at the checkpoint");
+            }
+            cp.lsn
+        }
+        Some(cp) if options.accept_slot_position => {
+            tracing::warn!(slot = %confirmed, checkpoint = %cp.lsn,
+                "starting at the slot's position as asked (--accept-slot-position); outbox \
+                 events committed between the checkpoint and it were not published by walbox");
+            confirmed
+        }
+        Some(cp) => bail!(
+            "slot {name:?} is at {confirmed}, ahead of walbox's checkpoint {} at {}: outbox \
+             events committed between {} and {confirmed} were never published (the slot was \
+             advanced by another reader, or dropped and created again, while walbox was \
+             down). {RECOVER}",
+            store.path().display(),
+            cp.lsn,
+            cp.lsn
+        ),
+    };
+    Ok(Plan::Stream {
+        start,
+        server_confirmed: confirmed,
+    })
+}
+
+/// Where `walbox run` would start, for `walbox doctor`: the checkpoint and the
+/// slot against each other. `None` when there is neither a slot nor a checkpoint.
+pub async fn where_run_starts(
+    sql: &tokio_postgres::Client,
+    config: &Config,
+) -> Result<Option<String>> {
+    let store = config.checkpoint_store();
+    let saved = store.load()?;
+    let slot = slot_info(sql, &config.source.slot).await?;
+    if saved.is_none() && slot.is_none() {
+        return Ok(None);
+    }
+    let at = match saved.as_ref() {
+        Some(cp) => format!("checkpoint {} at {}", store.path().display(), cp.lsn),
+        None => format!("no checkpoint yet at {}", store.path().display()),
+    };
+    Ok(Some(
+        match plan(
+            config,
+            &store,
+            saved.as_ref(),
+            slot.as_ref(),
+            &RunOptions::default(),
+        )? {
+            Plan::Snapshot { drop_slot: true } => {
+                format!("walbox run takes the unfinished snapshot again from a new slot ({at})")
+            }
+            Plan::Snapshot { drop_slot: false } => {
+                format!("walbox run creates the slot with a snapshot ({at})")
+            }
+            Plan::Stream { start, .. } => format!("walbox run starts at {start} ({at})"),
+        },
+    ))
+}
+
+/// Waits while another reader holds the slot (`--wait-for-slot`); `None` when a
+/// stop signal came first.
+pub(super) async fn wait_for_slot(
+    sql: &tokio_postgres::Client,
+    slot: &str,
+    mut info: SlotInfo,
+    signals: &mut mpsc::UnboundedReceiver<()>,
+) -> Result<Option<SlotInfo>> {
+    let mut logged = false;
+    while let Some(pid) = info.active_pid {
+        if !logged {
+            tracing::info!(
+                slot,
+                pid,
+                "slot in use; waiting for it to be released (--wait-for-slot)"
+            );
+            logged = true;
+        }
+        tokio::select! {
+            Some(()) = signals.recv() => return Ok(None),
+            () = tokio::time::sleep(SLOT_POLL) => {}
+        }
+        match slot_info(sql, slot).await.map_err(classify_sql)? {
+            Some(next) => info = next,
+            None => bail!("slot {slot:?} was dropped while waiting for it"),
+        }
+    }
+    if logged {
+        tracing::info!(slot, "slot released; taking over");
+    }
+    Ok(Some(info))
+}
+
+/// How often `--wait-for-slot` looks at the slot.
+const SLOT_POLL: Duration = Duration::from_millis(500);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use walbox_core::{CHECKPOINT_VERSION, SnapshotState};
+
+    fn lsn(s: &str) -> Lsn {
+        s.parse().unwrap()
+    }
+
+    fn cp(at: &str, snapshot: Option<bool>) -> Checkpoint {
+        Checkpoint {
+            version: CHECKPOINT_VERSION,
+            system_identifier: "1".into(),
+            database: "postgres".into(),
+            slot: "walbox".into(),
+            lsn: lsn(at),
+            partial: None,
+            snapshot: snapshot.map(|complete| SnapshotState {
+                consistent_point: Some(lsn("0/100")),
+                complete,
+                rows: 0,
+            }),
+        }
+    }
+
+    fn slot(at: &str) -> SlotInfo {
+        SlotInfo {
+            plugin: Some("pgoutput".into()),
+            same_database: true,
+            active_pid: None,
+            confirmed: Some(lsn(at)),
+            wal_status: Some("reserved".into()),
+        }
+    }
+
+    fn config(toml: &str) -> Config {
+        Config::parse(toml, std::path::Path::new("t.toml")).unwrap()
+    }
+
+    fn planned(
+        saved: Option<&Checkpoint>,
+        slot: Option<&SlotInfo>,
+        options: &RunOptions,
+    ) -> Result<Plan> {
+        plan(
+            &config(""),
+            &CheckpointFile::new("cp.json"),
+            saved,
+            slot,
+            options,
+        )
+    }
+
+    #[test]
+    fn starts_at_the_later_of_checkpoint_and_slot_only_when_nothing_was_skipped() {
+        let none = RunOptions::default();
+        let stream = |start: &str, server: &str| Plan::Stream {
+            start: lsn(start),
+            server_confirmed: lsn(server),
+        };
+        // First start: the slot's position.
+        assert_eq!(
+            planned(None, Some(&slot("0/500")), &none).unwrap(),
+            stream("0/500", "0/500")
+        );
+        // Slot behind the checkpoint (server crash, replay window): the checkpoint.
+        assert_eq!(
+            planned(Some(&cp("0/900", None)), Some(&slot("0/500")), &none).unwrap(),
+            stream("0/900", "0/500")
+        );
+        // Slot ahead: refused, saying what is missing and how to recover.
+        let e = planned(Some(&cp("0/500", None)), Some(&slot("0/900")), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("between 0/500 and 0/900 were never published"),
+            "{e}"
+        );
+        assert!(
+            e.contains("--accept-slot-position") && e.contains("--snapshot"),
+            "{e}"
+        );
+        let accept = RunOptions {
+            accept_slot_position: true,
+            ..RunOptions::default()
+        };
+        assert_eq!(
+            planned(Some(&cp("0/500", None)), Some(&slot("0/900")), &accept).unwrap(),
+            stream("0/900", "0/900")
+        );
+        // Slot gone while a checkpoint exists: refused.
+        let e = planned(Some(&cp("0/500", None)), None, &none)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("was dropped"), "{e}");
+        // Lost slot: refused with the checkpoint named.
+        let mut lost = slot("0/500");
+        lost.wal_status = Some("lost".into());
+        let e = planned(Some(&cp("0/500", None)), Some(&lost), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("wal_status = lost") && e.contains("0/500 (walbox's checkpoint)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn from_lsn_must_still_be_in_the_slot() {
+        let from = |at: &str| RunOptions {
+            from_lsn: Some(lsn(at)),
+            ..RunOptions::default()
+        };
+        let e = planned(
+            Some(&cp("0/900", None)),
+            Some(&slot("0/500")),
+            &from("0/400"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("earliest position still available is 0/500"),
+            "{e}"
+        );
+        assert_eq!(
+            planned(
+                Some(&cp("0/900", None)),
+                Some(&slot("0/500")),
+                &from("0/600")
+            )
+            .unwrap(),
+            Plan::Stream {
+                start: lsn("0/600"),
+                server_confirmed: lsn("0/500")
+            }
+        );
+    }
+
+    #[test]
+    fn snapshots_are_taken_for_new_slots_when_asked_and_always_redone_when_unfinished() {
+        let none = RunOptions::default();
+        let initial = config("[snapshot]\nmode = \"initial\"");
+        let store = CheckpointFile::new("cp.json");
+        assert_eq!(
+            plan(&initial, &store, None, None, &none).unwrap(),
+            Plan::Snapshot { drop_slot: false }
+        );
+        // An existing slot streams, snapshot mode or not.
+        assert!(matches!(
+            plan(&initial, &store, None, Some(&slot("0/1")), &none).unwrap(),
+            Plan::Stream { .. }
+        ));
+        let e = planned(None, None, &none).unwrap_err().to_string();
+        assert!(e.contains("walbox setup"), "{e}");
+        // Unfinished: redone from a new slot, whatever the mode.
+        assert_eq!(
+            planned(Some(&cp("0/100", Some(false))), Some(&slot("0/100")), &none).unwrap(),
+            Plan::Snapshot { drop_slot: true }
+        );
+        assert_eq!(
+            planned(Some(&cp("0/100", Some(false))), None, &none).unwrap(),
+            Plan::Snapshot { drop_slot: false }
+        );
+        // Finished: stream.
+        assert!(matches!(
+            planned(Some(&cp("0/100", Some(true))), Some(&slot("0/100")), &none).unwrap(),
+            Plan::Stream { .. }
+        ));
+    }
+}

@@ -1,0 +1,262 @@
+//! [`Relay`]: the core with its sink, checkpoint writer and latency clocks;
+//! carries out what the core asks.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use pgwire_replication::{ReplicationClient, ReplicationEvent};
+use walbox_core::{Checkpoint, CheckpointFile, Core, CoreConfig, CoreError, Outcome, WalMessage};
+use walbox_pgoutput::Lsn;
+use walbox_sink::{Delivery, Sink};
+
+use super::checkpoint_writer::CheckpointWriter;
+use super::latency::Latency;
+use super::sink::{AnySink, failure, sink_error};
+use super::{Ctx, classify_replication, transient};
+use crate::config::{Config, DeadLetterPolicy};
+
+/// How often the checkpoint is written while the position moves.
+pub(super) const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+
+/// The core's view of the configuration.
+pub(super) fn core_config(config: &Config) -> Result<CoreConfig> {
+    Ok(CoreConfig {
+        tables: config.outbox.clone(),
+        producer: config.producer.clone(),
+        dead_letter_topic: config.dead_letter.template()?,
+        stop_on_poison: config.dead_letter.policy == DeadLetterPolicy::Stop,
+        max_in_flight: config.sink.max_in_flight as u64,
+        max_in_flight_bytes: config.sink.max_in_flight_bytes,
+        replay_window: config.replay_window()?,
+        checkpoint_every: CHECKPOINT_EVERY,
+    })
+}
+
+/// A core error in the shell's terms: transient when a new session may succeed.
+pub(super) fn core_error(e: CoreError) -> anyhow::Error {
+    if e.is_transient() {
+        transient(e)
+    } else {
+        anyhow!(e)
+    }
+}
+
+/// The core and the parts of the shell it acts through.
+pub(super) struct Relay<'a> {
+    pub(super) ctx: Ctx<'a>,
+    pub(super) sink: AnySink,
+    pub(super) core: Core,
+    writer: CheckpointWriter,
+    /// Commit-to-acknowledgement latency of streamed events.
+    pub(super) latency: Latency,
+}
+
+impl<'a> Relay<'a> {
+    pub(super) fn new(ctx: Ctx<'a>, sink: AnySink) -> Result<Self> {
+        Ok(Relay {
+            ctx,
+            sink,
+            core: Core::new(core_config(ctx.config)?),
+            writer: CheckpointWriter::new(ctx.store.clone()),
+            latency: Latency::new(),
+        })
+    }
+
+    /// Takes a checkpoint that is already on disk as the current one.
+    pub(super) fn adopt_checkpoint(&mut self, cp: Option<Checkpoint>) {
+        if let Some(c) = &cp {
+            self.writer.known(c);
+        }
+        self.core.adopt_checkpoint(cp);
+    }
+
+    /// Hands every event the core has queued to the sink.
+    pub(super) async fn pump(&mut self) -> Result<()> {
+        while let Some((event, token)) = self.core.next_send() {
+            self.sink.send(event, token).await.map_err(sink_error)?;
+        }
+        Ok(())
+    }
+
+    /// One message from the replication stream.
+    pub(super) async fn handle(&mut self, ev: ReplicationEvent) -> Result<()> {
+        let msg = match ev {
+            ReplicationEvent::Begin {
+                final_lsn,
+                xid,
+                commit_time_micros,
+            } => {
+                self.latency.record_read(commit_time_micros);
+                WalMessage::Begin {
+                    final_lsn: Lsn(final_lsn.0),
+                    xid,
+                    commit_time: commit_time_micros,
+                }
+            }
+            ReplicationEvent::Commit { end_lsn, .. } => WalMessage::Commit {
+                end_lsn: Lsn(end_lsn.0),
+            },
+            ReplicationEvent::KeepAlive { wal_end, .. } => WalMessage::KeepAlive {
+                wal_end: Lsn(wal_end.0),
+            },
+            ReplicationEvent::XLogData { data, .. } => WalMessage::Data(data),
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {
+                return Ok(());
+            }
+        };
+        self.core.on_wal(msg).map_err(core_error)?;
+        self.pump().await
+    }
+
+    /// A delivery report from the sink.
+    pub(super) async fn delivered(&mut self, d: Delivery) -> Result<()> {
+        let outcome = match d.result {
+            Ok(()) => Outcome::Acked,
+            Err(e) => Outcome::Failed(failure(e)),
+        };
+        match self.core.on_delivery(d.token, outcome) {
+            Ok(Some(committed)) => {
+                self.latency.record(committed);
+                Ok(())
+            }
+            Ok(None) => self.pump().await,
+            Err(e) => {
+                // Nothing more of this session may reach the destination: a later
+                // event of a partition must not land after an earlier one failed.
+                self.sink.abort();
+                Err(core_error(e))
+            }
+        }
+    }
+
+    /// Tells the core what the checkpoint writer has on disk.
+    fn sync_flushed(&mut self) -> Result<()> {
+        if let Some((lsn, snapshot_done)) = self.writer.saved()? {
+            self.core.on_checkpoint_flushed(lsn, snapshot_done);
+        }
+        Ok(())
+    }
+
+    /// Hands the checkpoint to the writer when the core says it is due; with
+    /// `force`, whenever it is behind, and waits until it is on disk.
+    pub(super) async fn save_checkpoint(&mut self, force: bool) -> Result<()> {
+        self.writer.saved()?;
+        if let Some(cp) = self.core.checkpoint_due(Instant::now(), force) {
+            self.writer.submit(cp)?;
+        }
+        if force {
+            self.writer.flushed(Duration::from_secs(60)).await?;
+        }
+        self.sync_flushed()
+    }
+
+    /// A position to report to the server now, if any.
+    pub(super) fn position_to_report(&mut self) -> Result<Option<Lsn>> {
+        self.sync_flushed()?;
+        Ok(self.core.position_to_report(Instant::now))
+    }
+
+    pub(super) fn log_progress(&mut self) {
+        let s = self.core.stats();
+        tracing::info!(
+            events = s.events,
+            transactions = s.transactions,
+            in_flight = self.core.in_flight(),
+            in_flight_bytes = self.core.in_flight_bytes(),
+            confirmed = %self.core.confirmed(),
+            ignored_updates = s.ignored_updates,
+            ignored_deletes = s.ignored_deletes,
+            ignored_truncates = s.ignored_truncates,
+            ignored_other_tables = s.ignored_other,
+            dead_lettered = s.dead_lettered,
+            skipped = s.skipped,
+            commit_to_ack_ms = %self.latency.window_summary(),
+            "progress"
+        );
+    }
+}
+
+/// A gated replication session and the server's identity, checked against the
+/// relay's checkpoint (when it has one) before anything else runs on it.
+pub(super) async fn connect_identified(
+    relay: &Relay<'_>,
+    cfg: pgwire_replication::ReplicationConfig,
+    accept_wal_behind: bool,
+) -> Result<(ReplicationClient, pgwire_replication::IdentifySystem)> {
+    let ctx = relay.ctx;
+    let where_ = || format!("replication connection to {}", ctx.conn.describe());
+    let mut client = ReplicationClient::connect_gated(cfg)
+        .await
+        .with_context(where_)
+        .map_err(classify_replication)?;
+    let ident = client
+        .identify_system()
+        .await
+        .with_context(where_)
+        .map_err(classify_replication)?;
+    if let Some(cp) = relay.core.checkpoint() {
+        check_identity(cp, ctx.store, &ident, &ctx.config.source.slot)?;
+        check_wal_end(cp, ctx.store, Lsn(ident.xlogpos.0), accept_wal_behind)?;
+    }
+    Ok((client, ident))
+}
+
+/// Refuses a checkpoint written for another cluster, database or slot.
+fn check_identity(
+    cp: &Checkpoint,
+    store: &CheckpointFile,
+    ident: &pgwire_replication::IdentifySystem,
+    slot: &str,
+) -> Result<()> {
+    let database = ident.dbname.as_deref().unwrap_or_default();
+    if cp.system_identifier != ident.system_id || cp.database != database || cp.slot != slot {
+        bail!(
+            "checkpoint {} belongs to slot {:?} of database {:?} on cluster {}, not to slot \
+             {slot:?} of database {database:?} on cluster {}: give each relay its own \
+             checkpoint path (checkpoint.path, --checkpoint)",
+            store.path().display(),
+            cp.slot,
+            cp.database,
+            cp.system_identifier,
+            ident.system_id
+        );
+    }
+    Ok(())
+}
+
+/// Refuses a server whose WAL ends before the checkpoint: it was restored from
+/// an older copy, or a standby that had not received everything was promoted.
+/// Every position walbox saved was flushed WAL on the server it read, so after a
+/// crash the server's WAL always reaches the checkpoint. Started at the
+/// checkpoint, the server would skip every transaction that commits below it.
+pub(super) fn check_wal_end(
+    cp: &Checkpoint,
+    store: &CheckpointFile,
+    wal_end: Lsn,
+    accept: bool,
+) -> Result<()> {
+    if wal_end >= cp.lsn || cp.lsn == Lsn(0) {
+        return Ok(());
+    }
+    if accept {
+        tracing::warn!(wal_end = %wal_end, checkpoint = %cp.lsn,
+            "the server's WAL ends before the checkpoint; starting anyway as asked \
+             (--accept-wal-behind): transactions the server commits below the checkpoint \
+             are not published");
+        return Ok(());
+    }
+    bail!(
+        "the server's WAL ends at {wal_end}, before walbox's checkpoint {} at {}: this server \
+         does not have WAL walbox already read (restored from an older copy, or a standby \
+         promoted before it received everything). The events walbox published from {wal_end} \
+         to {} are not on this server, and outbox rows this server commits below {} would be \
+         skipped. To publish them: take the checkpoint aside and create a new slot with a \
+         snapshot of the rows not yet published (`walbox slot drop`, then `walbox setup \
+         --snapshot --snapshot-where \"...\"`); to start anyway, once, pass \
+         --accept-wal-behind",
+        store.path().display(),
+        cp.lsn,
+        cp.lsn,
+        cp.lsn
+    )
+}

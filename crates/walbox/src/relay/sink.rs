@@ -1,0 +1,92 @@
+//! The configured sink, and the sink's errors and outcomes in the core's terms.
+
+use std::time::Duration;
+
+use anyhow::anyhow;
+use walbox_outbox::Event;
+use walbox_sink::{
+    Deliveries, DeliveryError, KafkaSink, KafkaSinkConfig, Sink, SinkError, StdoutSink,
+};
+
+use super::transient;
+use crate::config::{Config, SinkKind};
+
+/// The configured sink.
+pub(super) enum AnySink {
+    Kafka(KafkaSink),
+    Stdout(StdoutSink),
+}
+
+impl Sink for AnySink {
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.send(event, token).await,
+            AnySink::Stdout(s) => s.send(event, token).await,
+        }
+    }
+
+    fn end_batch(&mut self) {
+        match self {
+            AnySink::Kafka(s) => s.end_batch(),
+            AnySink::Stdout(s) => s.end_batch(),
+        }
+    }
+
+    fn abort(&mut self) {
+        match self {
+            AnySink::Kafka(s) => s.abort(),
+            AnySink::Stdout(s) => s.abort(),
+        }
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        match self {
+            AnySink::Kafka(s) => s.flush(timeout).await,
+            AnySink::Stdout(s) => s.flush(timeout).await,
+        }
+    }
+}
+
+pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)> {
+    Ok(match config.sink.kind {
+        SinkKind::Kafka => {
+            let (sink, deliveries) = KafkaSink::new(KafkaSinkConfig {
+                properties: config.sink.kafka_properties()?,
+                create_topics: config.sink.create_topics,
+                topic_partitions: config.sink.topic_partitions,
+                topic_replication: config.sink.topic_replication,
+                max_in_flight: config.sink.max_in_flight,
+            })?;
+            (AnySink::Kafka(sink), deliveries)
+        }
+        SinkKind::Stdout => {
+            let (sink, deliveries) = StdoutSink::new();
+            (AnySink::Stdout(sink), deliveries)
+        }
+    })
+}
+
+/// A sink that could not take an event: a Kafka client error may pass (a new
+/// session retries), anything else (a missing topic, configuration) would repeat.
+pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
+    match e {
+        SinkError::Kafka(_) => transient(e),
+        other => anyhow!(other),
+    }
+}
+
+/// A failed delivery in the core's terms.
+pub(super) fn failure(e: DeliveryError) -> walbox_core::Failure {
+    walbox_core::Failure {
+        about_message: e.is_about_the_message(),
+        event_id: e.event_id,
+        topic: e.topic,
+        class: e.class,
+        reason: e.reason,
+        rejected: e.rejected.map(|r| walbox_core::Rejected {
+            key: r.key,
+            headers: r.headers,
+            value_len: r.value_len,
+        }),
+    }
+}

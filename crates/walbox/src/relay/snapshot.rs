@@ -1,0 +1,257 @@
+//! The initial snapshot: a slot created with an exported snapshot, the outbox
+//! rows it shows published as one transaction at its consistent point, then the
+//! stream from there.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tokio::sync::mpsc;
+use walbox_core::{CHECKPOINT_VERSION, Checkpoint, SnapshotState};
+use walbox_outbox::Mapper;
+use walbox_pgoutput::Lsn;
+use walbox_sink::{Deliveries, Sink};
+
+use super::shell::{Relay, connect_identified};
+use super::{Ctx, classify_replication, classify_sql, make_sink, println_out, signals, slot_info};
+use crate::catalog;
+use crate::config::Config;
+use crate::pg::ConnParams;
+use crate::snapshot;
+
+/// Creates the slot with an exported snapshot, publishes every outbox row the
+/// snapshot shows (as one transaction at the slot's consistent point) and
+/// returns the consistent point, where the stream continues. `None` when a stop
+/// signal came first: the checkpoint then says the snapshot is unfinished, and
+/// the next start takes it again.
+pub(super) async fn take_snapshot(
+    relay: &mut Relay<'_>,
+    deliveries: &mut Deliveries,
+    signals: &mut mpsc::UnboundedReceiver<()>,
+    drop_slot: bool,
+) -> Result<Option<Lsn>> {
+    let ctx = relay.ctx;
+    let config = ctx.config;
+    let slot = &config.source.slot;
+    // The replication session that exports the snapshot; it stays open, idle,
+    // until every row is read (the snapshot lives as long as it does).
+    let (mut exporter, ident) = connect_identified(
+        relay,
+        ctx.conn
+            .replication(slot, &config.source.publication)?
+            .with_application_name("walbox snapshot"),
+        false,
+    )
+    .await?;
+    let sql = ctx.conn.connect().await.map_err(classify_sql)?;
+    if drop_slot {
+        sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])
+            .await
+            .with_context(|| format!("dropping slot {slot} of the unfinished snapshot"))
+            .map_err(classify_sql)?;
+        tracing::info!(slot = %slot, "dropped the slot of the unfinished snapshot");
+    }
+    // Saved before the slot exists: a crash from here on leaves a checkpoint that
+    // says "unfinished", never a slot without one.
+    let mut cp = Checkpoint {
+        version: CHECKPOINT_VERSION,
+        system_identifier: ident.system_id.clone(),
+        database: ident.dbname.clone().unwrap_or_default(),
+        slot: slot.clone(),
+        lsn: Lsn(0),
+        partial: None,
+        snapshot: Some(SnapshotState {
+            consistent_point: None,
+            complete: false,
+            rows: 0,
+        }),
+    };
+    ctx.store.save(&cp)?;
+    let created = exporter
+        .simple_query(&format!(
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+            crate::catalog::ident(slot)
+        ))
+        .await
+        .with_context(|| format!("creating slot {slot} with an exported snapshot"))
+        .map_err(classify_replication)?;
+    let text = |i: usize| -> Result<String> {
+        created
+            .first()
+            .and_then(|row| row.get(i))
+            .and_then(|v| v.as_ref())
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .with_context(|| format!("CREATE_REPLICATION_SLOT returned no column {i}"))
+    };
+    let point: Lsn = text(1)?.parse().context("consistent_point")?;
+    let snapshot_name = text(2)?;
+    cp.lsn = point;
+    if let Some(s) = cp.snapshot.as_mut() {
+        s.consistent_point = Some(point);
+    }
+    ctx.store.save(&cp)?;
+    relay.adopt_checkpoint(Some(cp));
+    relay.core.begin_snapshot(point, point);
+    tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
+
+    snapshot::begin(&sql, &snapshot_name)
+        .await
+        .map_err(classify_sql)?;
+    let mut rows_total = 0u64;
+    for table_cfg in &config.outbox {
+        let (schema, name) = table_cfg.qualified();
+        let table = catalog::table(&sql, schema, name)
+            .await
+            .map_err(classify_sql)?
+            .with_context(|| format!("outbox table {schema}.{name} does not exist"))?;
+        let mapper = Mapper::compile(table_cfg, &config.producer, &table.relation)?;
+        let total = snapshot::count(&sql, &table, &config.snapshot).await?;
+        let mut progress = snapshot::Progress::new(mapper.table().to_owned(), total);
+        snapshot::declare(&sql, &table, &config.snapshot).await?;
+        let fetch_sql = format!(
+            "FETCH FORWARD {} FROM {}",
+            config.snapshot.chunk_rows,
+            snapshot::CURSOR
+        );
+        loop {
+            // The fetch stays pinned while deliveries are handled: dropping it
+            // would lose the rows the server already sent for it.
+            let fetch = sql.simple_query(&fetch_sql);
+            tokio::pin!(fetch);
+            let messages = loop {
+                relay.sink.end_batch();
+                tokio::select! {
+                    biased;
+                    Some(()) = signals.recv() => {
+                        tracing::warn!(rows = rows_total, "stopped during the snapshot; the next start takes it again");
+                        return Ok(None);
+                    }
+                    Some(d) = deliveries.recv() => relay.delivered(d).await?,
+                    r = &mut fetch => break r.context("reading the snapshot").map_err(classify_sql)?,
+                }
+            };
+            let chunk = snapshot::rows(messages, table.relation.columns.len())?;
+            if chunk.is_empty() {
+                break;
+            }
+            let n = chunk.len() as u64;
+            for row in chunk {
+                while relay.core.full() {
+                    relay.sink.end_batch();
+                    tokio::select! {
+                        biased;
+                        Some(()) = signals.recv() => {
+                            tracing::warn!(rows = rows_total, "stopped during the snapshot; the next start takes it again");
+                            return Ok(None);
+                        }
+                        Some(d) = deliveries.recv() => relay.delivered(d).await?,
+                    }
+                }
+                relay
+                    .core
+                    .snapshot_row(&mapper, &row)
+                    .map_err(super::shell::core_error)?;
+                relay.pump().await?;
+                while let Ok(d) = deliveries.try_recv() {
+                    relay.delivered(d).await?;
+                }
+            }
+            rows_total += n;
+            progress.add(n);
+        }
+        sql.batch_execute(&format!("CLOSE {}", snapshot::CURSOR))
+            .await
+            .map_err(|e| classify_sql(e.into()))?;
+        progress.finish();
+    }
+    sql.batch_execute("COMMIT")
+        .await
+        .map_err(|e| classify_sql(e.into()))?;
+    drop(sql);
+    // Read: the exported snapshot is no longer needed.
+    drop(exporter);
+    relay.core.end_snapshot(rows_total);
+    tracing::info!(rows = rows_total, consistent_point = %point, "snapshot read; the stream continues from its consistent point");
+    Ok(Some(point))
+}
+
+/// `walbox setup --snapshot`, after the publication exists: creates the slot with
+/// a snapshot, publishes the existing rows, waits until all are acknowledged,
+/// and records the consistent point, where `walbox run` continues.
+pub async fn setup_snapshot(config: &Config) -> Result<()> {
+    let mut signals = signals()?;
+    let conn = ConnParams::parse(config.dsn()?)?;
+    let store = config.checkpoint_store();
+    let ctx = Ctx {
+        config,
+        conn: &conn,
+        store: &store,
+    };
+    let sql = conn.connect().await?;
+    let saved = store.load()?;
+    let slot = slot_info(&sql, &config.source.slot).await?;
+    drop(sql);
+    let drop_slot = match (&saved, &slot) {
+        (Some(cp), _) if cp.snapshot_interrupted() => {
+            tracing::warn!(slot = %config.source.slot,
+                "the previous snapshot did not finish; taking it again from a new slot \
+                 (rows it published already are published again, with the same event ids)");
+            if let Some(pid) = slot.as_ref().and_then(|s| s.active_pid) {
+                bail!(
+                    "slot {:?} is in use by pid {pid}; stop that reader first",
+                    config.source.slot
+                );
+            }
+            slot.is_some()
+        }
+        (_, Some(_)) => {
+            println_out(&format!(
+                "slot {} exists; a snapshot is taken only when the slot is created \
+                 (drop it with `walbox slot drop` to take one)",
+                config.source.slot
+            ));
+            return Ok(());
+        }
+        (Some(cp), None) => {
+            // The recovery path for a lost or skipped slot: the snapshot replaces
+            // the old slot's checkpoint (same cluster only: checked on connect).
+            tracing::info!(checkpoint = %store.path().display(), old_position = %cp.lsn,
+                "replacing the checkpoint of the dropped slot");
+            false
+        }
+        (None, None) => false,
+    };
+    let (sink, mut deliveries) = make_sink(config)?;
+    let mut relay = Relay::new(ctx, sink)?;
+    relay.adopt_checkpoint(saved);
+    let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, drop_slot).await?
+    else {
+        return Ok(());
+    };
+    // Wait for every row to be acknowledged, then record it.
+    let timeout = Duration::from_millis(config.shutdown.timeout_ms);
+    loop {
+        relay.save_checkpoint(true).await?;
+        if !relay.core.snapshot_pending() {
+            break;
+        }
+        relay.sink.end_batch();
+        tokio::select! {
+            biased;
+            Some(()) = signals.recv() => {
+                tracing::warn!(in_flight = relay.core.in_flight(), "stopped before every snapshot row was acknowledged; the next start takes it again");
+                return Ok(());
+            }
+            Some(d) = deliveries.recv() => relay.delivered(d).await?,
+            () = tokio::time::sleep(timeout) => bail!(
+                "snapshot rows not acknowledged within {} ms; the next start takes the snapshot again",
+                config.shutdown.timeout_ms
+            ),
+        }
+    }
+    println_out(&format!(
+        "snapshot: published {} rows; slot {} created at {point}; `walbox run` streams from there",
+        relay.core.stats().events,
+        config.source.slot
+    ));
+    Ok(())
+}
