@@ -25,6 +25,8 @@ use crate::ledger::Ledger;
 pub struct CoreConfig {
     /// The outbox tables.
     pub tables: Vec<TableConfig>,
+    /// Published tables (`schema.name`) whose inserts are knowingly not relayed.
+    pub ignore_tables: Vec<String>,
     /// The producer name written into envelopes.
     pub producer: String,
     /// Where dead letters go (`{topic}` is the intended topic).
@@ -108,7 +110,8 @@ pub struct Stats {
     pub ignored_deletes: u64,
     /// Truncates of outbox tables.
     pub ignored_truncates: u64,
-    /// Changes other than inserts to published tables that are not outboxes.
+    /// Changes to published tables that are not outboxes: inserts into tables
+    /// ignored as configured, and updates, deletes and truncates.
     pub ignored_other: u64,
     /// Events dead-lettered.
     pub dead_lettered: u64,
@@ -145,6 +148,8 @@ pub struct Core {
     mappers: HashMap<Oid, Mapper>,
     /// Published relations that are not outboxes, by oid: their names.
     unmapped: HashMap<Oid, String>,
+    /// Published relations ignored as configured, by oid: their names.
+    ignored: HashMap<Oid, String>,
     txn: Option<OpenTxn>,
     ledger: Ledger,
     sends: VecDeque<(Event, usize)>,
@@ -186,6 +191,7 @@ impl Core {
             decoder: Decoder::new(),
             mappers: HashMap::new(),
             unmapped: HashMap::new(),
+            ignored: HashMap::new(),
             txn: None,
             ledger: Ledger::default(),
             sends: VecDeque::new(),
@@ -434,9 +440,20 @@ impl Core {
                             "an outbox table was renamed; it is no longer an outbox"
                         );
                     }
-                    self.unmapped
-                        .insert(r.oid, format!("{}.{}", r.namespace, r.name));
+                    let name = format!("{}.{}", r.namespace, r.name);
+                    if self.cfg.ignore_tables.contains(&name) {
+                        tracing::info!(table = %name, oid = r.oid,
+                            "published table ignored as configured (source.ignore_tables)");
+                        self.unmapped.remove(&r.oid);
+                        self.ignored.insert(r.oid, name);
+                    } else {
+                        self.ignored.remove(&r.oid);
+                        self.unmapped.insert(r.oid, name);
+                    }
                 }
+            }
+            LogicalMessage::Insert(i) if self.ignored.contains_key(&i.relation_oid) => {
+                self.stats.ignored_other += 1;
             }
             LogicalMessage::Insert(i) => {
                 let Some(mapper) = self.mappers.get(&i.relation_oid) else {

@@ -112,7 +112,9 @@ pub enum CoreError {
     #[error(
         "an insert into {table} (oid {oid}{}) reached walbox through the publication, but \
          {table} matches no [[outbox]] entry; walbox stops before its position. Add it to \
-         [[outbox]], or remove it from the publication (ALTER PUBLICATION ... DROP TABLE); for \
+         [[outbox]], or to source.ignore_tables if its events are not walbox's to relay, or \
+         remove it from the publication (ALTER PUBLICATION ... DROP TABLE; transactions \
+         written before that still carry it); for \
          a partition of a partitioned outbox, set publish_via_partition_root = true on the \
          publication (`walbox setup` does)",
         commit_lsn.map(|l| format!(", transaction committing at {l}")).unwrap_or_default()

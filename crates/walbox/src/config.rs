@@ -210,6 +210,12 @@ pub struct SourceConfig {
     /// not (a silently stalled connection), in milliseconds; 0 turns it off.
     #[serde(default = "default_stall_timeout_ms")]
     pub stall_timeout_ms: u64,
+    /// Published tables (`schema.name`) whose changes are not walbox's to relay
+    /// (another relay's outbox, say): counted and logged by name, never published.
+    /// An insert from any other published table that is no `[[outbox]]` stops
+    /// walbox before its position.
+    #[serde(default)]
+    pub ignore_tables: Vec<String>,
 }
 
 fn default_stall_timeout_ms() -> u64 {
@@ -239,6 +245,7 @@ impl Default for SourceConfig {
             status_interval_ms: default_status_interval_ms(),
             replay_window: default_replay_window(),
             stall_timeout_ms: default_stall_timeout_ms(),
+            ignore_tables: Vec::new(),
         }
     }
 }

@@ -22,6 +22,18 @@ pub(super) const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 pub(super) fn core_config(config: &Config) -> Result<CoreConfig> {
     Ok(CoreConfig {
         tables: config.outbox.clone(),
+        ignore_tables: config
+            .source
+            .ignore_tables
+            .iter()
+            .map(|t| {
+                if t.contains('.') {
+                    t.clone()
+                } else {
+                    format!("public.{t}")
+                }
+            })
+            .collect(),
         producer: config.producer.clone(),
         dead_letter_topic: config.dead_letter.template()?,
         stop_on_poison: config.dead_letter.policy == DeadLetterPolicy::Stop,
