@@ -405,6 +405,55 @@ impl PgCluster {
         self.start_again()
     }
 
+    /// Copies the stopped server's data directory to the copy `name` (kept
+    /// beside it): a disk snapshot to restore later with
+    /// [`restore_data`](Self::restore_data).
+    pub fn copy_data(&self, name: &str) -> Result<()> {
+        self.copy_tree(&self.data_dir(), &self.dir.path().join(name))
+    }
+
+    /// Replaces the stopped server's data directory with the copy `name` made by
+    /// [`copy_data`](Self::copy_data): the server as it was when copied.
+    pub fn restore_data(&mut self, name: &str) -> Result<()> {
+        let data = self.data_dir();
+        std::fs::remove_dir_all(&data).map_err(|source| TestkitError::Io {
+            action: "removing",
+            path: data.clone(),
+            source,
+        })?;
+        self.copy_tree(&self.dir.path().join(name), &data)
+    }
+
+    /// `cp -a from to`: keeps owners and modes (the server refuses a data
+    /// directory that is not its own or is open to others).
+    fn copy_tree(&self, from: &Path, to: &Path) -> Result<()> {
+        if self.child.is_some() {
+            return Err(TestkitError::Io {
+                action: "copying the data directory of a running server (stop it first):",
+                path: from.to_path_buf(),
+                source: std::io::Error::other("server running"),
+            });
+        }
+        let out = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(from)
+            .arg(to)
+            .output()
+            .map_err(|source| TestkitError::Io {
+                action: "running cp for",
+                path: from.to_path_buf(),
+                source,
+            })?;
+        if !out.status.success() {
+            return Err(TestkitError::CommandFailed {
+                command: format!("cp -a {} {}", from.display(), to.display()),
+                status: out.status,
+                output: String::from_utf8_lossy(&out.stderr).into_owned(),
+            });
+        }
+        Ok(())
+    }
+
     /// The server log so far (its last part), for diagnosing a failed test.
     #[must_use]
     pub fn log_tail(&self) -> String {
