@@ -93,3 +93,84 @@ async fn idempotent_producer_round_trip() {
     seqs.sort_unstable();
     assert_eq!(seqs, (0..RECORDS).collect::<Vec<_>>());
 }
+
+/// After the first failed delivery the relay aborts the sink: events still queued
+/// must never reach the broker, or a partition could hold a later event of a key
+/// before an earlier one that failed (and is sent again by the next session).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_sink_writes_nothing_it_still_held() {
+    use walbox_outbox::{Event, Position};
+    use walbox_pgoutput::Lsn;
+    use walbox_sink::{KafkaSink, KafkaSinkConfig, Sink};
+
+    let mut broker = Broker::start_with(walbox_testkit::BrokerOptions {
+        storage: walbox_testkit::BrokerStorage::Sqlite,
+    })
+    .expect("broker starts");
+    if broker.is_external() {
+        return; // needs a broker this test can stop
+    }
+    let bootstrap = broker.bootstrap();
+    let topic = "aborted";
+    kafka::create_topic(&bootstrap, topic, 1)
+        .await
+        .expect("topic created");
+    let event = |n: u32| Event {
+        event_id: format!("e{n}"),
+        topic: topic.to_owned(),
+        key: Some(bytes::Bytes::from_static(b"order-1")),
+        value: bytes::Bytes::from(format!("{{\"seq\":{n}}}")),
+        json_value: true,
+        headers: Vec::new(),
+        position: Position {
+            commit_lsn: Lsn(0x100),
+            index: n,
+            xid: 1,
+        },
+    };
+    let (mut sink, mut deliveries) = KafkaSink::new(KafkaSinkConfig {
+        properties: vec![
+            ("bootstrap.servers".to_owned(), bootstrap.clone()),
+            ("message.timeout.ms".to_owned(), "120000".to_owned()),
+            ("reconnect.backoff.max.ms".to_owned(), "200".to_owned()),
+        ],
+        ..KafkaSinkConfig::default()
+    })
+    .expect("sink");
+    sink.send(event(0), 0).await.expect("sent");
+    let first = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
+        .await
+        .expect("a report")
+        .expect("open");
+    assert!(first.result.is_ok(), "{:?}", first.result);
+
+    // The broker goes away; the next events wait in the producer's queue.
+    broker.stop().expect("broker stops");
+    for n in 1..=20 {
+        sink.send(event(n), n as usize).await.expect("queued");
+    }
+    sink.abort();
+    broker.start_again().expect("broker back");
+    // Every held event is reported failed at once, none acknowledged.
+    for _ in 1..=20 {
+        let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+            .await
+            .expect("a report soon after the abort, not after message.timeout.ms")
+            .expect("open");
+        assert!(
+            d.result.is_err(),
+            "event {} acknowledged after the abort",
+            d.token
+        );
+    }
+    // ... and the broker holds only the event acknowledged before it.
+    sink.flush(Duration::from_secs(5)).await.ok();
+    let records = tokio::task::spawn_blocking(move || {
+        kafka::read_all(&bootstrap, topic, Duration::from_secs(60))
+    })
+    .await
+    .unwrap()
+    .expect("topic read");
+    let ids: Vec<&str> = records.iter().filter_map(|r| r.value_str()).collect();
+    assert_eq!(records.len(), 1, "{ids:?}");
+}
