@@ -393,3 +393,84 @@ async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
         "RSS grew from {idle_kb} kB to {peak_kb} kB"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::print_stderr)] // prints its memory figures
+async fn large_rows_stay_within_the_byte_bound_while_the_broker_is_away() {
+    let pg = PgCluster::start().unwrap();
+    let mut broker = Broker::start_with(BrokerOptions {
+        storage: BrokerStorage::Sqlite,
+    })
+    .unwrap();
+    if broker.is_external() {
+        return; // needs a broker this test can stop
+    }
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let cfg = config_file(
+        &pg,
+        "big-rows.toml",
+        "[sink]\nmax_in_flight = 1000\nmax_in_flight_bytes = 4000000\n",
+    );
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    write_events(&pg, 1, 2, 5, 5).await;
+    wait_caught_up(&db).await;
+    let idle_kb = rss_kb(walbox.pid());
+
+    // The broker goes away: walbox fills its in-flight bound and stops taking
+    // rows; the server goes on sending until walbox's read-ahead is full.
+    broker.stop().unwrap();
+    db.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'order-' || (g % 10), 'Big',
+                jsonb_build_object('seq', g, 'blob', repeat(md5(g::text), 15000))
+         FROM generate_series(1, 120) g",
+        &[],
+    )
+    .await
+    .unwrap(); // 120 rows of about 480 kB each
+    let last = current_lsn(&db).await;
+    let mut peak_kb = 0;
+    // Until the walsender waits on walbox (everything walbox will take is
+    // taken) or has sent everything (walbox took it all).
+    let last_text = last.to_string();
+    walbox_testkit::wait_until_async(
+        "the walsender to wait for walbox to read, or to have sent everything",
+        Duration::from_secs(120),
+        || {
+            peak_kb = peak_kb.max(rss_kb(walbox.pid()));
+            let (db, last_text) = (&db, &last_text);
+            async move {
+                let done: bool = db
+                    .query_one(
+                        "SELECT coalesce(bool_or(a.wait_event = 'WalSenderWriteData'
+                                                 OR r.sent_lsn >= $1::text::pg_lsn), false)
+                         FROM pg_stat_replication r JOIN pg_stat_activity a USING (pid)",
+                        &[last_text],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                done.then_some(())
+            }
+        },
+    )
+    .await
+    .unwrap();
+    for _ in 0..20 {
+        peak_kb = peak_kb.max(rss_kb(walbox.pid()));
+    }
+    eprintln!("walbox RSS: {idle_kb} kB idle, {peak_kb} kB with the broker away");
+    // In flight (4 MB, held twice: walbox and the producer's queue) and the
+    // read-ahead (1 MB) are bounded; 120 rows of 480 kB are 56 MB.
+    assert!(
+        peak_kb < idle_kb + 24 * 1024,
+        "RSS grew from {idle_kb} kB to {peak_kb} kB with large rows waiting"
+    );
+
+    broker.start_again().unwrap();
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(300)).await;
+    walbox.stop();
+}

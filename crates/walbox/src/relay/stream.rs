@@ -17,9 +17,16 @@ use super::{
     Ctx, SESSION_OPTIONS, classify_replication, feedback_observer, transient, walbox_wait,
 };
 
-/// Messages read from the server but not yet taken by the relay; with each row
-/// one message, this bounds the memory of the read-ahead.
+/// Messages read from the server but not yet taken by the relay.
 const READ_AHEAD_EVENTS: usize = 256;
+
+/// Payload bytes read from the server but not yet taken by the relay: a quarter
+/// of `sink.max_in_flight_bytes` (at least 64 KiB), so rows held by walbox stay
+/// within 1.25 times that bound (plus one row larger than the read-ahead, which
+/// passes alone), however large the rows are.
+fn read_ahead_bytes(max_in_flight_bytes: usize) -> usize {
+    (max_in_flight_bytes / 4).max(64 * 1024)
+}
 /// How often progress is logged.
 const PROGRESS_EVERY: Duration = Duration::from_secs(30);
 
@@ -67,6 +74,7 @@ pub(super) async fn stream(
         .with_status_interval(status_interval)
         .with_wakeup_interval(status_interval)
         .with_buffer_size(READ_AHEAD_EVENTS)
+        .with_buffer_bytes(read_ahead_bytes(config.sink.max_in_flight_bytes))
         .with_application_name("walbox")
         // With an observer the client tracks whether a raised position is still
         // unreported, which the final status update on stop waits for. The
