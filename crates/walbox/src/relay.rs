@@ -23,6 +23,7 @@ use walbox_sink::{
 use crate::catalog;
 use crate::config::{Config, DeadLetterPolicy, ReplayWindow, SinkKind, SnapshotMode};
 use crate::pg::ConnParams;
+use crate::publication::PublicationWatch;
 use crate::snapshot;
 
 /// Events read from the server but not yet taken by the relay; with each row one
@@ -493,6 +494,16 @@ async fn session(
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
+    relay.publication = Some(
+        PublicationWatch::start(
+            ctx.conn,
+            &config.source.publication,
+            &config.outbox,
+            &config.producer,
+        )
+        .await
+        .map_err(classify_sql)?,
+    );
     relay.adopt_checkpoint(saved);
     let (start, server_confirmed) = match plan {
         Plan::Snapshot { drop_slot } => {
@@ -636,6 +647,8 @@ struct Stats {
     ignored_updates: u64,
     ignored_deletes: u64,
     ignored_truncates: u64,
+    /// Updates, deletes and truncates of published tables no `[[outbox]]` maps.
+    ignored_unmapped: u64,
     dead_lettered: u64,
     /// Events of a partly acknowledged transaction not sent again on resume.
     skipped: u64,
@@ -790,6 +803,11 @@ struct Relay<'a> {
     skipped_base: Option<Partial>,
     /// Commit-to-acknowledgement latency of streamed events.
     latency: Latency,
+    /// `run` only: the publication checked while streaming; positions beyond
+    /// what it verified are neither saved nor reported.
+    publication: Option<PublicationWatch>,
+    /// Published relations no `[[outbox]]` maps: name, and whether it was logged.
+    unmapped: HashMap<Oid, (String, bool)>,
 }
 
 /// Hands events to the sink and keeps what is in flight.
@@ -877,6 +895,8 @@ impl<'a> Relay<'a> {
             resume_partial: None,
             skipped_base: None,
             latency: Latency::new(),
+            publication: None,
+            unmapped: HashMap::new(),
         })
     }
 
@@ -931,8 +951,25 @@ impl<'a> Relay<'a> {
 
     /// The acknowledged position, within a replay's end.
     fn savable(&self) -> Lsn {
-        let confirmed = self.tracker.confirmed();
+        let mut confirmed = self.tracker.confirmed();
+        if let Some(watch) = &self.publication {
+            confirmed = confirmed.min(watch.verified_up_to());
+        }
         self.stop_at.map_or(confirmed, |end| confirmed.min(end))
+    }
+
+    /// An error once the publication watch found a problem (fatal) or lost its
+    /// connection (transient).
+    fn publication_ok(&self) -> Result<()> {
+        match self
+            .publication
+            .as_ref()
+            .and_then(PublicationWatch::failure)
+        {
+            None => Ok(()),
+            Some(f) if f.retry => Err(transient(anyhow!(f.message))),
+            Some(f) => Err(anyhow!(f.message)),
+        }
     }
 
     /// Takes a checkpoint that is already on disk as the current one.
@@ -1116,13 +1153,32 @@ impl<'a> Relay<'a> {
                         "outbox table"
                     );
                     self.mappers.insert(r.oid, mapper);
+                    self.unmapped.remove(&r.oid);
                 } else {
-                    self.mappers.remove(&r.oid);
+                    let table = format!("{}.{}", r.namespace, r.name);
+                    if let Some(was) = self.mappers.remove(&r.oid) {
+                        // Renamed: the configured name may now be another table.
+                        tracing::warn!(table = was.table(), now = %table, oid = r.oid, "outbox table renamed");
+                        if let Some(watch) = &self.publication {
+                            watch.recheck();
+                        }
+                    }
+                    self.unmapped.insert(r.oid, (table, false));
                 }
             }
             LogicalMessage::Insert(i) => {
                 let Some(mapper) = self.mappers.get(&i.relation_oid) else {
-                    return Ok(());
+                    let table = self.unmapped.get(&i.relation_oid).map_or("?", |(t, _)| t);
+                    bail!(
+                        "an insert into {table} (oid {}) came through publication {p}, but no \
+                         [[outbox]] table maps {table}; walbox stops before its position passes \
+                         it. Add {table} to [[outbox]], or remove it from the publication (ALTER \
+                         PUBLICATION {p} DROP TABLE {table}), or, when it is a partition of an \
+                         outbox table, publish partitions as their root (ALTER PUBLICATION {p} \
+                         SET (publish_via_partition_root = true))",
+                        i.relation_oid,
+                        p = self.ctx.config.source.publication,
+                    );
                 };
                 let txn = self.txn.as_mut().context("Insert outside a transaction")?;
                 if txn.index < txn.skip {
@@ -1152,9 +1208,28 @@ impl<'a> Relay<'a> {
             {
                 self.out.stats.ignored_truncates += 1;
             }
+            LogicalMessage::Update(walbox_pgoutput::Update { relation_oid, .. })
+            | LogicalMessage::Delete(walbox_pgoutput::Delete { relation_oid, .. }) => {
+                self.unmapped_change(&[relation_oid]);
+            }
+            LogicalMessage::Truncate(t) => self.unmapped_change(&t.relation_oids),
             _ => {}
         }
         Ok(())
+    }
+
+    /// Counts an update, delete or truncate of published tables no `[[outbox]]`
+    /// maps, and names each such table in the log once.
+    fn unmapped_change(&mut self, oids: &[Oid]) {
+        self.out.stats.ignored_unmapped += 1;
+        for oid in oids {
+            if let Some((table, logged @ false)) = self.unmapped.get_mut(oid) {
+                *logged = true;
+                tracing::warn!(table = %table, oid, "changes of a published table that no [[outbox]] maps: \
+                    its updates, deletes and truncates are ignored (counted as ignored_unmapped), an \
+                    insert would stop walbox");
+            }
+        }
     }
 
     fn log_progress(&mut self) {
@@ -1167,6 +1242,7 @@ impl<'a> Relay<'a> {
             ignored_updates = s.ignored_updates,
             ignored_deletes = s.ignored_deletes,
             ignored_truncates = s.ignored_truncates,
+            ignored_unmapped = s.ignored_unmapped,
             dead_lettered = s.dead_lettered,
             skipped = s.skipped,
             commit_to_ack_ms = %self.latency.window_summary(),
@@ -1374,7 +1450,7 @@ async fn stream(
     let config = ctx.config;
     let status_interval = Duration::from_millis(config.source.status_interval_ms);
     let longest_feedback_ms = Arc::new(AtomicU64::new(0));
-    let mut repl_cfg = ctx
+    let repl_cfg = ctx
         .conn
         .replication(&config.source.slot, &config.source.publication)?
         .with_start_lsn(pgwire_replication::Lsn(spec.start.as_u64()))
@@ -1387,8 +1463,6 @@ async fn stream(
         // unreported, which the final status update on stop waits for. The
         // observer itself keeps the longest delay for the progress log.
         .with_feedback_observer(feedback_observer(Arc::clone(&longest_feedback_ms)));
-    // Pin how the server renders values, so envelopes do not depend on its settings.
-    repl_cfg.options = Some(SESSION_OPTIONS.into());
     let (mut repl, ident) = connect_identified(relay, repl_cfg).await?;
     match &relay.checkpoint {
         Some(_) => {}
@@ -1512,6 +1586,9 @@ async fn stream(
             Err(e) => Err(e),
         };
         if ticked {
+            if let Err(e) = relay.publication_ok() {
+                break Err(e);
+            }
             if fresh {
                 heard = Instant::now();
                 fresh = false;
@@ -1729,10 +1806,6 @@ impl Holdback {
         }
     }
 }
-
-/// Session settings of every connection that reads row values, so values render
-/// the same in the stream and the snapshot, whatever the server's defaults.
-const SESSION_OPTIONS: &str = "-c TimeZone=UTC -c DateStyle=ISO,YMD";
 
 /// Creates the slot with an exported snapshot, publishes every outbox row the
 /// snapshot shows (as one transaction at the slot's consistent point) and
