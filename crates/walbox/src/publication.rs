@@ -476,9 +476,12 @@ impl PublicationWatch {
                 }
                 match checker.round(&sql, Some(&previous)).await {
                     Ok((reading, settled)) => {
-                        if settled {
-                            tx.send_modify(|s| s.verified = s.verified.max(previous.wal));
-                        }
+                        // Sent after every check, so that `settle` hears of each.
+                        tx.send_modify(|s| {
+                            if settled {
+                                s.verified = s.verified.max(previous.wal);
+                            }
+                        });
                         previous = reading;
                     }
                     Err(e) => {
@@ -509,6 +512,34 @@ impl PublicationWatch {
     /// Why the relay must stop, once a check failed.
     pub fn failure(&self) -> Option<WatchFailure> {
         self.state.borrow().failure.clone()
+    }
+
+    /// Checks at once until `target` is verified (two checks: one that reads a
+    /// WAL position at or past it, one that confirms it): on a clean stop, so
+    /// that the final position is not held back by the check interval. Returns
+    /// the failure when a check fails; gives up after `timeout` (the position
+    /// then stays where the checks left it).
+    pub async fn settle(&mut self, target: Lsn, timeout: Duration) -> Option<WatchFailure> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            {
+                let state = self.state.borrow_and_update();
+                if state.failure.is_some() || state.verified >= target {
+                    return state.failure.clone();
+                }
+            }
+            self.recheck.notify_one();
+            match tokio::time::timeout_at(deadline, self.state.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return self.failure(),
+                Err(_) => {
+                    tracing::warn!(%target, verified = %self.verified_up_to(),
+                        "the publication was not checked up to the final position in time; \
+                         the position stays at the last check");
+                    return None;
+                }
+            }
+        }
     }
 
     /// Checks again now (a mapped table's Relation message came with another

@@ -927,6 +927,12 @@ impl<'a> Relay<'a> {
     /// The acknowledged prefix of the oldest unconfirmed transaction, as the
     /// checkpoint records it.
     fn partial(&self, cp: &Checkpoint) -> Option<Partial> {
+        if self.savable() < self.tracker.confirmed() {
+            // Held back by the publication check: the transactions between the
+            // saved position and the partial one are sent again in full, so
+            // skipping a prefix of that one would leave a gap in the replay.
+            return cp.partial.filter(|_| self.savable() <= cp.lsn);
+        }
         let tracked = self.tracker.partial().map(|(commit_lsn, events)| {
             let base = self
                 .skipped_base
@@ -967,8 +973,20 @@ impl<'a> Relay<'a> {
             .and_then(PublicationWatch::failure)
         {
             None => Ok(()),
-            Some(f) if f.retry => Err(transient(anyhow!(f.message))),
-            Some(f) => Err(anyhow!(f.message)),
+            Some(f) => Err(watch_error(f)),
+        }
+    }
+
+    /// On a clean stop: the publication checked up to the acknowledged
+    /// position, so the final save is not held back by the check interval.
+    async fn publication_settled(&mut self) -> Result<()> {
+        let target = self.tracker.confirmed();
+        let Some(watch) = self.publication.as_mut() else {
+            return Ok(());
+        };
+        match watch.settle(target, Duration::from_secs(10)).await {
+            None => Ok(()),
+            Some(f) => Err(watch_error(f)),
         }
     }
 
@@ -1248,6 +1266,15 @@ impl<'a> Relay<'a> {
             commit_to_ack_ms = %self.latency.window_summary(),
             "progress"
         );
+    }
+}
+
+/// A publication problem stops walbox; a lost check connection ends the session.
+fn watch_error(f: crate::publication::WatchFailure) -> anyhow::Error {
+    if f.retry {
+        transient(anyhow!(f.message))
+    } else {
+        anyhow!(f.message)
     }
 }
 
@@ -1616,6 +1643,13 @@ async fn stream(
         }
     };
 
+    let outcome = match outcome {
+        Ok(StreamEnd::Stopped) => relay
+            .publication_settled()
+            .await
+            .map(|()| StreamEnd::Stopped),
+        other => other,
+    };
     // Whatever happened, the acknowledged position is safe: save it, and make
     // sure the server has what may be reported.
     let saved = relay.save_checkpoint(true).await;
