@@ -29,6 +29,8 @@ pub struct CoreConfig {
     pub ignore_tables: Vec<String>,
     /// The producer name written into envelopes.
     pub producer: String,
+    /// The publication's name, for messages.
+    pub publication: String,
     /// Where dead letters go (`{topic}` is the intended topic).
     pub dead_letter_topic: TopicTemplate,
     /// Stop at the first poison row instead of dead-lettering it.
@@ -110,9 +112,9 @@ pub struct Stats {
     pub ignored_deletes: u64,
     /// Truncates of outbox tables.
     pub ignored_truncates: u64,
-    /// Changes to published tables that are not outboxes: inserts into tables
-    /// ignored as configured, and updates, deletes and truncates.
-    pub ignored_other: u64,
+    /// Changes to published tables that are not outboxes: updates, deletes and
+    /// truncates, and inserts into tables ignored as configured.
+    pub ignored_unmapped: u64,
     /// Events dead-lettered.
     pub dead_lettered: u64,
     /// Events of a partly acknowledged transaction not sent again on resume.
@@ -146,8 +148,9 @@ pub struct Core {
     tracker: AckTracker,
     decoder: Decoder,
     mappers: HashMap<Oid, Mapper>,
-    /// Published relations that are not outboxes, by oid: their names.
-    unmapped: HashMap<Oid, String>,
+    /// Published relations that are not outboxes, by oid: their names, and
+    /// whether a change of theirs was logged.
+    unmapped: HashMap<Oid, (String, bool)>,
     /// Published relations ignored as configured, by oid: their names.
     ignored: HashMap<Oid, String>,
     txn: Option<OpenTxn>,
@@ -176,6 +179,8 @@ pub struct Core {
     skipped_base: Option<Partial>,
     holdback: Holdback,
     reported: Lsn,
+    /// A mapped relation came with another name since the last look.
+    renamed: bool,
 }
 
 impl Core {
@@ -207,6 +212,7 @@ impl Core {
             resume_partial: None,
             skipped_base: None,
             reported: Lsn(0),
+            renamed: false,
         }
     }
 
@@ -341,6 +347,13 @@ impl Core {
         self.pending_snapshot.is_some() || self.snapshot.is_some()
     }
 
+    /// Whether an outbox table was renamed (its Relation message came with
+    /// another name) since the last call: the configured name may now be another
+    /// table, so the publication is worth checking again.
+    pub fn take_outbox_renamed(&mut self) -> bool {
+        std::mem::take(&mut self.renamed)
+    }
+
     /// The next event to hand to the sink, with its token.
     pub fn next_send(&mut self) -> Option<(Event, usize)> {
         self.sends.pop_front()
@@ -433,6 +446,7 @@ impl Core {
                     self.mappers.insert(r.oid, mapper);
                 } else {
                     if let Some(old) = self.mappers.remove(&r.oid) {
+                        self.renamed = true;
                         tracing::warn!(
                             oid = r.oid,
                             was = old.table(),
@@ -448,22 +462,23 @@ impl Core {
                         self.ignored.insert(r.oid, name);
                     } else {
                         self.ignored.remove(&r.oid);
-                        self.unmapped.insert(r.oid, name);
+                        self.unmapped.insert(r.oid, (name, false));
                     }
                 }
             }
             LogicalMessage::Insert(i) if self.ignored.contains_key(&i.relation_oid) => {
-                self.stats.ignored_other += 1;
+                self.stats.ignored_unmapped += 1;
             }
             LogicalMessage::Insert(i) => {
                 let Some(mapper) = self.mappers.get(&i.relation_oid) else {
                     let table = self
                         .unmapped
                         .get(&i.relation_oid)
-                        .cloned()
+                        .map(|(t, _)| t.clone())
                         .unwrap_or_else(|| format!("relation {}", i.relation_oid));
                     return Err(CoreError::Unmapped {
                         table,
+                        publication: self.cfg.publication.clone(),
                         oid: i.relation_oid,
                         commit_lsn: self.txn.as_ref().map(|t| t.commit_lsn),
                     });
@@ -497,26 +512,41 @@ impl Core {
                 if self.mappers.contains_key(&u.relation_oid) {
                     self.stats.ignored_updates += 1;
                 } else {
-                    self.stats.ignored_other += 1;
+                    self.unmapped_change(&[u.relation_oid]);
                 }
             }
             LogicalMessage::Delete(d) => {
                 if self.mappers.contains_key(&d.relation_oid) {
                     self.stats.ignored_deletes += 1;
                 } else {
-                    self.stats.ignored_other += 1;
+                    self.unmapped_change(&[d.relation_oid]);
                 }
             }
             LogicalMessage::Truncate(t) => {
                 if t.relation_oids.iter().any(|o| self.mappers.contains_key(o)) {
                     self.stats.ignored_truncates += 1;
                 } else {
-                    self.stats.ignored_other += 1;
+                    self.unmapped_change(&t.relation_oids);
                 }
             }
             _ => {}
         }
         Ok(())
+    }
+
+    /// Counts an update, delete or truncate of published tables no `[[outbox]]`
+    /// maps, and names each such table in the log once.
+    fn unmapped_change(&mut self, oids: &[Oid]) {
+        self.stats.ignored_unmapped += 1;
+        for oid in oids {
+            if let Some((table, logged @ false)) = self.unmapped.get_mut(oid) {
+                *logged = true;
+                tracing::warn!(table = %table, oid,
+                    "changes of a published table that no [[outbox]] maps: its updates, deletes \
+                     and truncates are ignored (counted as ignored_unmapped), an insert would \
+                     stop walbox");
+            }
+        }
     }
 
     fn queue(&mut self, event: Event, txn: TxnId, committed: i64) {
@@ -652,6 +682,13 @@ impl Core {
     /// The acknowledged prefix of the oldest unconfirmed transaction, as the
     /// checkpoint records it.
     fn partial(&self, cp: &Checkpoint) -> Option<Partial> {
+        if self.savable() < self.tracker.confirmed() {
+            // Held back (the publication check's limit): the transactions between
+            // the saved position and the partly acknowledged one are sent again
+            // in full; only a prefix already recorded for a transaction the saved
+            // position has not passed still holds.
+            return cp.partial.clone().filter(|_| self.savable() <= cp.lsn);
+        }
         let tracked = self.tracker.partial().map(|(commit_lsn, events)| {
             let base = self
                 .skipped_base

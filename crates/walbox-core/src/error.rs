@@ -110,18 +110,20 @@ pub enum CoreError {
     /// An insert into a published table that is no outbox: walbox cannot map it
     /// and does not pass it in silence.
     #[error(
-        "an insert into {table} (oid {oid}{}) reached walbox through the publication, but \
-         {table} matches no [[outbox]] entry; walbox stops before its position. Add it to \
-         [[outbox]], or to source.ignore_tables if its events are not walbox's to relay, or \
-         remove it from the publication (ALTER PUBLICATION ... DROP TABLE; transactions \
-         written before that still carry it); for \
-         a partition of a partitioned outbox, set publish_via_partition_root = true on the \
-         publication (`walbox setup` does)",
-        commit_lsn.map(|l| format!(", transaction committing at {l}")).unwrap_or_default()
+        "an insert into {table} (oid {oid}) came through publication {publication}, but no \
+         [[outbox]] table maps {table}; walbox stops before its position passes it{}. Add \
+         {table} to [[outbox]], or to source.ignore_tables if its events are not walbox's to \
+         relay, or remove it from the publication (ALTER PUBLICATION {publication} DROP TABLE \
+         {table}; transactions written before that still carry it), or, when it is a \
+         partition of an outbox table, publish partitions as their root (ALTER PUBLICATION \
+         {publication} SET (publish_via_partition_root = true))",
+        commit_lsn.map(|l| format!(" (transaction committing at {l})")).unwrap_or_default()
     )]
     Unmapped {
         /// The relation's name as the stream gave it.
         table: String,
+        /// The publication.
+        publication: String,
         /// Its oid.
         oid: Oid,
         /// The transaction's commit LSN.

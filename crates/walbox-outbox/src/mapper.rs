@@ -153,7 +153,7 @@ enum PayloadKind {
     Json,
     /// text types that must hold JSON.
     Text,
-    /// bytea (`\x` hex text form) that must hold JSON.
+    /// bytea (hex or escape text form) that must hold JSON.
     Bytea,
 }
 
@@ -355,6 +355,35 @@ impl Mapper {
     #[must_use]
     pub fn table(&self) -> &str {
         &self.table
+    }
+
+    /// The columns this mapping reads, each once: what a publication's column
+    /// list must include.
+    #[must_use]
+    pub fn columns_used(&self) -> Vec<&str> {
+        let roles = [
+            Some(&self.id),
+            self.key.as_ref(),
+            self.aggregate_type.as_ref(),
+            self.event_type.as_ref(),
+            self.payload.as_ref().map(|(c, _)| c),
+            self.headers.as_ref(),
+            self.occurred_at.as_ref(),
+            self.schema_version.as_ref(),
+            self.value_column.as_ref(),
+        ];
+        let topic: Vec<&Col> = match &self.topic {
+            TopicSource::Fixed(_) => Vec::new(),
+            TopicSource::Template(_, cols) => cols.iter().collect(),
+            TopicSource::Column(c) => vec![c],
+        };
+        let mut used: Vec<&str> = Vec::new();
+        for c in roles.into_iter().flatten().chain(topic) {
+            if !used.contains(&c.name.as_str()) {
+                used.push(&c.name);
+            }
+        }
+        used
     }
 
     /// The topic `row` names, validated.
@@ -725,15 +754,15 @@ fn payload_json(row: &[TupleValue], c: &Col, kind: PayloadKind) -> Result<Bytes,
         PayloadKind::Json => return Ok(raw.clone()),
         PayloadKind::Text => raw.clone(),
         PayloadKind::Bytea => {
-            let hex = raw
-                .strip_prefix(b"\\x")
-                .ok_or_else(|| RowError::PayloadNotJson {
-                    column: c.name.clone(),
-                    reason: "bytea value is not in hex output format".into(),
-                })?;
-            Bytes::from(decode_hex(hex).ok_or_else(|| RowError::PayloadNotJson {
+            let decoded = match raw.strip_prefix(b"\\x") {
+                Some(hex) => decode_hex(hex).ok_or("bytea value is not valid hex"),
+                // `bytea_output = escape`: a hex value starts with `\x`, an escaped
+                // one never does (a backslash is written `\\`).
+                None => decode_bytea_escape(raw).ok_or("bytea value is not valid escape format"),
+            };
+            Bytes::from(decoded.map_err(|reason| RowError::PayloadNotJson {
                 column: c.name.clone(),
-                reason: "bytea value is not valid hex".into(),
+                reason: reason.into(),
             })?)
         }
     };
@@ -776,6 +805,32 @@ fn decode_hex(hex: &[u8]) -> Option<Vec<u8>> {
             _ => None,
         })
         .collect()
+}
+
+/// bytea in escape output format: `\\` for a backslash, `\ooo` (octal) for a
+/// byte, any other byte as itself.
+fn decode_bytea_escape(text: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(text.len());
+    let mut i = 0;
+    while let Some(&b) = text.get(i) {
+        if b != b'\\' {
+            out.push(b);
+            i += 1;
+            continue;
+        }
+        match (text.get(i + 1), text.get(i + 1..i + 4)) {
+            (Some(b'\\'), _) => {
+                out.push(b'\\');
+                i += 2;
+            }
+            (_, Some(&[d0 @ b'0'..=b'3', d1 @ b'0'..=b'7', d2 @ b'0'..=b'7'])) => {
+                out.push((d0 - b'0') << 6 | (d1 - b'0') << 3 | (d2 - b'0'));
+                i += 4;
+            }
+            _ => return None,
+        }
+    }
+    Some(out)
 }
 
 /// `2026-11-29 19:40:00.123456+00` (PostgreSQL ISO output) to RFC 3339

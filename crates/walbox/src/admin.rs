@@ -6,94 +6,94 @@ use anyhow::{Context, Result, bail};
 use crate::config::Config;
 use crate::pg::ConnParams;
 
-/// Whether the publication exists.
-pub async fn publication_exists(sql: &tokio_postgres::Client, publication: &str) -> Result<bool> {
-    Ok(sql
-        .query_opt(
-            "SELECT 1 FROM pg_publication WHERE pubname = $1",
-            &[&publication],
-        )
-        .await?
-        .is_some())
-}
-
-/// Whether `schema.name` is in the publication.
-pub async fn in_publication(
-    sql: &tokio_postgres::Client,
-    publication: &str,
-    schema: &str,
-    name: &str,
-) -> Result<bool> {
-    Ok(sql
-        .query_opt(
-            "SELECT 1 FROM pg_publication_tables
-             WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-            &[&publication, &schema, &name],
-        )
-        .await?
-        .is_some())
-}
-
 use crate::catalog::ident;
+use crate::publication::{self, CREATED_BY_WALBOX, Problem};
 
-/// Creates the publication (or adds missing tables to it) and, with
-/// `create_slot`, the slot; does nothing that is already done.
+/// Creates the publication (marked as walbox's, publishing partitions as their
+/// root) or adds missing outbox tables to it; on a publication walbox created,
+/// also turns on inserts and `publish_via_partition_root` when needed. Refuses,
+/// with the fix, a publication that would still lose events (one walbox did not
+/// create is not changed beyond adding tables). With `create_slot`, the slot too.
+/// Does nothing that is already done.
 pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?;
     let sql = conn.connect().await?;
     let publication = &config.source.publication;
-    let tables: Vec<(String, String)> = config
+    let quoted_pub = ident(publication);
+    let facts = publication::fetch(&sql, publication, &config.outbox).await?;
+    let missing: Vec<&String> = facts
+        .tables
+        .iter()
+        .filter(|(_, found)| found.is_none())
+        .map(|(table, _)| table)
+        .collect();
+    if let Some(table) = missing.first() {
+        bail!("outbox table {table} does not exist");
+    }
+    let quoted: Vec<String> = config
         .outbox
         .iter()
         .map(|t| {
             let (s, n) = t.qualified();
-            (s.to_owned(), n.to_owned())
+            format!("{}.{}", ident(s), ident(n))
         })
         .collect();
-    for (schema, name) in &tables {
-        let exists = sql
-            .query_opt(
-                "SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = $2",
-                &[schema, name],
-            )
-            .await?
-            .is_some();
-        if !exists {
-            bail!("outbox table {schema}.{name} does not exist");
+    match &facts.flags {
+        None => {
+            sql.batch_execute(&format!(
+                "CREATE PUBLICATION {quoted_pub} FOR TABLE {} WITH (publish_via_partition_root = true);
+                 COMMENT ON PUBLICATION {quoted_pub} IS '{CREATED_BY_WALBOX}'",
+                quoted.join(", ")
+            ))
+            .await
+            .with_context(|| format!("creating publication {publication}"))?;
+            println_out(&format!(
+                "created publication {publication} for {}",
+                quoted.join(", ")
+            ));
         }
-    }
-    let has_pub = publication_exists(&sql, publication).await?;
-    let quoted: Vec<String> = tables
-        .iter()
-        .map(|(s, n)| format!("{}.{}", ident(s), ident(n)))
-        .collect();
-    if has_pub {
-        for ((schema, name), q) in tables.iter().zip(&quoted) {
-            let member = in_publication(&sql, publication, schema, name).await?;
-            if !member {
-                sql.batch_execute(&format!(
-                    "ALTER PUBLICATION {} ADD TABLE {q}",
-                    ident(publication)
-                ))
-                .await
-                .with_context(|| format!("adding {schema}.{name} to publication {publication}"))?;
-                println_out(&format!(
-                    "added {schema}.{name} to publication {publication}"
-                ));
+        Some(flags) if flags.walbox_made => {
+            for problem in publication::problems(&config.outbox, &config.producer, &facts) {
+                let (fix, done) = match problem {
+                    Problem::NoInserts { .. } => (
+                        "SET (publish = 'insert, update, delete, truncate')",
+                        "inserts",
+                    ),
+                    Problem::NeedsViaRoot { .. } => (
+                        "SET (publish_via_partition_root = true)",
+                        "partitions as their root",
+                    ),
+                    _ => continue,
+                };
+                sql.batch_execute(&format!("ALTER PUBLICATION {quoted_pub} {fix}"))
+                    .await
+                    .with_context(|| format!("altering publication {publication}"))?;
+                println_out(&format!("publication {publication} now publishes {done}"));
             }
         }
-    } else {
-        sql.batch_execute(&format!(
-            "CREATE PUBLICATION {} FOR TABLE {}",
-            ident(publication),
-            quoted.join(", ")
-        ))
-        .await
-        .with_context(|| format!("creating publication {publication}"))?;
-        println_out(&format!(
-            "created publication {publication} for {}",
-            quoted.join(", ")
-        ));
+        Some(_) => {}
+    }
+    let facts = publication::fetch(&sql, publication, &config.outbox).await?;
+    for problem in publication::problems(&config.outbox, &config.producer, &facts) {
+        if let Problem::NotMember { table, .. } = problem {
+            let (schema, name) = table.split_once('.').unwrap_or(("public", &table));
+            sql.batch_execute(&format!(
+                "ALTER PUBLICATION {quoted_pub} ADD TABLE {}.{}",
+                ident(schema),
+                ident(name)
+            ))
+            .await
+            .with_context(|| format!("adding {table} to publication {publication}"))?;
+            println_out(&format!("added {table} to publication {publication}"));
+        }
+    }
+    let facts = publication::fetch(&sql, publication, &config.outbox).await?;
+    let left = publication::problems(&config.outbox, &config.producer, &facts);
+    if !left.is_empty() {
+        bail!(
+            "{}\n(walbox setup changes a publication it did not create only by adding tables)",
+            publication::refusal(&left)
+        );
     }
     if create_slot_too {
         create_slot(&sql, &config.source.slot).await?;

@@ -27,6 +27,7 @@ mod doctor;
 mod inspect;
 mod pg;
 mod pg_tls;
+mod publication;
 mod relay;
 mod snapshot;
 mod verify;

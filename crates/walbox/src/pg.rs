@@ -6,6 +6,23 @@ use std::str::FromStr;
 use anyhow::{Context, Result, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
+/// Settings that change how the server writes a value as text, pinned on every
+/// connection walbox opens (replication and SQL), so that a value renders the
+/// same in the stream, the snapshot and a dead-letter replay whatever the
+/// server's, database's or role's defaults say. Given as startup options, which
+/// take precedence over `ALTER DATABASE ... SET` and `ALTER ROLE ... SET`.
+pub const SESSION_OPTIONS: &str = "-c TimeZone=UTC -c DateStyle=ISO,YMD -c IntervalStyle=postgres \
+     -c bytea_output=hex -c extra_float_digits=3 -c lc_monetary=C";
+
+/// The connection string's own `options`, then [`SESSION_OPTIONS`] (the later
+/// setting wins).
+fn session_options(own: Option<&str>) -> String {
+    match own.map(str::trim) {
+        Some(own) if !own.is_empty() => format!("{own} {SESSION_OPTIONS}"),
+        _ => SESSION_OPTIONS.to_owned(),
+    }
+}
+
 /// libpq `sslmode` values.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum SslMode {
@@ -114,9 +131,10 @@ impl ConnParams {
     /// Opens the SQL connection; its driver runs on the current runtime.
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
         let context = || format!("connecting to {}", self.describe());
+        let mut pg = self.pg.clone();
+        pg.options(session_options(self.pg.get_options()));
         let client = if self.sslmode == SslMode::Disable {
-            let (client, connection) = self
-                .pg
+            let (client, connection) = pg
                 .connect(tokio_postgres::NoTls)
                 .await
                 .with_context(context)?;
@@ -129,7 +147,6 @@ impl ConnParams {
                 self.sslcert.as_deref(),
                 self.sslkey.as_deref(),
             )?;
-            let mut pg = self.pg.clone();
             pg.ssl_mode(if self.sslmode == SslMode::Prefer {
                 tokio_postgres::config::SslMode::Prefer
             } else {
@@ -161,7 +178,8 @@ impl ConnParams {
             slot,
             publication,
         )
-        .with_port(self.port());
+        .with_port(self.port())
+        .with_options(session_options(self.pg.get_options()));
         let root = self.sslrootcert.as_ref().map(std::path::PathBuf::from);
         let tls = match self.sslmode {
             SslMode::Disable | SslMode::Prefer => TlsConfig::disabled(),
@@ -349,6 +367,27 @@ mod tests {
         assert_eq!(c.sslrootcert.as_deref(), Some("/etc/ca dir/ca.crt"));
         assert_eq!(c.describe(), "walbox@db.internal:6543/app");
         assert!(!format!("{c:?}").contains("cret"), "no password in Debug");
+    }
+
+    #[test]
+    fn value_formats_are_pinned_after_the_strings_own_options() {
+        let own = ConnParams::parse("host=a options='-c search_path=app'").unwrap();
+        let plain = ConnParams::parse("host=a").unwrap();
+        for (c, first) in [
+            (own, "-c search_path=app -c TimeZone=UTC"),
+            (plain, "-c TimeZone=UTC"),
+        ] {
+            let options = c.replication("s", "p").unwrap().options.unwrap();
+            assert!(options.starts_with(first), "{options}");
+            for pinned in [
+                "bytea_output=hex",
+                "IntervalStyle=postgres",
+                "extra_float_digits=3",
+                "DateStyle=ISO,YMD",
+            ] {
+                assert!(options.contains(pinned), "{options}");
+            }
+        }
     }
 
     #[test]

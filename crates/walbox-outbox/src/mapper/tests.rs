@@ -211,6 +211,22 @@ fn bytea_and_text_payloads_must_hold_json() {
     assert_eq!(err.class(), "payload_not_json");
     let err = m.map(&row("\\x6"), pos()).unwrap_err();
     assert_eq!(err.class(), "payload_not_json");
+    // The same value under `bytea_output = escape`, and escapes of every kind.
+    let e = m.map(&row(r#"{"a":1}"#), pos()).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&e.value).unwrap();
+    assert_eq!(v["payload"], serde_json::json!({"a": 1}));
+    let e = m.map(&row(r#"{"b":"\\\\ \303\274\101"}"#), pos()).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&e.value).unwrap();
+    assert_eq!(v["payload"], serde_json::json!({"b": "\\ üA"}));
+    for bad in [
+        r#"{"a":1}\"#,
+        r#"{"a":1}\4"#,
+        r#"{"a":1}\400"#,
+        r#"{"a":1}\x"#,
+    ] {
+        let err = m.map(&row(bad), pos()).unwrap_err();
+        assert_eq!(err.class(), "payload_not_json", "{bad}");
+    }
 
     let m = Mapper::compile(&TableConfig::new("outbox"), "p", &rel(TEXT)).unwrap();
     let err = m.map(&row("not json {"), pos()).unwrap_err();
@@ -424,4 +440,50 @@ fn header_members_are_read_in_name_order_with_values_shared_with_the_row() {
             String::from_utf8_lossy(not_an_object)
         );
     }
+}
+
+#[test]
+fn columns_used_are_the_columns_the_mapping_reads() {
+    let m = Mapper::compile(&TableConfig::new("outbox"), "p", &relation(STANDARD)).unwrap();
+    assert_eq!(
+        m.columns_used(),
+        [
+            "id",
+            "aggregate_id",
+            "aggregate_type",
+            "event_type",
+            "payload",
+            "headers",
+            "occurred_at",
+            "schema_version"
+        ]
+    );
+    // Optional roles the table lacks are not used; a template field is.
+    let mut rel = relation(&STANDARD[..5]);
+    rel.columns.push(RelationColumn {
+        flags: 0,
+        name: "region".into(),
+        type_oid: TEXT,
+        type_modifier: -1,
+    });
+    rel.columns.push(RelationColumn {
+        flags: 0,
+        name: "unused".into(),
+        type_oid: TEXT,
+        type_modifier: -1,
+    });
+    let mut cfg = TableConfig::new("outbox");
+    cfg.topic = "{region}.{aggregate_type}".into();
+    let m = Mapper::compile(&cfg, "p", &rel).unwrap();
+    assert_eq!(
+        m.columns_used(),
+        [
+            "id",
+            "aggregate_id",
+            "aggregate_type",
+            "event_type",
+            "payload",
+            "region"
+        ]
+    );
 }

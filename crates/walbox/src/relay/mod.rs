@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::pg::ConnParams;
+use crate::publication::PublicationWatch;
 use walbox_core::CheckpointFile;
 use walbox_pgoutput::Lsn;
 
@@ -221,6 +222,16 @@ async fn session(
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
+    relay.publication = Some(
+        PublicationWatch::start(
+            ctx.conn,
+            &config.source.publication,
+            &config.outbox,
+            &config.producer,
+        )
+        .await
+        .map_err(classify_sql)?,
+    );
     relay.adopt_checkpoint(saved);
     let (start, server_confirmed) = match plan {
         Plan::Snapshot { drop_slot } => {
@@ -256,10 +267,6 @@ async fn session(
         .await
         .map(drop)
 }
-
-/// Session settings of every connection that reads row values, so values render
-/// the same in the stream and the snapshot, whatever the server's defaults.
-pub(crate) const SESSION_OPTIONS: &str = "-c TimeZone=UTC -c DateStyle=ISO,YMD";
 
 #[allow(clippy::print_stdout)] // command output
 fn println_out(line: &str) {

@@ -14,6 +14,7 @@ use super::latency::Latency;
 use super::sink::{AnySink, failure, sink_error};
 use super::{Ctx, classify_replication, transient};
 use crate::config::{Config, DeadLetterPolicy};
+use crate::publication::PublicationWatch;
 
 /// How often the checkpoint is written while the position moves.
 pub(super) const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
@@ -35,6 +36,7 @@ pub(super) fn core_config(config: &Config) -> Result<CoreConfig> {
             })
             .collect(),
         producer: config.producer.clone(),
+        publication: config.source.publication.clone(),
         dead_letter_topic: config.dead_letter.template()?,
         stop_on_poison: config.dead_letter.policy == DeadLetterPolicy::Stop,
         max_in_flight: config.sink.max_in_flight as u64,
@@ -61,6 +63,9 @@ pub(super) struct Relay<'a> {
     writer: CheckpointWriter,
     /// Commit-to-acknowledgement latency of streamed events.
     pub(super) latency: Latency,
+    /// `run` only: the publication checked while streaming; positions beyond
+    /// what it verified are neither saved nor reported.
+    pub(super) publication: Option<PublicationWatch>,
 }
 
 impl<'a> Relay<'a> {
@@ -71,6 +76,7 @@ impl<'a> Relay<'a> {
             core: Core::new(core_config(ctx.config)?),
             writer: CheckpointWriter::new(ctx.store.clone()),
             latency: Latency::new(),
+            publication: None,
         })
     }
 
@@ -117,6 +123,11 @@ impl<'a> Relay<'a> {
             }
         };
         self.core.on_wal(msg).map_err(core_error)?;
+        if self.core.take_outbox_renamed()
+            && let Some(watch) = &self.publication
+        {
+            watch.recheck();
+        }
         self.pump().await
     }
 
@@ -141,6 +152,39 @@ impl<'a> Relay<'a> {
         }
     }
 
+    /// Tells the core how far the publication is verified.
+    fn sync_limit(&mut self) {
+        if let Some(watch) = &self.publication {
+            self.core.limit_position(Some(watch.verified_up_to()));
+        }
+    }
+
+    /// An error once the publication watch found a problem (fatal) or lost its
+    /// connection (transient).
+    pub(super) fn publication_ok(&self) -> Result<()> {
+        match self
+            .publication
+            .as_ref()
+            .and_then(PublicationWatch::failure)
+        {
+            None => Ok(()),
+            Some(f) => Err(watch_error(f)),
+        }
+    }
+
+    /// On a clean stop: the publication checked up to the acknowledged
+    /// position, so the final save is not held back by the check interval.
+    pub(super) async fn publication_settled(&mut self) -> Result<()> {
+        let target = self.core.confirmed();
+        let Some(watch) = self.publication.as_mut() else {
+            return Ok(());
+        };
+        match watch.settle(target, Duration::from_secs(10)).await {
+            None => Ok(()),
+            Some(f) => Err(watch_error(f)),
+        }
+    }
+
     /// Tells the core what the checkpoint writer has on disk.
     fn sync_flushed(&mut self) -> Result<()> {
         if let Some((lsn, snapshot_done)) = self.writer.saved()? {
@@ -153,6 +197,7 @@ impl<'a> Relay<'a> {
     /// `force`, whenever it is behind, and waits until it is on disk.
     pub(super) async fn save_checkpoint(&mut self, force: bool) -> Result<()> {
         self.writer.saved()?;
+        self.sync_limit();
         if let Some(cp) = self.core.checkpoint_due(Instant::now(), force) {
             self.writer.submit(cp)?;
         }
@@ -165,6 +210,7 @@ impl<'a> Relay<'a> {
     /// A position to report to the server now, if any.
     pub(super) fn position_to_report(&mut self) -> Result<Option<Lsn>> {
         self.sync_flushed()?;
+        self.sync_limit();
         Ok(self.core.position_to_report(Instant::now))
     }
 
@@ -179,12 +225,21 @@ impl<'a> Relay<'a> {
             ignored_updates = s.ignored_updates,
             ignored_deletes = s.ignored_deletes,
             ignored_truncates = s.ignored_truncates,
-            ignored_other_tables = s.ignored_other,
+            ignored_unmapped = s.ignored_unmapped,
             dead_lettered = s.dead_lettered,
             skipped = s.skipped,
             commit_to_ack_ms = %self.latency.window_summary(),
             "progress"
         );
+    }
+}
+
+/// A publication problem stops walbox; a lost check connection ends the session.
+fn watch_error(f: crate::publication::WatchFailure) -> anyhow::Error {
+    if f.retry {
+        transient(anyhow!(f.message))
+    } else {
+        anyhow!(f.message)
     }
 }
 

@@ -13,9 +13,7 @@ use walbox_pgoutput::Lsn;
 use walbox_sink::{Deliveries, Sink};
 
 use super::shell::{CHECKPOINT_EVERY, Relay, connect_identified};
-use super::{
-    Ctx, SESSION_OPTIONS, classify_replication, feedback_observer, transient, walbox_wait,
-};
+use super::{Ctx, classify_replication, feedback_observer, transient, walbox_wait};
 
 /// Messages read from the server but not yet taken by the relay.
 const READ_AHEAD_EVENTS: usize = 256;
@@ -66,7 +64,7 @@ pub(super) async fn stream(
     let config = ctx.config;
     let status_interval = Duration::from_millis(config.source.status_interval_ms);
     let longest_feedback_ms = Arc::new(AtomicU64::new(0));
-    let mut repl_cfg = ctx
+    let repl_cfg = ctx
         .conn
         .replication(&config.source.slot, &config.source.publication)?
         .with_start_lsn(pgwire_replication::Lsn(spec.start.as_u64()))
@@ -80,8 +78,6 @@ pub(super) async fn stream(
         // unreported, which the final status update on stop waits for. The
         // observer itself keeps the longest delay for the progress log.
         .with_feedback_observer(feedback_observer(Arc::clone(&longest_feedback_ms)));
-    // Pin how the server renders values, so envelopes do not depend on its settings.
-    repl_cfg.options = Some(SESSION_OPTIONS.into());
     let (mut repl, ident) = connect_identified(relay, repl_cfg, spec.accept_wal_behind).await?;
     match relay.core.checkpoint() {
         Some(_) => {}
@@ -205,6 +201,9 @@ pub(super) async fn stream(
             Err(e) => Err(e),
         };
         if ticked {
+            if let Err(e) = relay.publication_ok() {
+                break Err(e);
+            }
             if fresh {
                 heard = Instant::now();
                 fresh = false;
@@ -233,6 +232,13 @@ pub(super) async fn stream(
         }
     };
 
+    let outcome = match outcome {
+        Ok(StreamEnd::Stopped) => relay
+            .publication_settled()
+            .await
+            .map(|()| StreamEnd::Stopped),
+        other => other,
+    };
     // Whatever happened, the acknowledged position is safe: save it, and make
     // sure the server has what may be reported.
     let saved = relay.save_checkpoint(true).await;
