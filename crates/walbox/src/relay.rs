@@ -1066,8 +1066,8 @@ impl<'a> Relay<'a> {
                 // Not about this message (timeout, broker unreachable or refusing,
                 // authorization, a dead-letter write failing): resume from the
                 // checkpoint after a backoff. About the message, under the stop
-                // policy: stop.
-                let retry = !e.is_about_the_message();
+                // policy, or a destination gone for good (a closed stdout pipe): stop.
+                let retry = !e.is_about_the_message() && !e.is_final();
                 let e = anyhow!(e).context(format!(
                     "delivery failed; the position stays at {} and the next session resumes there",
                     self.tracker.confirmed()
