@@ -385,3 +385,68 @@ async fn a_checkpoint_of_another_cluster_is_refused() {
     );
     std::fs::write(&path, mine).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_position_after_what_was_published_is_refused_unless_the_skip_is_accepted() {
+    let (pg, broker, db) = start().await;
+    let env = walbox_env(&pg, &broker);
+    setup(&env);
+    let slot_at = confirmed_lsn(&db, "walbox").await;
+    write_events(&pg, 1, 1, 5, 5).await;
+    let after = current_lsn(&db).await;
+
+    // `replay` names its own flag.
+    let (code, _, err) = walbox_cmd(&["replay", "--from", "0/100"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "--from 0/100 is before slot \"walbox\"'s confirmed position; the earliest \
+             position still available is {slot_at}"
+        )),
+        "{err}"
+    );
+    assert!(!err.contains("--from-lsn"), "{err}");
+
+    // No checkpoint yet: a start after the slot's position would skip the five.
+    let refused = |from: walbox_pgoutput::Lsn| {
+        let mut walbox = Walbox::spawn(&["run", "--from-lsn", &from.to_string()], &env);
+        let status = walbox.wait(Duration::from_secs(60));
+        let log = walbox.log();
+        assert_eq!(status.code(), Some(1), "{log}");
+        assert!(log.contains("--accept-skip"), "{log}");
+        log
+    };
+    let log = refused(after);
+    assert!(
+        log.contains(&format!(
+            "after slot \"walbox\"'s confirmed position at {slot_at}: outbox events committed \
+             between {slot_at} and {after} would never be published"
+        )),
+        "{log}"
+    );
+    assert_eq!(confirmed_lsn(&db, "walbox").await, slot_at, "nothing moved");
+    assert!(checkpoint(&pg).is_none());
+
+    // Accepted: walbox starts there.
+    let mut walbox = Walbox::spawn(
+        &["run", "--from-lsn", &after.to_string(), "--accept-skip"],
+        &env,
+    );
+    write_events_from(&pg, 1, 1, 3, 3, 100).await;
+    wait_caught_up(&db).await;
+    walbox.stop();
+    let records = read_topic(&broker.bootstrap(), TOPIC, 3).await;
+    assert_eq!(records.len(), 3, "the five skipped as accepted");
+
+    // With a checkpoint: a start after it is refused as well.
+    write_events_from(&pg, 1, 1, 2, 2, 200).await;
+    let saved = checkpoint(&pg).unwrap().lsn;
+    let later = current_lsn(&db).await;
+    let log = refused(later);
+    assert!(
+        log.contains(&format!(
+            "between {saved} and {later} would never be published"
+        )) && log.contains("after walbox's checkpoint"),
+        "{log}"
+    );
+}

@@ -239,3 +239,78 @@ async fn dead_letters_are_replayed_to_their_topic_after_a_fix_and_kept() {
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("replayed 0 dead letters"), "{out}");
 }
+
+/// A row whose topic cannot be formed (NULL or invalid `aggregate_type` under the
+/// `outbox.{aggregate_type}` template) goes to the table's fallback dead-letter
+/// topic; `verify` counts it there, and `dlq replay` reads it from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_that_cannot_name_their_topic_are_audited_and_replayed_from_the_fallback_topic() {
+    let (_pg, broker, db, env) = start().await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        &[
+            insert("order", Some("k1"), r#"{"seq": 0}"#),
+            insert("order", Some("k1"), "not json yet"),
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES (NULL, 'k2', 'E', '{\"seq\": 0}');"
+                .to_owned(),
+            insert("bad topic!", Some("k3"), r#"{"seq": 0}"#),
+        ]
+        .concat(),
+    )
+    .await
+    .unwrap();
+    wait_caught_up(&db).await;
+    walbox.stop();
+    let fallback = read_topic(&broker.bootstrap(), "walbox.public.outbox.dlq", 2).await;
+    assert_eq!(fallback.len(), 2);
+
+    // The audit counts every row: one published, three dead-lettered, two of
+    // them in the fallback topic. The ends of partitions are no errors.
+    let audit = |env: &[(&str, String)]| {
+        let (code, out, err) = walbox_cmd(&["verify", "--json"], env);
+        assert_eq!(code, Some(0), "{out}\n{err}");
+        assert!(
+            !err.lines().any(|l| l.contains("ERROR")),
+            "no error logged: {err}"
+        );
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let r = audit(&env);
+    assert_eq!(r["rows"], 4, "{r}");
+    assert_eq!(r["records"], 1, "{r}");
+    assert_eq!(r["dead_lettered"], 3, "{r}");
+    assert_eq!(r["missing"], 0, "{r}");
+    assert_eq!(r["topics"], serde_json::json!(["outbox.order"]));
+
+    // Fixed in the table: every dead letter goes out, the fallback topic's too.
+    db.batch_execute(
+        "UPDATE outbox SET payload = '{\"seq\": 1}' WHERE payload = 'not json yet';
+         UPDATE outbox SET aggregate_type = 'order'
+          WHERE aggregate_type IS NULL OR aggregate_type = 'bad topic!';",
+    )
+    .await
+    .unwrap();
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 3 dead letters; 0 still failing"),
+        "{out}"
+    );
+    let records = read_topic(&broker.bootstrap(), "outbox.order", 4).await;
+    assert_eq!(records.len(), 4);
+    for d in &fallback {
+        let id = d.header("event_id").unwrap();
+        let r = records
+            .iter()
+            .find(|r| r.header("event_id") == Some(id))
+            .unwrap_or_else(|| panic!("{id} not replayed"));
+        assert_eq!(r.header("walbox_commit_lsn"), d.header("walbox_commit_lsn"));
+        assert_eq!(r.header("walbox_index"), d.header("walbox_index"));
+    }
+    let r = audit(&env);
+    assert_eq!(r["records"], 4, "{r}");
+    assert_eq!(r["missing"], 0, "{r}");
+    assert_eq!(r["dead_lettered"], 0, "{r}");
+    assert_eq!(r["duplicated"], 0, "{r}");
+}

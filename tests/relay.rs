@@ -550,3 +550,69 @@ async fn the_stdout_sink_writes_one_json_line_per_event() {
         assert!(l["value"]["payload"]["seq"].is_i64());
     }
 }
+
+/// The stdout sink acknowledges a line once it is written and flushed to the
+/// pipe; when the reader closes the pipe (EPIPE), walbox stops with an error
+/// instead of retrying, and confirms nothing it could not write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_pipe_stops_walbox_without_confirming_what_was_not_written() {
+    use std::io::BufRead;
+    let (pg, broker, db) = start().await;
+    let mut env = walbox_env(&pg, &broker);
+    env.push(("WALBOX_SINK", "stdout".into()));
+    setup(&env);
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("walbox.log");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_walbox"));
+    cmd.arg("run")
+        .env("WALBOX_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log_path).unwrap());
+    for (k, v) in &env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let pipe = child.stdout.take().unwrap();
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+
+    // One transaction of ten events; the reader takes five lines and leaves.
+    write_events(&pg, 1, 1, 10, 10).await;
+    let written = current_lsn(&db).await;
+    let lines = tokio::task::spawn_blocking(move || {
+        let lines: Vec<String> = std::io::BufReader::new(pipe)
+            .lines()
+            .take(5)
+            .map(Result::unwrap)
+            .collect();
+        lines // the pipe closes here
+    })
+    .await
+    .unwrap();
+    assert_eq!(json_lines(&lines.join("\n")).len(), 5);
+    // Written and flushed to the pipe: acknowledged.
+    wait_confirmed(&db, "walbox", written, Duration::from_secs(60)).await;
+
+    // The next transaction cannot be written: walbox stops, non-zero.
+    write_events_from(&pg, 1, 1, 10, 10, 100).await;
+    let unwritten = current_lsn(&db).await;
+    let status = walbox_testkit::wait_until("walbox to exit", Duration::from_secs(60), || {
+        child.try_wait().ok().flatten()
+    })
+    .unwrap_or_else(|e| {
+        let _ = child.kill();
+        panic!("{e}; log:\n{}", log())
+    });
+    assert_eq!(status.code(), Some(1), "{}", log());
+    assert!(
+        log().contains("the reader of standard output closed it"),
+        "{}",
+        log()
+    );
+    let confirmed = confirmed_lsn(&db, "walbox").await;
+    assert!(
+        confirmed >= written && confirmed < unwritten,
+        "confirmed {confirmed}, written up to {written}, not written up to {unwritten}"
+    );
+    assert!(checkpoint(&pg).unwrap().lsn < unwritten);
+}

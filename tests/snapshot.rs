@@ -279,3 +279,31 @@ async fn a_snapshot_through_the_stdout_sink_writes_every_row_once() {
     let cp = checkpoint(&pg).unwrap();
     assert!(cp.snapshot.is_some_and(|s| s.complete && s.rows == 2_500));
 }
+
+/// `setup --snapshot` stopped by SIGTERM has not published every row: it exits
+/// non-zero, and the checkpoint says the snapshot is to be taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_snapshot_stopped_by_a_signal_fails_and_leaves_it_to_be_taken_again() {
+    let (pg, broker, db) = start().await;
+    existing_rows(&db, 200_000).await;
+    let env = walbox_env(&pg, &broker);
+    let cfg = snapshot_config(&pg, "");
+    let mut walbox = Walbox::spawn(&["setup", "--snapshot", "--config", &cfg], &env);
+    walbox_testkit::wait_until("the snapshot to start", Duration::from_secs(60), || {
+        walbox
+            .log()
+            .contains("created slot with an exported snapshot")
+            .then_some(())
+    })
+    .unwrap();
+    walbox.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("stopped before the snapshot finished; the next start"),
+        "{log}"
+    );
+    assert!(!log.contains("snapshot: published"), "{log}");
+    assert!(checkpoint(&pg).unwrap().snapshot_interrupted());
+}

@@ -657,7 +657,7 @@ impl Core {
                 // dropped, and the position stays before the failed event.
                 self.sends.clear();
                 Err(CoreError::Delivery {
-                    transient: !f.about_message,
+                    transient: !f.about_message && !f.lasting,
                     confirmed: self.tracker.confirmed(),
                     failure: Box::new(f),
                 })

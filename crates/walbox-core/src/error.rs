@@ -17,6 +17,9 @@ pub struct Failure {
     /// The failure is about the message itself (sending it again would fail
     /// again), not about where it went.
     pub about_message: bool,
+    /// The destination is gone for good (a closed stdout pipe): a new session
+    /// would fail the same way.
+    pub lasting: bool,
     /// For a failure about the message, the record as sent, without its value.
     pub rejected: Option<Rejected>,
 }

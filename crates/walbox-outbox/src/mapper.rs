@@ -423,21 +423,10 @@ impl Mapper {
         template: &TopicTemplate,
     ) -> Event {
         let intended = self.topic(row).ok();
-        let base = intended.clone().unwrap_or_else(|| {
-            let safe: String = self
-                .table
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-' {
-                        c
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-            format!("walbox.{safe}")
-        });
-        let topic = template.dead_letter_topic(&base);
+        let topic = match &intended {
+            Some(t) => template.dead_letter_topic(t),
+            None => template.fallback_dead_letter_topic(&self.table),
+        };
         let event_id = text(row, &self.id, "event id")
             .map(str::to_owned)
             .unwrap_or_else(|_| format!("{}#{}", position.commit_lsn, position.index));

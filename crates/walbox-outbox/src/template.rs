@@ -117,6 +117,27 @@ impl TopicTemplate {
     }
 }
 
+impl TopicTemplate {
+    /// The dead-letter topic of rows of `table` (`schema.table`) that cannot name
+    /// their topic (the field or column is NULL, or the name is not valid), this
+    /// being the dead-letter template: the template applied to
+    /// `walbox.<schema>.<table>` (characters a topic name cannot hold become `_`).
+    #[must_use]
+    pub fn fallback_dead_letter_topic(&self, table: &str) -> String {
+        let safe: String = table
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        self.dead_letter_topic(&format!("walbox.{safe}"))
+    }
+}
+
 /// Checks a Kafka topic name: 1 to 249 characters of `[a-zA-Z0-9._-]`, not `.` or
 /// `..`. Returns the reason when it is not valid.
 pub fn validate_topic(topic: &str) -> Result<(), &'static str> {
@@ -177,6 +198,19 @@ mod tests {
             TopicTemplate::parse("a}.b"),
             Err(TemplateError::StrayClose(_))
         ));
+    }
+
+    #[test]
+    fn rows_without_a_topic_go_to_the_tables_fallback_dead_letter_topic() {
+        let dlq = TopicTemplate::parse("{topic}.dlq").unwrap();
+        assert_eq!(
+            dlq.fallback_dead_letter_topic("public.outbox"),
+            "walbox.public.outbox.dlq"
+        );
+        assert_eq!(
+            dlq.fallback_dead_letter_topic("sales.Out Box"),
+            "walbox.sales.Out_Box.dlq"
+        );
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! - [`KafkaSink`]: an idempotent rdkafka producer (`acks=all`), keys partitioned
 //!   with murmur2 as the Java client does, topics checked or created on first use.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
-//!   written and flushed.
+//!   written and flushed to the pipe or file (not once read); a closed pipe
+//!   fails deliveries for good.
 //!
 //! [`read_topic`] reads back what a topic holds, for audits.
 
@@ -50,6 +51,14 @@ impl DeliveryError {
     #[must_use]
     pub fn is_about_the_message(&self) -> bool {
         matches!(self.class, "message_too_large" | "invalid_record")
+    }
+
+    /// Whether the destination is gone for good (the reader of standard output
+    /// closed it), so that no later attempt can deliver anything: the relay
+    /// stops instead of retrying.
+    #[must_use]
+    pub fn is_final(&self) -> bool {
+        self.class == stdout::OUTPUT_CLOSED
     }
 }
 

@@ -4,10 +4,12 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::SinkError;
@@ -100,7 +102,30 @@ pub fn commit_group(
     Ok(())
 }
 
-fn consumer(properties: &[(String, String)], group: &str) -> Result<BaseConsumer, SinkError> {
+/// The reader's client context: librdkafka reports the end of a partition as an
+/// error event, and rdkafka's default context logs every such event as an
+/// error. For the reader it is the normal end of a partition (the poll loop
+/// receives it as [`KafkaError::PartitionEOF`]); anything else is logged.
+#[derive(Debug)]
+struct ReaderContext;
+
+impl ClientContext for ReaderContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if matches!(error, KafkaError::PartitionEOF(_))
+            || error.rdkafka_error_code() == Some(RDKafkaErrorCode::PartitionEOF)
+        {
+            return;
+        }
+        tracing::error!(%error, reason, "kafka client error while reading a topic");
+    }
+}
+
+impl ConsumerContext for ReaderContext {}
+
+fn consumer(
+    properties: &[(String, String)],
+    group: &str,
+) -> Result<BaseConsumer<ReaderContext>, SinkError> {
     let mut config = ClientConfig::new();
     for (k, v) in properties {
         // Producer-only settings do not apply to a reader.
@@ -115,7 +140,7 @@ fn consumer(properties: &[(String, String)], group: &str) -> Result<BaseConsumer
         .set("auto.offset.reset", "earliest")
         .set("enable.partition.eof", "true")
         .set("log_level", "3")
-        .create()?)
+        .create_with_context(ReaderContext)?)
 }
 
 fn read(

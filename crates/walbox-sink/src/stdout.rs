@@ -11,8 +11,10 @@ use crate::{Deliveries, Delivery, DeliveryError, Sink, SinkError};
 /// gathered on the caller's side and handed to a writer thread in batches (when
 /// [`BATCH`] are waiting, and at [`Sink::end_batch`]); the thread writes each
 /// batch, flushes standard output once, then acknowledges its events. An event is
-/// acknowledged only after its line was flushed. The thread keeps slow output
-/// off the caller's thread, which goes on answering the server meanwhile.
+/// acknowledged only after its line was flushed: handed to the pipe or file, not
+/// read by anyone. The thread keeps slow output off the caller's thread, which
+/// goes on answering the server meanwhile. When the reader of a pipe goes away
+/// (EPIPE), the batch's deliveries fail as final ([`DeliveryError::is_final`]).
 #[derive(Debug)]
 pub struct StdoutSink {
     lines: std::sync::mpsc::Sender<Vec<(Event, usize)>>,
@@ -55,6 +57,10 @@ impl StdoutSink {
     }
 }
 
+/// Class of a delivery that failed because the reader of standard output went
+/// away (EPIPE): final, nothing written later can reach anyone.
+pub(crate) const OUTPUT_CLOSED: &str = "output_closed";
+
 /// Most events handed to the writer at once.
 const BATCH: usize = 1024;
 
@@ -80,6 +86,16 @@ fn writer(
         for (event, token) in batch {
             let result = match &result {
                 Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(DeliveryError {
+                    event_id: event.event_id,
+                    topic: event.topic,
+                    class: OUTPUT_CLOSED,
+                    reason: format!(
+                        "the reader of standard output closed it ({e}); nothing after the \
+                         last line written is confirmed"
+                    ),
+                    rejected: None,
+                }),
                 Err(e) => Err(DeliveryError {
                     event_id: event.event_id,
                     topic: event.topic,
@@ -198,6 +214,57 @@ mod tests {
         let line = json_line(&event(b"not json \x01"));
         let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(v["value"], "not json \u{1}");
+    }
+
+    /// An output whose reader is gone after `left` bytes.
+    struct ClosedAfter {
+        left: usize,
+    }
+
+    impl Write for ClosedAfter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.left == 0 {
+                return Err(std::io::ErrorKind::BrokenPipe.into());
+            }
+            let n = buf.len().min(self.left);
+            self.left -= n;
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_closed_pipe_fails_deliveries_for_good_and_acknowledges_only_what_was_written() {
+        let left = json_line(&event(b"{}")).len();
+        let (mut sink, mut deliveries) = StdoutSink::to_output(ClosedAfter { left });
+        sink.send(event(b"{}"), 0).await.unwrap();
+        sink.end_batch();
+        let d = deliveries.recv().await.unwrap();
+        assert!(d.result.is_ok(), "written before the reader left");
+        for token in 1..3 {
+            sink.send(event(b"{}"), token).await.unwrap();
+        }
+        sink.end_batch();
+        for token in 1..3 {
+            let d = deliveries.recv().await.unwrap();
+            assert_eq!(d.token, token);
+            let e = d.result.unwrap_err();
+            assert!(e.is_final(), "{e}");
+            assert!(!e.is_about_the_message());
+            assert!(e.reason.contains("closed"), "{e}");
+        }
+        // Other write errors are not final.
+        let e = DeliveryError {
+            event_id: "e1".into(),
+            topic: "t".into(),
+            class: "io_error",
+            reason: String::new(),
+            rejected: None,
+        };
+        assert!(!e.is_final());
     }
 
     #[tokio::test]

@@ -23,7 +23,9 @@ pub struct ReplayArgs {
     #[command(flatten)]
     overrides: Overrides,
     /// Dead-letter topic to replay (repeatable). Default: the dead-letter topics
-    /// of every topic the outbox table's rows map to.
+    /// of every topic the outbox table's rows map to, and the table's fallback
+    /// dead-letter topic (`walbox.<schema>.<table>` through the dead-letter
+    /// template) of rows that could not name a valid topic.
     #[arg(long = "dlq-topic", value_name = "TOPIC")]
     topics: Vec<String>,
     /// Take each row as the outbox table holds it now (after an UPDATE fixed
@@ -111,7 +113,12 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
             for topic in crate::verify::topics_of(&sql, t, None).await? {
                 all.push(template.dead_letter_topic(&topic));
             }
+            // Rows that could not name their topic.
+            let (schema, name) = t.qualified();
+            all.push(template.fallback_dead_letter_topic(&format!("{schema}.{name}")));
         }
+        all.sort();
+        all.dedup();
         all
     } else {
         args.topics.clone()

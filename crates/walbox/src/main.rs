@@ -97,9 +97,15 @@ struct RunArgs {
     #[command(flatten)]
     overrides: config::Overrides,
     /// Start at this LSN (X/Y) instead of the checkpoint; it must not be before
-    /// the slot's confirmed position.
+    /// the slot's confirmed position, nor after the checkpoint (without one,
+    /// the slot's position) unless --accept-skip.
     #[arg(long, value_name = "LSN")]
     from_lsn: Option<walbox_pgoutput::Lsn>,
+    /// Start at --from-lsn even though it is after the checkpoint (without one,
+    /// after the slot's position): accept that the events in between are not
+    /// published by walbox.
+    #[arg(long, requires = "from_lsn")]
+    accept_skip: bool,
     /// If another reader holds the slot, wait and take over when it ends.
     #[arg(long)]
     wait_for_slot: bool,
@@ -187,6 +193,8 @@ fn main() -> std::process::ExitCode {
                     wait_for_slot: a.wait_for_slot,
                     accept_slot_position: a.accept_slot_position,
                     accept_wal_behind: a.accept_wal_behind,
+                    accept_skip: a.accept_skip,
+                    replay: false,
                 };
                 relay::run(config::Config::load(&a.overrides)?, options).await
             }

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use walbox_outbox::{TableConfig, TopicTemplate, header};
+use walbox_outbox::{TableConfig, TopicTemplate, header, validate_topic};
 use walbox_pgoutput::Lsn;
 
 use crate::catalog::ident;
@@ -85,7 +85,10 @@ fn where_clause(filter: Option<&str>) -> String {
     filter.map_or_else(String::new, |f| format!(" WHERE ({f})"))
 }
 
-/// The topics the table's rows map to.
+/// The topics the table's rows map to. Rows that cannot form a valid topic name
+/// (a NULL field or column, a name Kafka refuses) are left out: walbox
+/// dead-letters them to the table's fallback dead-letter topic
+/// ([`TopicTemplate::fallback_dead_letter_topic`]).
 pub(crate) async fn topics_of(
     sql: &tokio_postgres::Client,
     table: &TableConfig,
@@ -100,7 +103,11 @@ pub(crate) async fn topics_of(
                 &[],
             )
             .await?;
-        return Ok(rows.iter().filter_map(|r| r.get(0)).collect());
+        return Ok(rows
+            .iter()
+            .filter_map(|r| r.get::<_, Option<String>>(0))
+            .filter(|t| validate_topic(t).is_ok())
+            .collect());
     }
     let template = TopicTemplate::parse(&table.topic).context("topic template")?;
     if template.is_fixed() {
@@ -121,7 +128,9 @@ pub(crate) async fn topics_of(
     for r in rows {
         let values: Vec<Option<String>> = (0..fields.len()).map(|i| r.get(i)).collect();
         let topic = template.render(|i, _| values.get(i).and_then(|v| v.as_deref()).ok_or(()));
-        if let Ok(t) = topic {
+        if let Ok(t) = topic
+            && validate_topic(&t).is_ok()
+        {
             topics.push(t);
         }
     }
@@ -179,6 +188,7 @@ pub async fn run(args: Args) -> Result<()> {
     let mut latest: HashMap<(String, Vec<u8>), (Lsn, u64)> = HashMap::new();
     let mut dead: HashSet<String> = HashSet::new();
     let mut out_of_order: Vec<String> = Vec::new();
+    let mut dead_letter_topics: Vec<String> = Vec::new();
     for topic in &topics {
         let read = tokio::task::block_in_place(|| {
             walbox_sink::read_topic(&properties, topic, timeout, |r| {
@@ -201,20 +211,23 @@ pub async fn run(args: Args) -> Result<()> {
         })
         .with_context(|| format!("reading topic {topic}"))?;
         report.records += read;
-        // Its dead letters, when there is a dead-letter topic.
-        let dlq = dead_letter.dead_letter_topic(topic);
-        if !topics.contains(&dlq) {
-            let ids = tokio::task::block_in_place(|| {
-                let mut ids = Vec::new();
-                let r = walbox_sink::read_topic(&properties, &dlq, timeout, |r| {
-                    ids.push(r.header(header::EVENT_ID).unwrap_or_default().to_owned());
-                });
-                r.map(|_| ids)
+        dead_letter_topics.push(dead_letter.dead_letter_topic(topic));
+    }
+    // The dead letters: of each topic, and of the rows that could not name one.
+    dead_letter_topics.push(dead_letter.fallback_dead_letter_topic(&report.table));
+    dead_letter_topics.sort();
+    dead_letter_topics.dedup();
+    for dlq in dead_letter_topics.iter().filter(|t| !topics.contains(t)) {
+        let ids = tokio::task::block_in_place(|| {
+            let mut ids = Vec::new();
+            let r = walbox_sink::read_topic(&properties, dlq, timeout, |r| {
+                ids.push(r.header(header::EVENT_ID).unwrap_or_default().to_owned());
             });
-            // A missing dead-letter topic means nothing was dead-lettered.
-            if let Ok(ids) = ids {
-                dead.extend(ids);
-            }
+            r.map(|_| ids)
+        });
+        // A missing dead-letter topic means nothing was dead-lettered.
+        if let Ok(ids) = ids {
+            dead.extend(ids);
         }
     }
     for id in &out_of_order {

@@ -125,6 +125,12 @@ pub struct RunOptions {
     /// Start at the slot's position even when it is ahead of the checkpoint
     /// (events between them were never published by walbox).
     pub accept_slot_position: bool,
+    /// Start at `from_lsn` even when it is after the checkpoint (without one,
+    /// after the slot's position): the events in between are not published.
+    pub accept_skip: bool,
+    /// Planning for `walbox replay`, whose start flag is `--from` and which
+    /// never skips.
+    pub replay: bool,
     /// Start although the server's WAL ends before the checkpoint (the server
     /// was restored from an older copy, or a lagging standby was promoted).
     pub accept_wal_behind: bool,
@@ -160,6 +166,7 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
         options.from_lsn = None;
         options.accept_slot_position = false;
         options.accept_wal_behind = false;
+        options.accept_skip = false;
         let Err(e) = result else {
             return Ok(());
         };

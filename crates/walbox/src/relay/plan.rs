@@ -129,17 +129,46 @@ pub(super) fn plan(
         .confirmed
         .with_context(|| format!("slot {name:?} has no confirmed position"))?;
     if let Some(from) = options.from_lsn {
+        let flag = if options.replay {
+            "--from"
+        } else {
+            "--from-lsn"
+        };
         if from < confirmed {
             bail!(
-                "--from-lsn {from} is before slot {name:?}'s confirmed position; the earliest \
+                "{flag} {from} is before slot {name:?}'s confirmed position; the earliest \
                  position still available is {confirmed}"
             );
         }
-        if let Some(cp) = saved
-            && from > cp.lsn
-        {
-            tracing::warn!(from = %from, checkpoint = %cp.lsn,
-                "--from-lsn is after the checkpoint: events between them are skipped");
+        // Everything before this was published: the checkpoint, or without one
+        // the slot's position.
+        let (published, what) = match saved {
+            Some(cp) => (
+                cp.lsn,
+                format!("walbox's checkpoint {}", store.path().display()),
+            ),
+            None => (confirmed, format!("slot {name:?}'s confirmed position")),
+        };
+        if from > published {
+            if options.replay {
+                bail!(
+                    "--from {from} is after {what} at {published}: outbox events committed \
+                     between {published} and {from} were never published, and replay would \
+                     move the checkpoint past them. Replay from {published} or earlier; \
+                     `walbox run` publishes what comes after it"
+                );
+            }
+            if !options.accept_skip {
+                bail!(
+                    "--from-lsn {from} is after {what} at {published}: outbox events committed \
+                     between {published} and {from} would never be published. Start without \
+                     --from-lsn (or at {published} or earlier) to publish them; to skip them, \
+                     add --accept-skip"
+                );
+            }
+            tracing::warn!(from = %from, published = %published,
+                "starting at --from-lsn as asked (--accept-skip); outbox events committed \
+                 between the published position and it are not published by walbox");
         }
         return Ok(Plan::Stream {
             start: from,
@@ -385,6 +414,115 @@ mod tests {
                 server_confirmed: lsn("0/500")
             }
         );
+    }
+
+    #[test]
+    fn from_lsn_after_what_was_published_is_refused_unless_the_skip_is_accepted() {
+        let from = |at: &str, accept_skip: bool| RunOptions {
+            from_lsn: Some(lsn(at)),
+            accept_skip,
+            ..RunOptions::default()
+        };
+        let stream = |start: &str, server: &str| Plan::Stream {
+            start: lsn(start),
+            server_confirmed: lsn(server),
+        };
+        // After the checkpoint: the events in between would never go out.
+        let e = planned(
+            Some(&cp("0/900", None)),
+            Some(&slot("0/500")),
+            &from("0/A00", false),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("after walbox's checkpoint cp.json at 0/900")
+                && e.contains("between 0/900 and 0/A00 would never be published")
+                && e.contains("--accept-skip"),
+            "{e}"
+        );
+        // No checkpoint: after the slot's position, the same.
+        let e = planned(None, Some(&slot("0/500")), &from("0/600", false))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("after slot \"walbox\"'s confirmed position at 0/500")
+                && e.contains("between 0/500 and 0/600 would never be published")
+                && e.contains("--accept-skip"),
+            "{e}"
+        );
+        // Accepted: it starts there.
+        assert_eq!(
+            planned(None, Some(&slot("0/500")), &from("0/600", true)).unwrap(),
+            stream("0/600", "0/500")
+        );
+        assert_eq!(
+            planned(
+                Some(&cp("0/900", None)),
+                Some(&slot("0/500")),
+                &from("0/A00", true)
+            )
+            .unwrap(),
+            stream("0/A00", "0/500")
+        );
+        // At what was published, nothing is skipped.
+        assert_eq!(
+            planned(None, Some(&slot("0/500")), &from("0/500", false)).unwrap(),
+            stream("0/500", "0/500")
+        );
+        assert_eq!(
+            planned(
+                Some(&cp("0/900", None)),
+                Some(&slot("0/500")),
+                &from("0/900", false)
+            )
+            .unwrap(),
+            stream("0/900", "0/500")
+        );
+    }
+
+    #[test]
+    fn replay_names_its_own_flag_and_never_skips() {
+        let replay = |at: &str| RunOptions {
+            from_lsn: Some(lsn(at)),
+            replay: true,
+            accept_skip: true,
+            ..RunOptions::default()
+        };
+        let e = planned(
+            Some(&cp("0/900", None)),
+            Some(&slot("0/500")),
+            &replay("0/100"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--from 0/100 is before") && !e.contains("--from-lsn"),
+            "{e}"
+        );
+        let e = planned(
+            Some(&cp("0/900", None)),
+            Some(&slot("0/500")),
+            &replay("0/A00"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--from 0/A00 is after walbox's checkpoint")
+                && e.contains("Replay from 0/900 or earlier")
+                && !e.contains("--from-lsn")
+                && !e.contains("--accept-skip"),
+            "{e}"
+        );
+        assert!(matches!(
+            planned(
+                Some(&cp("0/900", None)),
+                Some(&slot("0/500")),
+                &replay("0/600")
+            )
+            .unwrap(),
+            Plan::Stream { .. }
+        ));
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
         Some(&slot),
         &RunOptions {
             from_lsn: Some(from),
+            replay: true,
             ..RunOptions::default()
         },
     )?;

@@ -79,6 +79,7 @@ pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
 pub(super) fn failure(e: DeliveryError) -> walbox_core::Failure {
     walbox_core::Failure {
         about_message: e.is_about_the_message(),
+        lasting: e.is_final(),
         event_id: e.event_id,
         topic: e.topic,
         class: e.class,

@@ -174,6 +174,10 @@ pub(super) async fn take_snapshot(
     Ok(Some(point))
 }
 
+/// Why `walbox setup --snapshot` fails when a signal stops it.
+const SNAPSHOT_STOPPED: &str = "stopped before the snapshot finished; the next start \
+    (`walbox setup --snapshot` or `walbox run`) takes it again";
+
 /// `walbox setup --snapshot`, after the publication exists: creates the slot with
 /// a snapshot, publishes the existing rows, waits until all are acknowledged,
 /// and records the consistent point, where `walbox run` continues.
@@ -225,7 +229,7 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
     relay.adopt_checkpoint(saved);
     let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, drop_slot).await?
     else {
-        return Ok(());
+        bail!(SNAPSHOT_STOPPED);
     };
     // Wait for every row to be acknowledged, then record it.
     let timeout = Duration::from_millis(config.shutdown.timeout_ms);
@@ -239,7 +243,7 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
             biased;
             Some(()) = signals.recv() => {
                 tracing::warn!(in_flight = relay.core.in_flight(), "stopped before every snapshot row was acknowledged; the next start takes it again");
-                return Ok(());
+                bail!(SNAPSHOT_STOPPED);
             }
             Some(d) = deliveries.recv() => relay.delivered(d).await?,
             () = tokio::time::sleep(timeout) => bail!(
