@@ -37,7 +37,9 @@ pub async fn in_publication(
 use crate::catalog::ident;
 
 /// Creates the publication (or adds missing tables to it) and, with
-/// `create_slot`, the slot; does nothing that is already done.
+/// `create_slot`, the slot; does nothing that is already done. Without it (a
+/// snapshot follows), warns about tables whose snapshot order need not keep each
+/// key's commit order.
 pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?;
     let sql = conn.connect().await?;
@@ -97,6 +99,16 @@ pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     }
     if create_slot_too {
         create_slot(&sql, &config.source.slot).await?;
+    } else {
+        // A snapshot follows: say when it cannot keep each key's order.
+        for t in &config.outbox {
+            let (schema, name) = t.qualified();
+            if let Some(table) = crate::catalog::table(&sql, schema, name).await?
+                && let Some(w) = crate::snapshot::read_order(&table, t, &config.snapshot)?.warning
+            {
+                tracing::warn!("{w}");
+            }
+        }
     }
     Ok(())
 }

@@ -216,9 +216,13 @@ async fn slot_info(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<Sl
 /// Where a session starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Plan {
-    /// Create the slot with an exported snapshot, publish the existing rows,
-    /// then stream; `drop_slot` first removes the slot of an interrupted one.
-    Snapshot { drop_slot: bool },
+    /// Publish the existing rows from an exported snapshot, then stream. Without
+    /// `resume`, the slot is created with the snapshot and the stream starts at its
+    /// consistent point. With `resume`, the slot of an unfinished snapshot still
+    /// holds every change committed after that position (its consistent point):
+    /// the snapshot is taken again from a temporary slot and the slot streams
+    /// from `resume`.
+    Snapshot { resume: Option<Lsn> },
     /// Stream from `start`; the server holds `server_confirmed`.
     Stream { start: Lsn, server_confirmed: Lsn },
 }
@@ -237,20 +241,11 @@ fn plan(
     options: &RunOptions,
 ) -> Result<Plan> {
     let name = &config.source.slot;
-    if let Some(cp) = saved
-        && cp.snapshot_interrupted()
-    {
-        tracing::warn!(
-            slot = %name,
-            checkpoint = %store.path().display(),
-            "the initial snapshot did not finish; taking it again from a new slot \
-             (rows it published already are published again, with the same event ids)"
-        );
-        return Ok(Plan::Snapshot {
-            drop_slot: slot.is_some(),
-        });
-    }
+    let unfinished = saved.filter(|cp| cp.snapshot_interrupted());
     let Some(slot) = slot else {
+        if let Some(cp) = unfinished {
+            return snapshot_without_its_slot(name, store, cp, options);
+        }
         if let Some(cp) = saved {
             bail!(
                 "replication slot {name:?} does not exist, but the checkpoint {} says walbox \
@@ -261,7 +256,7 @@ fn plan(
             );
         }
         if config.snapshot.mode == SnapshotMode::Initial {
-            return Ok(Plan::Snapshot { drop_slot: false });
+            return Ok(Plan::Snapshot { resume: None });
         }
         bail!(
             "replication slot {name:?} does not exist; create it with `walbox setup` \
@@ -291,6 +286,20 @@ fn plan(
     let confirmed = slot
         .confirmed
         .with_context(|| format!("slot {name:?} has no confirmed position"))?;
+    if let Some(cp) = unfinished {
+        let resume = snapshot_resume(name, store, cp, confirmed, options)?;
+        tracing::warn!(
+            slot = %name,
+            checkpoint = %store.path().display(),
+            "the initial snapshot did not finish; taking it again from a temporary slot, then \
+             streaming the slot from its consistent point {resume} (rows published already, \
+             and events committed after that point, may be published again, with the same \
+             event ids)"
+        );
+        return Ok(Plan::Snapshot {
+            resume: Some(resume),
+        });
+    }
     if let Some(from) = options.from_lsn {
         if from < confirmed {
             bail!(
@@ -341,6 +350,71 @@ fn plan(
     })
 }
 
+/// An unfinished snapshot whose slot does not exist. Without a recorded
+/// consistent point, walbox stopped between saving the checkpoint and creating
+/// the slot: the slot is created with a snapshot, as on a first start. With one,
+/// the slot was dropped, and the events it held are gone: refused unless the
+/// slot position is accepted.
+fn snapshot_without_its_slot(
+    name: &str,
+    store: &CheckpointFile,
+    cp: &Checkpoint,
+    options: &RunOptions,
+) -> Result<Plan> {
+    let Some(point) = cp.snapshot.as_ref().and_then(|s| s.consistent_point) else {
+        return Ok(Plan::Snapshot { resume: None });
+    };
+    if !options.accept_slot_position {
+        bail!(
+            "replication slot {name:?} does not exist, but the checkpoint {} says the initial \
+             snapshot created it at {point} and did not finish: the slot was dropped, and \
+             outbox events committed after {point} and deleted from the table since are in no \
+             slot, so a new snapshot cannot publish them. To take the snapshot again from a \
+             new slot without them, start once with --accept-slot-position",
+            store.path().display()
+        );
+    }
+    tracing::warn!(slot = %name, consistent_point = %point,
+        "the slot of the unfinished snapshot was dropped; taking the snapshot again from a new \
+         slot as asked (--accept-slot-position): outbox events committed after the old \
+         consistent point and deleted since are not published");
+    Ok(Plan::Snapshot { resume: None })
+}
+
+/// Where the stream of an unfinished snapshot's slot continues: its consistent
+/// point. walbox reports no position to the server while a snapshot is
+/// unfinished, so the slot is still there. Without a recorded point (walbox
+/// stopped between creating the slot and saving the point) it is the slot's
+/// confirmed position, which nothing has moved since its creation.
+fn snapshot_resume(
+    name: &str,
+    store: &CheckpointFile,
+    cp: &Checkpoint,
+    confirmed: Lsn,
+    options: &RunOptions,
+) -> Result<Lsn> {
+    let Some(point) = cp.snapshot.as_ref().and_then(|s| s.consistent_point) else {
+        return Ok(confirmed);
+    };
+    if confirmed > point {
+        if options.accept_slot_position {
+            tracing::warn!(slot = %confirmed, consistent_point = %point,
+                "streaming the unfinished snapshot's slot from its position as asked \
+                 (--accept-slot-position); outbox events committed between the consistent \
+                 point and it and deleted from the table since are not published");
+            return Ok(confirmed);
+        }
+        bail!(
+            "slot {name:?} is at {confirmed}, ahead of the consistent point {point} of the \
+             unfinished initial snapshot in {}: outbox events committed between {point} and \
+             {confirmed} are no longer in the slot, and those deleted from the table since are \
+             in no snapshot either (the slot was advanced by another reader). {RECOVER}",
+            store.path().display()
+        );
+    }
+    Ok(point)
+}
+
 /// Where `walbox run` would start, for `walbox doctor`: the checkpoint and the
 /// slot against each other. `None` when there is neither a slot nor a checkpoint.
 pub async fn where_run_starts(
@@ -365,10 +439,13 @@ pub async fn where_run_starts(
             slot.as_ref(),
             &RunOptions::default(),
         )? {
-            Plan::Snapshot { drop_slot: true } => {
-                format!("walbox run takes the unfinished snapshot again from a new slot ({at})")
-            }
-            Plan::Snapshot { drop_slot: false } => {
+            Plan::Snapshot {
+                resume: Some(resume),
+            } => format!(
+                "walbox run takes the unfinished snapshot again from a temporary slot, then \
+                 streams the slot from {resume} ({at})"
+            ),
+            Plan::Snapshot { resume: None } => {
                 format!("walbox run creates the slot with a snapshot ({at})")
             }
             Plan::Stream { start, .. } => format!("walbox run starts at {start} ({at})"),
@@ -495,8 +572,8 @@ async fn session(
     let mut relay = Relay::new(ctx, sink)?;
     relay.adopt_checkpoint(saved);
     let (start, server_confirmed) = match plan {
-        Plan::Snapshot { drop_slot } => {
-            match take_snapshot(&mut relay, &mut deliveries, signals, drop_slot).await? {
+        Plan::Snapshot { resume } => {
+            match take_snapshot(&mut relay, &mut deliveries, signals, resume).await? {
                 Some(point) => (point, point),
                 None => return Ok(()),
             }
@@ -1734,22 +1811,30 @@ impl Holdback {
 /// the same in the stream and the snapshot, whatever the server's defaults.
 const SESSION_OPTIONS: &str = "-c TimeZone=UTC -c DateStyle=ISO,YMD";
 
-/// Creates the slot with an exported snapshot, publishes every outbox row the
-/// snapshot shows (as one transaction at the slot's consistent point) and
-/// returns the consistent point, where the stream continues. `None` when a stop
-/// signal came first: the checkpoint then says the snapshot is unfinished, and
-/// the next start takes it again.
+/// Publishes every outbox row an exported snapshot shows, as one transaction at
+/// the position the stream then starts from, and returns that position. `None`
+/// when a stop signal came first: the checkpoint then says the snapshot is
+/// unfinished, and the next start takes it again.
+///
+/// Without `resume`, the slot is created with the snapshot, and the stream starts
+/// at its consistent point. With `resume` (an unfinished snapshot whose slot
+/// exists), the snapshot comes from a temporary slot created for it, whose
+/// consistent point is at or after `resume`, and the slot streams from `resume`:
+/// events committed in between come from both (same event ids), and events
+/// deleted from the table after `resume` come from the stream. The checkpoint
+/// keeps `resume` as its position until every row is acknowledged.
 async fn take_snapshot(
     relay: &mut Relay<'_>,
     deliveries: &mut Deliveries,
     signals: &mut mpsc::UnboundedReceiver<()>,
-    drop_slot: bool,
+    resume: Option<Lsn>,
 ) -> Result<Option<Lsn>> {
     let ctx = relay.ctx;
     let config = ctx.config;
     let slot = &config.source.slot;
     // The replication session that exports the snapshot; it stays open, idle,
-    // until every row is read (the snapshot lives as long as it does).
+    // until every row is read (the snapshot, and a temporary slot, live as long
+    // as it does).
     let (mut exporter, ident) = connect_identified(
         relay,
         ctx.conn
@@ -1758,60 +1843,99 @@ async fn take_snapshot(
     )
     .await?;
     let sql = ctx.conn.connect().await.map_err(classify_sql)?;
-    if drop_slot {
-        sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])
+    let export = |created: Vec<pgwire_replication::client::QueryRow>| -> Result<(Lsn, String)> {
+        let text = |i: usize| -> Result<String> {
+            created
+                .first()
+                .and_then(|row| row.get(i))
+                .and_then(|v| v.as_ref())
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .with_context(|| format!("CREATE_REPLICATION_SLOT returned no column {i}"))
+        };
+        Ok((text(1)?.parse().context("consistent_point")?, text(2)?))
+    };
+    let (point, snapshot_name, start) = if let Some(start) = resume {
+        // The checkpoint already says "unfinished"; it names `start` as the
+        // position before anything is read (the same, unless the point was not
+        // recorded yet).
+        let mut cp = relay
+            .checkpoint
+            .clone()
+            .context("an unfinished snapshot without a checkpoint")?;
+        if let Some(s) = cp.snapshot.as_mut()
+            && (cp.lsn != start || s.consistent_point != Some(start))
+        {
+            cp.lsn = start;
+            s.consistent_point = Some(start);
+            cp.partial = None;
+            ctx.store.save(&cp)?;
+            relay.adopt_checkpoint(Some(cp));
+        }
+        let temporary = format!(
+            "{}_snapshot_{}",
+            slot.chars().take(40).collect::<String>(),
+            std::process::id()
+        );
+        let created = exporter
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT {} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')",
+                crate::catalog::ident(&temporary)
+            ))
             .await
-            .with_context(|| format!("dropping slot {slot} of the unfinished snapshot"))
-            .map_err(classify_sql)?;
-        tracing::info!(slot = %slot, "dropped the slot of the unfinished snapshot");
-    }
-    // Saved before the slot exists: a crash from here on leaves a checkpoint that
-    // says "unfinished", never a slot without one.
-    let mut cp = Checkpoint {
-        version: CHECKPOINT_VERSION,
-        system_identifier: ident.system_id.clone(),
-        database: ident.dbname.clone().unwrap_or_default(),
-        slot: slot.clone(),
-        lsn: Lsn(0),
-        partial: None,
-        snapshot: Some(SnapshotState {
-            consistent_point: None,
-            complete: false,
-            rows: 0,
-        }),
+            .with_context(|| {
+                format!(
+                    "creating temporary slot {temporary} with an exported snapshot (it needs \
+                     one free replication slot: max_replication_slots)"
+                )
+            })
+            .map_err(classify_replication)?;
+        let (point, name) = export(created)?;
+        tracing::info!(slot = %slot, temporary_slot = %temporary, consistent_point = %point,
+            stream_from = %start, "taking the snapshot again from a temporary slot");
+        (point, name, start)
+    } else {
+        // Saved before the slot exists: a crash from here on leaves a checkpoint
+        // that says "unfinished", never a slot without one.
+        let mut cp = Checkpoint {
+            version: CHECKPOINT_VERSION,
+            system_identifier: ident.system_id.clone(),
+            database: ident.dbname.clone().unwrap_or_default(),
+            slot: slot.clone(),
+            lsn: Lsn(0),
+            partial: None,
+            snapshot: Some(SnapshotState {
+                consistent_point: None,
+                complete: false,
+                rows: 0,
+            }),
+        };
+        ctx.store.save(&cp)?;
+        let created = exporter
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+                crate::catalog::ident(slot)
+            ))
+            .await
+            .with_context(|| format!("creating slot {slot} with an exported snapshot"))
+            .map_err(classify_replication)?;
+        let (point, name) = export(created)?;
+        cp.lsn = point;
+        if let Some(s) = cp.snapshot.as_mut() {
+            s.consistent_point = Some(point);
+        }
+        ctx.store.save(&cp)?;
+        relay.adopt_checkpoint(Some(cp));
+        tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
+        (point, name, point)
     };
-    ctx.store.save(&cp)?;
-    let created = exporter
-        .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
-            crate::catalog::ident(slot)
-        ))
-        .await
-        .with_context(|| format!("creating slot {slot} with an exported snapshot"))
-        .map_err(classify_replication)?;
-    let text = |i: usize| -> Result<String> {
-        created
-            .first()
-            .and_then(|row| row.get(i))
-            .and_then(|v| v.as_ref())
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-            .with_context(|| format!("CREATE_REPLICATION_SLOT returned no column {i}"))
-    };
-    let point: Lsn = text(1)?.parse().context("consistent_point")?;
-    let snapshot_name = text(2)?;
-    cp.lsn = point;
-    if let Some(s) = cp.snapshot.as_mut() {
-        s.consistent_point = Some(point);
-    }
-    ctx.store.save(&cp)?;
-    relay.adopt_checkpoint(Some(cp));
-    relay.tracker = AckTracker::new(point);
-    tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
+    relay.tracker = AckTracker::new(start);
 
     snapshot::begin(&sql, &snapshot_name)
         .await
         .map_err(classify_sql)?;
-    let txn = relay.tracker.begin(point);
+    // One transaction at the stream's start for the tracker; the events carry
+    // the position of the snapshot that read them.
+    let txn = relay.tracker.begin(start);
     let mut index = 0u32;
     let mut rows_total = 0u64;
     for table_cfg in &config.outbox {
@@ -1823,7 +1947,7 @@ async fn take_snapshot(
         let mapper = Mapper::compile(table_cfg, &config.producer, &table.relation)?;
         let total = snapshot::count(&sql, &table, &config.snapshot).await?;
         let mut progress = snapshot::Progress::new(mapper.table().to_owned(), total);
-        snapshot::declare(&sql, &table, &config.snapshot).await?;
+        snapshot::declare(&sql, &table, table_cfg, &config.snapshot).await?;
         let fetch_sql = format!(
             "FETCH FORWARD {} FROM {}",
             config.snapshot.chunk_rows,
@@ -1891,10 +2015,10 @@ async fn take_snapshot(
     drop(sql);
     // Read: the exported snapshot is no longer needed.
     drop(exporter);
-    relay.tracker.commit(txn, point);
+    relay.tracker.commit(txn, start);
     relay.pending_snapshot = Some((txn, rows_total));
-    tracing::info!(rows = rows_total, consistent_point = %point, "snapshot read; the stream continues from its consistent point");
-    Ok(Some(point))
+    tracing::info!(rows = rows_total, consistent_point = %point, stream_from = %start, "snapshot read; the stream continues from the slot's consistent point");
+    Ok(Some(start))
 }
 
 /// `walbox setup --snapshot`, after the publication exists: creates the slot with
@@ -1913,18 +2037,24 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
     let saved = store.load()?;
     let slot = slot_info(&sql, &config.source.slot).await?;
     drop(sql);
-    let drop_slot = match (&saved, &slot) {
+    let resume = match (&saved, &slot) {
         (Some(cp), _) if cp.snapshot_interrupted() => {
-            tracing::warn!(slot = %config.source.slot,
-                "the previous snapshot did not finish; taking it again from a new slot \
-                 (rows it published already are published again, with the same event ids)");
             if let Some(pid) = slot.as_ref().and_then(|s| s.active_pid) {
                 bail!(
                     "slot {:?} is in use by pid {pid}; stop that reader first",
                     config.source.slot
                 );
             }
-            slot.is_some()
+            // As `walbox run` would, except that a dropped slot of the unfinished
+            // snapshot is replaced: taking a new snapshot is what was asked for.
+            let options = RunOptions {
+                accept_slot_position: slot.is_none(),
+                ..RunOptions::default()
+            };
+            match plan(config, &store, saved.as_ref(), slot.as_ref(), &options)? {
+                Plan::Snapshot { resume } => resume,
+                Plan::Stream { .. } => bail!("the unfinished snapshot cannot be taken again"),
+            }
         }
         (_, Some(_)) => {
             println_out(&format!(
@@ -1939,14 +2069,14 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
             // the old slot's checkpoint (same cluster only: checked on connect).
             tracing::info!(checkpoint = %store.path().display(), old_position = %cp.lsn,
                 "replacing the checkpoint of the dropped slot");
-            false
+            None
         }
-        (None, None) => false,
+        (None, None) => None,
     };
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
     relay.adopt_checkpoint(saved);
-    let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, drop_slot).await?
+    let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, resume).await?
     else {
         return Ok(());
     };
@@ -1971,8 +2101,13 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
             ),
         }
     }
+    let slot_at = if resume.is_some() {
+        "the unfinished snapshot's slot"
+    } else {
+        "created"
+    };
     println_out(&format!(
-        "snapshot: published {} rows; slot {} created at {point}; `walbox run` streams from there",
+        "snapshot: published {} rows; slot {} ({slot_at}) at {point}; `walbox run` streams from there",
         relay.out.stats.events, config.source.slot
     ));
     Ok(())
@@ -2248,13 +2383,13 @@ mod tests {
     }
 
     #[test]
-    fn snapshots_are_taken_for_new_slots_when_asked_and_always_redone_when_unfinished() {
+    fn snapshots_are_taken_for_new_slots_when_asked_and_taken_again_when_unfinished() {
         let none = RunOptions::default();
         let initial = config("[snapshot]\nmode = \"initial\"");
         let store = CheckpointFile::new("cp.json");
         assert_eq!(
             plan(&initial, &store, None, None, &none).unwrap(),
-            Plan::Snapshot { drop_slot: false }
+            Plan::Snapshot { resume: None }
         );
         // An existing slot streams, snapshot mode or not.
         assert!(matches!(
@@ -2263,15 +2398,66 @@ mod tests {
         ));
         let e = planned(None, None, &none).unwrap_err().to_string();
         assert!(e.contains("walbox setup"), "{e}");
-        // Unfinished: redone from a new slot, whatever the mode.
+        // Unfinished, the slot exists: taken again from a temporary slot, and the
+        // slot streams from its consistent point (0/100), whatever the mode.
+        let unfinished = cp("0/100", Some(false));
         assert_eq!(
-            planned(Some(&cp("0/100", Some(false))), Some(&slot("0/100")), &none).unwrap(),
-            Plan::Snapshot { drop_slot: true }
+            planned(Some(&unfinished), Some(&slot("0/100")), &none).unwrap(),
+            Plan::Snapshot {
+                resume: Some(lsn("0/100"))
+            }
+        );
+        // The point not recorded yet (stopped between creating the slot and
+        // saving it): the slot's position, which nothing moved since.
+        let mut unrecorded = cp("0/0", Some(false));
+        if let Some(s) = unrecorded.snapshot.as_mut() {
+            s.consistent_point = None;
+        }
+        assert_eq!(
+            planned(Some(&unrecorded), Some(&slot("0/180")), &none).unwrap(),
+            Plan::Snapshot {
+                resume: Some(lsn("0/180"))
+            }
+        );
+        // ... and no slot yet: created with a snapshot, as on a first start.
+        assert_eq!(
+            planned(Some(&unrecorded), None, &none).unwrap(),
+            Plan::Snapshot { resume: None }
+        );
+        // The slot was dropped or advanced: what it held is gone; refused unless
+        // accepted.
+        let accept = RunOptions {
+            accept_slot_position: true,
+            ..RunOptions::default()
+        };
+        let e = planned(Some(&unfinished), None, &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the slot was dropped") && e.contains("--accept-slot-position"),
+            "{e}"
         );
         assert_eq!(
-            planned(Some(&cp("0/100", Some(false))), None, &none).unwrap(),
-            Plan::Snapshot { drop_slot: false }
+            planned(Some(&unfinished), None, &accept).unwrap(),
+            Plan::Snapshot { resume: None }
         );
+        let e = planned(Some(&unfinished), Some(&slot("0/200")), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ahead of the consistent point 0/100")
+                && e.contains("--accept-slot-position"),
+            "{e}"
+        );
+        assert_eq!(
+            planned(Some(&unfinished), Some(&slot("0/200")), &accept).unwrap(),
+            Plan::Snapshot {
+                resume: Some(lsn("0/200"))
+            }
+        );
+        let mut lost = slot("0/100");
+        lost.wal_status = Some("lost".into());
+        assert!(planned(Some(&unfinished), Some(&lost), &none).is_err());
         // Finished: stream.
         assert!(matches!(
             planned(Some(&cp("0/100", Some(true))), Some(&slot("0/100")), &none).unwrap(),
