@@ -394,9 +394,13 @@ async fn events_inserted_and_deleted_after_an_interrupted_snapshot_are_published
         .unwrap();
     let point = interrupt_the_snapshot(&pg, &broker, &db, 0).await;
     // While walbox is down: 20 transactions each insert an event and delete it,
-    // 5 per key on keys of their own; only the slot has them.
+    // 5 per key on keys of their own; only the slot has them. Half of them come
+    // before a second start that is killed while it takes the snapshot again.
     let mut gone = Vec::new();
     for n in 0..20u32 {
+        if n == 10 {
+            assert_eq!(interrupt_the_snapshot(&pg, &broker, &db, 0).await, point);
+        }
         gone.push(insert_and_delete(&db, n, &format!("gone-{}", n % 4), i64::from(n / 4)).await);
     }
     let env = walbox_env(&pg, &broker);

@@ -1871,10 +1871,14 @@ async fn take_snapshot(
             ctx.store.save(&cp)?;
             relay.adopt_checkpoint(Some(cp));
         }
+        // Unique per attempt: the temporary slot of an earlier session can
+        // outlive it for a moment (until the server sees its connection end).
+        static ATTEMPT: AtomicU64 = AtomicU64::new(0);
         let temporary = format!(
-            "{}_snapshot_{}",
-            slot.chars().take(40).collect::<String>(),
-            std::process::id()
+            "{}_snap_{}_{}",
+            slot.chars().take(36).collect::<String>(),
+            std::process::id(),
+            ATTEMPT.fetch_add(1, Ordering::Relaxed)
         );
         let created = exporter
             .simple_query(&format!(
