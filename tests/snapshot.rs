@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
+use walbox_testkit::kafka::Record;
 use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster};
 
 const TOPIC: &str = "outbox.order";
@@ -237,7 +238,7 @@ async fn an_interrupted_snapshot_is_never_taken_for_complete_and_is_taken_again(
     let log = walbox.log();
     assert!(log.contains("did not finish; taking it again"), "{log}");
     assert!(
-        log.contains("dropped the slot of the unfinished snapshot"),
+        log.contains("taking the snapshot again from a temporary slot"),
         "{log}"
     );
     let cp = checkpoint(&pg).unwrap();
@@ -306,4 +307,288 @@ async fn setup_snapshot_stopped_by_a_signal_fails_and_leaves_it_to_be_taken_agai
     );
     assert!(!log.contains("snapshot: published"), "{log}");
     assert!(checkpoint(&pg).unwrap().snapshot_interrupted());
+}
+
+/// Starts `walbox run` with a snapshot slowed down to `max_in_flight = 5`, waits
+/// until `started` holds for its log and what the topic has, and kills it (-9).
+/// Checks that the checkpoint says "unfinished" and that the slot is still at
+/// the snapshot's consistent point (nothing is reported before the snapshot
+/// completes); returns that point.
+async fn interrupt_the_snapshot(
+    pg: &PgCluster,
+    broker: &Broker,
+    db: &tokio_postgres::Client,
+    published_before: usize,
+) -> walbox_pgoutput::Lsn {
+    let env = walbox_env(pg, broker);
+    let slow = snapshot_config(pg, "mode = \"initial\"\n[sink]\nmax_in_flight = 5\n");
+    let mut walbox = Walbox::spawn(&["run", "--config", &slow], &env);
+    walbox_testkit::wait_until("the snapshot to start", Duration::from_secs(60), || {
+        walbox.log().contains("snapshot: reading").then_some(())
+    })
+    .unwrap();
+    if published_before > 0 {
+        let bootstrap = broker.bootstrap();
+        tokio::task::spawn_blocking(move || {
+            walbox_testkit::kafka::read_at_least(
+                &bootstrap,
+                TOPIC,
+                published_before,
+                Duration::from_secs(60),
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap();
+    }
+    walbox.kill9();
+    let cp = checkpoint(pg).unwrap();
+    assert!(cp.snapshot_interrupted(), "killed mid-snapshot: {cp:?}");
+    let point = cp.snapshot.as_ref().unwrap().consistent_point.unwrap();
+    assert_eq!(cp.lsn, point, "{cp:?}");
+    assert_eq!(
+        confirmed_lsn(db, "walbox").await,
+        point,
+        "the slot stays at the consistent point while the snapshot is unfinished"
+    );
+    point
+}
+
+/// One transaction: inserts an outbox event for `key` with payload `seq`, with
+/// a known id, and deletes it again (an outbox that is always empty). Returns
+/// the id.
+async fn insert_and_delete(db: &tokio_postgres::Client, n: u32, key: &str, seq: i64) -> String {
+    let id = format!("00000000-0000-4000-8000-{n:012}");
+    db.batch_execute(&format!(
+        "BEGIN;
+         INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('{id}', 'order', '{key}', 'OrderPlaced', '{{\"seq\": {seq}}}');
+         DELETE FROM outbox WHERE id = '{id}';
+         COMMIT;"
+    ))
+    .await
+    .unwrap();
+    id
+}
+
+/// Per key, the first appearance of each event id is in commit order: over
+/// first appearances in partition order, the payload's `seq` counts 0, 1, 2, ...
+/// Repeats of an id already seen are allowed anywhere.
+fn assert_first_appearances_in_commit_order(records: &[Record]) {
+    let mut sorted: Vec<&Record> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.partition, r.offset));
+    let mut seen = std::collections::HashSet::new();
+    let mut next: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+    for r in sorted {
+        if !seen.insert(r.header("event_id").expect("event id").to_owned()) {
+            continue;
+        }
+        let key = r.key_str().expect("key").to_owned();
+        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+        let seq = v["payload"]["seq"].as_i64().unwrap();
+        let expected = next.entry(key.clone()).or_insert(0);
+        assert_eq!(
+            seq, *expected,
+            "key {key}: first appearance of seq {seq} where {expected} was expected"
+        );
+        *expected += 1;
+    }
+}
+
+/// Every id in `ids` is on the topic.
+fn assert_on_topic(ids: &[String], records: &[Record], what: &str) {
+    let on_topic: std::collections::HashSet<&str> = records
+        .iter()
+        .filter_map(|r| r.header("event_id"))
+        .collect();
+    let missing: Vec<&String> = ids
+        .iter()
+        .filter(|id| !on_topic.contains(id.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} {what} missing: {missing:?}",
+        missing.len(),
+        ids.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_inserted_and_deleted_after_an_interrupted_snapshot_are_published() {
+    let (pg, broker, db) = start().await;
+    existing_rows(&db, 20_000).await;
+    db.batch_execute("CREATE PUBLICATION walbox_outbox FOR TABLE outbox")
+        .await
+        .unwrap();
+    let point = interrupt_the_snapshot(&pg, &broker, &db, 0).await;
+    // While walbox is down: 20 transactions each insert an event and delete it,
+    // 5 per key on keys of their own; only the slot has them. Half of them come
+    // before a second start that is killed while it takes the snapshot again.
+    let mut gone = Vec::new();
+    for n in 0..20u32 {
+        if n == 10 {
+            assert_eq!(interrupt_the_snapshot(&pg, &broker, &db, 0).await, point);
+        }
+        gone.push(insert_and_delete(&db, n, &format!("gone-{}", n % 4), i64::from(n / 4)).await);
+    }
+    let env = walbox_env(&pg, &broker);
+    let fast = snapshot_config(&pg, "mode = \"initial\"\n");
+    let mut walbox = Walbox::spawn(&["run", "--config", &fast], &env);
+    walbox_testkit::wait_until("the snapshot to finish", Duration::from_secs(120), || {
+        checkpoint(&pg)
+            .and_then(|c| c.snapshot)
+            .filter(|s| s.complete)
+            .map(drop)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 20_000, "retake").await;
+    let log = walbox.log();
+    walbox.stop();
+    assert!(
+        log.contains("taking the snapshot again from a temporary slot"),
+        "{log}"
+    );
+    assert_on_topic(
+        &gone,
+        &records,
+        "events inserted and deleted after the consistent point",
+    );
+    assert_first_appearances_in_commit_order(&records);
+    let cp = checkpoint(&pg).unwrap();
+    assert!(cp.lsn >= point, "{cp:?}");
+    assert_eq!(cp.snapshot.unwrap().rows, 20_000);
+    // The temporary slot went with its connection.
+    walbox_testkit::wait_until_async(
+        "the temporary slot to go",
+        Duration::from_secs(30),
+        || async {
+            let slots: i64 = db
+                .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+                .await
+                .unwrap()
+                .get(0);
+            (slots == 1).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleanup_of_published_rows_after_an_interrupted_snapshot_loses_nothing() {
+    let (pg, broker, db) = start().await;
+    existing_rows(&db, 20_000).await;
+    db.batch_execute("CREATE PUBLICATION walbox_outbox FOR TABLE outbox")
+        .await
+        .unwrap();
+    let all_before = outbox_ids(&db).await;
+    interrupt_the_snapshot(&pg, &broker, &db, 2_000).await;
+    // New events come in (they stay), and a cleanup job deletes the rows already
+    // on the topic; events of other keys are inserted and deleted at once.
+    let mut gone = Vec::new();
+    for n in 0..20u32 {
+        let key = format!("late-{}", n % 4);
+        db.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', $1, 'OrderPlaced', jsonb_build_object('seq', $2::bigint))",
+            &[&key, &i64::from(n / 4)],
+        )
+        .await
+        .unwrap();
+        gone.push(insert_and_delete(&db, n, &format!("gone-{}", n % 4), i64::from(n / 4)).await);
+    }
+    let published = read_topic(&broker.bootstrap(), TOPIC, 2_000).await;
+    let published_ids: Vec<String> = published
+        .iter()
+        .filter_map(|r| r.header("event_id").map(str::to_owned))
+        .collect();
+    let deleted = db
+        .execute(
+            "DELETE FROM outbox WHERE id::text = ANY($1)",
+            &[&published_ids],
+        )
+        .await
+        .unwrap();
+    assert!(deleted >= 2_000, "{deleted}");
+    let env = walbox_env(&pg, &broker);
+    let fast = snapshot_config(&pg, "mode = \"initial\"\n");
+    let mut walbox = Walbox::spawn(&["run", "--config", &fast], &env);
+    walbox_testkit::wait_until("the snapshot to finish", Duration::from_secs(120), || {
+        checkpoint(&pg)
+            .and_then(|c| c.snapshot)
+            .filter(|s| s.complete)
+            .map(drop)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    let remaining = 20_000 - usize::try_from(deleted).unwrap() + 20;
+    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, remaining, "cleanup").await;
+    walbox.stop();
+    let before: Vec<String> = all_before.into_iter().collect();
+    assert_on_topic(
+        &before,
+        &records,
+        "rows of the outbox before the first start",
+    );
+    assert_on_topic(
+        &gone,
+        &records,
+        "events inserted and deleted after the consistent point",
+    );
+    assert_first_appearances_in_commit_order(&records);
+    let cp = checkpoint(&pg).unwrap();
+    assert_eq!(
+        cp.snapshot.unwrap().rows,
+        u64::try_from(remaining).unwrap(),
+        "the retaken snapshot read what the cleanup left, and the 20 kept new rows"
+    );
+}
+
+/// The default order of a uuid-keyed outbox with an `occurred_at` column: by
+/// occurrence time, so each key's existing events go out in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_uuid_keyed_outbox_is_snapshotted_in_per_key_commit_order_by_default() {
+    let pg = PgCluster::start().unwrap();
+    let broker = Broker::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    // One event per transaction (occurred_at = now() of each), round robin over
+    // 20 keys.
+    for n in 0..1_000i64 {
+        db.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('order', 'order-' || ($1::bigint % 20), 'OrderPlaced',
+                     jsonb_build_object('seq', $1::bigint / 20))",
+            &[&n],
+        )
+        .await
+        .unwrap();
+    }
+    let env = walbox_env(&pg, &broker);
+    let (code, out, err) = tokio::task::spawn_blocking({
+        let env = env.clone();
+        move || walbox_cmd(&["setup", "--snapshot"], &env)
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(!err.contains("WARN"), "{err}");
+    let records = read_topic(&broker.bootstrap(), TOPIC, 1_000).await;
+    assert_eq!(records.len(), 1_000);
+    assert_per_key_order(&records, false);
+
+    // `walbox doctor` names the order, and warns once nothing orders the table.
+    let (_, out, err) = walbox_cmd(&["doctor"], &env);
+    assert!(
+        out.contains("a snapshot reads public.outbox by occurred_at, id (occurrence time"),
+        "{out}\n{err}"
+    );
+    db.batch_execute("ALTER TABLE outbox DROP COLUMN occurred_at")
+        .await
+        .unwrap();
+    let (_, out, err) = walbox_cmd(&["doctor"], &env);
+    assert!(
+        out.contains("warn a snapshot reads public.outbox in primary key order (id)")
+            && out.contains("snapshot.order_by = ["),
+        "{out}\n{err}"
+    );
 }

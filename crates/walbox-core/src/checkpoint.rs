@@ -70,7 +70,10 @@ pub struct SnapshotState {
     #[serde(with = "opt_lsn_text", default)]
     pub consistent_point: Option<Lsn>,
     /// Every snapshot row was acknowledged. An incomplete snapshot is never
-    /// continued: it is taken again from a new slot.
+    /// continued: it is taken again (from a temporary slot, while the slot
+    /// streams from `consistent_point`), and is complete only when every row of
+    /// that new snapshot is acknowledged. Until then the resume position stays
+    /// at `consistent_point` and nothing is reported to the server.
     pub complete: bool,
     /// Rows published by the snapshot (when complete).
     pub rows: u64,

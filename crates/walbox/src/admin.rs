@@ -14,7 +14,9 @@ use crate::publication::{self, CREATED_BY_WALBOX, Problem};
 /// also turns on inserts and `publish_via_partition_root` when needed. Refuses,
 /// with the fix, a publication that would still lose events (one walbox did not
 /// create is not changed beyond adding tables). With `create_slot`, the slot too.
-/// Does nothing that is already done.
+/// Does nothing that is already done. Without `create_slot` (a snapshot
+/// follows), warns about tables whose snapshot order need not keep each key's
+/// commit order.
 pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?;
     let sql = conn.connect().await?;
@@ -97,6 +99,16 @@ pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     }
     if create_slot_too {
         create_slot(&sql, &config.source.slot).await?;
+    } else {
+        // A snapshot follows: say when it cannot keep each key's order.
+        for t in &config.outbox {
+            let (schema, name) = t.qualified();
+            if let Some(table) = crate::catalog::table(&sql, schema, name).await?
+                && let Some(w) = crate::snapshot::read_order(&table, t, &config.snapshot)?.warning
+            {
+                tracing::warn!("{w}");
+            }
+        }
     }
     Ok(())
 }

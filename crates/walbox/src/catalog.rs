@@ -18,6 +18,9 @@ pub struct Table {
     pub relation: Relation,
     /// Primary key columns in key order (empty without one).
     pub primary_key: Vec<String>,
+    /// Columns filled from a sequence (identity, serial, bigserial), in column
+    /// order: they grow in insertion order.
+    pub sequenced: Vec<String>,
 }
 
 impl Table {
@@ -84,6 +87,20 @@ pub async fn table(
             }
         })
         .collect();
+    let sequenced: Vec<String> = sql
+        .query(
+            "SELECT a.attname::text FROM pg_attribute a
+             LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+             WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped
+               AND (a.attidentity <> '' OR pg_get_expr(d.adbin, d.adrelid) LIKE 'nextval(%')
+             ORDER BY a.attnum",
+            &[&oid],
+        )
+        .await
+        .context("reading the sequence-filled columns")?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     let replica_identity = match identity.as_str() {
         "n" => ReplicaIdentity::Nothing,
         "f" => ReplicaIdentity::Full,
@@ -100,5 +117,6 @@ pub async fn table(
             columns,
         },
         primary_key,
+        sequenced,
     }))
 }

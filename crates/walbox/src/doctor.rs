@@ -184,6 +184,21 @@ pub async fn run(config: &Config) -> Result<()> {
             format!("{user} may SELECT from {qualified}"),
             format!("{user} cannot SELECT from {qualified}: GRANT SELECT ON {qualified} TO {user}"),
         );
+        // The order a snapshot reads the table in.
+        match crate::snapshot::read_order(&found, table, &config.snapshot) {
+            Ok(order) => match order.warning {
+                Some(w) => r.add(Verdict::Warn, w),
+                None => r.add(
+                    Verdict::Ok,
+                    format!(
+                        "a snapshot reads {qualified} by {} ({})",
+                        order.columns.join(", "),
+                        order.basis
+                    ),
+                ),
+            },
+            Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
+        }
         // The table's columns against the mapping, as walbox will see them.
         let relation = found.relation;
         match Mapper::compile(table, &config.producer, &relation) {

@@ -241,8 +241,8 @@ async fn session(
     );
     relay.adopt_checkpoint(saved);
     let (start, server_confirmed) = match plan {
-        Plan::Snapshot { drop_slot } => {
-            match take_snapshot(&mut relay, &mut deliveries, signals, drop_slot).await? {
+        Plan::Snapshot { resume } => {
+            match take_snapshot(&mut relay, &mut deliveries, signals, resume).await? {
                 Some(point) => {
                     relay.core.continue_after_snapshot(point);
                     (point, point)

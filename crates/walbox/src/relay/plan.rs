@@ -53,9 +53,13 @@ pub(super) async fn slot_info(
 /// Where a session starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Plan {
-    /// Create the slot with an exported snapshot, publish the existing rows,
-    /// then stream; `drop_slot` first removes the slot of an interrupted one.
-    Snapshot { drop_slot: bool },
+    /// Publish the existing rows from an exported snapshot, then stream. Without
+    /// `resume`, the slot is created with the snapshot and the stream starts at its
+    /// consistent point. With `resume`, the slot of an unfinished snapshot still
+    /// holds every change committed after that position (its consistent point):
+    /// the snapshot is taken again from a temporary slot and the slot streams
+    /// from `resume`.
+    Snapshot { resume: Option<Lsn> },
     /// Stream from `start`; the server holds `server_confirmed`.
     Stream { start: Lsn, server_confirmed: Lsn },
 }
@@ -74,20 +78,11 @@ pub(super) fn plan(
     options: &RunOptions,
 ) -> Result<Plan> {
     let name = &config.source.slot;
-    if let Some(cp) = saved
-        && cp.snapshot_interrupted()
-    {
-        tracing::warn!(
-            slot = %name,
-            checkpoint = %store.path().display(),
-            "the initial snapshot did not finish; taking it again from a new slot \
-             (rows it published already are published again, with the same event ids)"
-        );
-        return Ok(Plan::Snapshot {
-            drop_slot: slot.is_some(),
-        });
-    }
+    let unfinished = saved.filter(|cp| cp.snapshot_interrupted());
     let Some(slot) = slot else {
+        if let Some(cp) = unfinished {
+            return snapshot_without_its_slot(name, store, cp, options);
+        }
         if let Some(cp) = saved {
             bail!(
                 "replication slot {name:?} does not exist, but the checkpoint {} says walbox \
@@ -98,7 +93,7 @@ pub(super) fn plan(
             );
         }
         if config.snapshot.mode == SnapshotMode::Initial {
-            return Ok(Plan::Snapshot { drop_slot: false });
+            return Ok(Plan::Snapshot { resume: None });
         }
         bail!(
             "replication slot {name:?} does not exist; create it with `walbox setup` \
@@ -128,6 +123,20 @@ pub(super) fn plan(
     let confirmed = slot
         .confirmed
         .with_context(|| format!("slot {name:?} has no confirmed position"))?;
+    if let Some(cp) = unfinished {
+        let resume = snapshot_resume(name, store, cp, confirmed, options)?;
+        tracing::warn!(
+            slot = %name,
+            checkpoint = %store.path().display(),
+            "the initial snapshot did not finish; taking it again from a temporary slot, then \
+             streaming the slot from its consistent point {resume} (rows published already, \
+             and events committed after that point, may be published again, with the same \
+             event ids)"
+        );
+        return Ok(Plan::Snapshot {
+            resume: Some(resume),
+        });
+    }
     if let Some(from) = options.from_lsn {
         let flag = if options.replay {
             "--from"
@@ -207,6 +216,71 @@ pub(super) fn plan(
     })
 }
 
+/// An unfinished snapshot whose slot does not exist. Without a recorded
+/// consistent point, walbox stopped between saving the checkpoint and creating
+/// the slot: the slot is created with a snapshot, as on a first start. With one,
+/// the slot was dropped, and the events it held are gone: refused unless the
+/// slot position is accepted.
+fn snapshot_without_its_slot(
+    name: &str,
+    store: &CheckpointFile,
+    cp: &Checkpoint,
+    options: &RunOptions,
+) -> Result<Plan> {
+    let Some(point) = cp.snapshot.as_ref().and_then(|s| s.consistent_point) else {
+        return Ok(Plan::Snapshot { resume: None });
+    };
+    if !options.accept_slot_position {
+        bail!(
+            "replication slot {name:?} does not exist, but the checkpoint {} says the initial \
+             snapshot created it at {point} and did not finish: the slot was dropped, and \
+             outbox events committed after {point} and deleted from the table since are in no \
+             slot, so a new snapshot cannot publish them. To take the snapshot again from a \
+             new slot without them, start once with --accept-slot-position",
+            store.path().display()
+        );
+    }
+    tracing::warn!(slot = %name, consistent_point = %point,
+        "the slot of the unfinished snapshot was dropped; taking the snapshot again from a new \
+         slot as asked (--accept-slot-position): outbox events committed after the old \
+         consistent point and deleted since are not published");
+    Ok(Plan::Snapshot { resume: None })
+}
+
+/// Where the stream of an unfinished snapshot's slot continues: its consistent
+/// point. walbox reports no position to the server while a snapshot is
+/// unfinished, so the slot is still there. Without a recorded point (walbox
+/// stopped between creating the slot and saving the point) it is the slot's
+/// confirmed position, which nothing has moved since its creation.
+fn snapshot_resume(
+    name: &str,
+    store: &CheckpointFile,
+    cp: &Checkpoint,
+    confirmed: Lsn,
+    options: &RunOptions,
+) -> Result<Lsn> {
+    let Some(point) = cp.snapshot.as_ref().and_then(|s| s.consistent_point) else {
+        return Ok(confirmed);
+    };
+    if confirmed > point {
+        if options.accept_slot_position {
+            tracing::warn!(slot = %confirmed, consistent_point = %point,
+                "streaming the unfinished snapshot's slot from its position as asked \
+                 (--accept-slot-position); outbox events committed between the consistent \
+                 point and it and deleted from the table since are not published");
+            return Ok(confirmed);
+        }
+        bail!(
+            "slot {name:?} is at {confirmed}, ahead of the consistent point {point} of the \
+             unfinished initial snapshot in {}: outbox events committed between {point} and \
+             {confirmed} are no longer in the slot, and those deleted from the table since are \
+             in no snapshot either (the slot was advanced by another reader). {RECOVER}",
+            store.path().display()
+        );
+    }
+    Ok(point)
+}
+
 /// Where `walbox run` would start, for `walbox doctor`: the checkpoint and the
 /// slot against each other. `None` when there is neither a slot nor a checkpoint.
 pub async fn where_run_starts(
@@ -231,10 +305,13 @@ pub async fn where_run_starts(
             slot.as_ref(),
             &RunOptions::default(),
         )? {
-            Plan::Snapshot { drop_slot: true } => {
-                format!("walbox run takes the unfinished snapshot again from a new slot ({at})")
-            }
-            Plan::Snapshot { drop_slot: false } => {
+            Plan::Snapshot {
+                resume: Some(resume),
+            } => format!(
+                "walbox run takes the unfinished snapshot again from a temporary slot, then \
+                 streams the slot from {resume} ({at})"
+            ),
+            Plan::Snapshot { resume: None } => {
                 format!("walbox run creates the slot with a snapshot ({at})")
             }
             Plan::Stream { start, .. } => format!("walbox run starts at {start} ({at})"),
@@ -526,13 +603,13 @@ mod tests {
     }
 
     #[test]
-    fn snapshots_are_taken_for_new_slots_when_asked_and_always_redone_when_unfinished() {
+    fn snapshots_are_taken_for_new_slots_when_asked_and_taken_again_when_unfinished() {
         let none = RunOptions::default();
         let initial = config("[snapshot]\nmode = \"initial\"");
         let store = CheckpointFile::new("cp.json");
         assert_eq!(
             plan(&initial, &store, None, None, &none).unwrap(),
-            Plan::Snapshot { drop_slot: false }
+            Plan::Snapshot { resume: None }
         );
         // An existing slot streams, snapshot mode or not.
         assert!(matches!(
@@ -541,15 +618,66 @@ mod tests {
         ));
         let e = planned(None, None, &none).unwrap_err().to_string();
         assert!(e.contains("walbox setup"), "{e}");
-        // Unfinished: redone from a new slot, whatever the mode.
+        // Unfinished, the slot exists: taken again from a temporary slot, and the
+        // slot streams from its consistent point (0/100), whatever the mode.
+        let unfinished = cp("0/100", Some(false));
         assert_eq!(
-            planned(Some(&cp("0/100", Some(false))), Some(&slot("0/100")), &none).unwrap(),
-            Plan::Snapshot { drop_slot: true }
+            planned(Some(&unfinished), Some(&slot("0/100")), &none).unwrap(),
+            Plan::Snapshot {
+                resume: Some(lsn("0/100"))
+            }
+        );
+        // The point not recorded yet (stopped between creating the slot and
+        // saving it): the slot's position, which nothing moved since.
+        let mut unrecorded = cp("0/0", Some(false));
+        if let Some(s) = unrecorded.snapshot.as_mut() {
+            s.consistent_point = None;
+        }
+        assert_eq!(
+            planned(Some(&unrecorded), Some(&slot("0/180")), &none).unwrap(),
+            Plan::Snapshot {
+                resume: Some(lsn("0/180"))
+            }
+        );
+        // ... and no slot yet: created with a snapshot, as on a first start.
+        assert_eq!(
+            planned(Some(&unrecorded), None, &none).unwrap(),
+            Plan::Snapshot { resume: None }
+        );
+        // The slot was dropped or advanced: what it held is gone; refused unless
+        // accepted.
+        let accept = RunOptions {
+            accept_slot_position: true,
+            ..RunOptions::default()
+        };
+        let e = planned(Some(&unfinished), None, &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the slot was dropped") && e.contains("--accept-slot-position"),
+            "{e}"
         );
         assert_eq!(
-            planned(Some(&cp("0/100", Some(false))), None, &none).unwrap(),
-            Plan::Snapshot { drop_slot: false }
+            planned(Some(&unfinished), None, &accept).unwrap(),
+            Plan::Snapshot { resume: None }
         );
+        let e = planned(Some(&unfinished), Some(&slot("0/200")), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("ahead of the consistent point 0/100")
+                && e.contains("--accept-slot-position"),
+            "{e}"
+        );
+        assert_eq!(
+            planned(Some(&unfinished), Some(&slot("0/200")), &accept).unwrap(),
+            Plan::Snapshot {
+                resume: Some(lsn("0/200"))
+            }
+        );
+        let mut lost = slot("0/100");
+        lost.wal_status = Some("lost".into());
+        assert!(planned(Some(&unfinished), Some(&lost), &none).is_err());
         // Finished: stream.
         assert!(matches!(
             planned(Some(&cp("0/100", Some(true))), Some(&slot("0/100")), &none).unwrap(),

@@ -2,6 +2,7 @@
 //! rows it shows published as one transaction at its consistent point, then the
 //! stream from there.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -11,29 +12,40 @@ use walbox_outbox::Mapper;
 use walbox_pgoutput::Lsn;
 use walbox_sink::{Deliveries, Sink};
 
+use super::plan::{Plan, plan};
 use super::shell::{Relay, connect_identified};
-use super::{Ctx, classify_replication, classify_sql, make_sink, println_out, signals, slot_info};
+use super::{
+    Ctx, RunOptions, classify_replication, classify_sql, make_sink, println_out, signals, slot_info,
+};
 use crate::catalog;
 use crate::config::Config;
 use crate::pg::ConnParams;
 use crate::snapshot;
 
-/// Creates the slot with an exported snapshot, publishes every outbox row the
-/// snapshot shows (as one transaction at the slot's consistent point) and
-/// returns the consistent point, where the stream continues. `None` when a stop
-/// signal came first: the checkpoint then says the snapshot is unfinished, and
-/// the next start takes it again.
+/// Publishes every outbox row an exported snapshot shows, as one transaction at
+/// the position the stream then starts from, and returns that position. `None`
+/// when a stop signal came first: the checkpoint then says the snapshot is
+/// unfinished, and the next start takes it again.
+///
+/// Without `resume`, the slot is created with the snapshot, and the stream starts
+/// at its consistent point. With `resume` (an unfinished snapshot whose slot
+/// exists), the snapshot comes from a temporary slot created for it, whose
+/// consistent point is at or after `resume`, and the slot streams from `resume`:
+/// events committed in between come from both (same event ids), and events
+/// deleted from the table after `resume` come from the stream. The checkpoint
+/// keeps `resume` as its position until every row is acknowledged.
 pub(super) async fn take_snapshot(
     relay: &mut Relay<'_>,
     deliveries: &mut Deliveries,
     signals: &mut mpsc::UnboundedReceiver<()>,
-    drop_slot: bool,
+    resume: Option<Lsn>,
 ) -> Result<Option<Lsn>> {
     let ctx = relay.ctx;
     let config = ctx.config;
     let slot = &config.source.slot;
     // The replication session that exports the snapshot; it stays open, idle,
-    // until every row is read (the snapshot lives as long as it does).
+    // until every row is read (the snapshot, and a temporary slot, live as long
+    // as it does).
     let (mut exporter, ident) = connect_identified(
         relay,
         ctx.conn
@@ -43,55 +55,97 @@ pub(super) async fn take_snapshot(
     )
     .await?;
     let sql = ctx.conn.connect().await.map_err(classify_sql)?;
-    if drop_slot {
-        sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])
+    let export = |created: Vec<pgwire_replication::client::QueryRow>| -> Result<(Lsn, String)> {
+        let text = |i: usize| -> Result<String> {
+            created
+                .first()
+                .and_then(|row| row.get(i))
+                .and_then(|v| v.as_ref())
+                .map(|b| String::from_utf8_lossy(b).into_owned())
+                .with_context(|| format!("CREATE_REPLICATION_SLOT returned no column {i}"))
+        };
+        Ok((text(1)?.parse().context("consistent_point")?, text(2)?))
+    };
+    let (point, snapshot_name, start) = if let Some(start) = resume {
+        // The checkpoint already says "unfinished"; it names `start` as the
+        // position before anything is read (the same, unless the point was not
+        // recorded yet).
+        let mut cp = relay
+            .core
+            .checkpoint()
+            .cloned()
+            .context("an unfinished snapshot without a checkpoint")?;
+        if let Some(s) = cp.snapshot.as_mut()
+            && (cp.lsn != start || s.consistent_point != Some(start))
+        {
+            cp.lsn = start;
+            s.consistent_point = Some(start);
+            cp.partial = None;
+            ctx.store.save(&cp)?;
+            relay.adopt_checkpoint(Some(cp));
+        }
+        // Unique per attempt: the temporary slot of an earlier session can
+        // outlive it for a moment (until the server sees its connection end).
+        static ATTEMPT: AtomicU64 = AtomicU64::new(0);
+        let temporary = format!(
+            "{}_snap_{}_{}",
+            slot.chars().take(36).collect::<String>(),
+            std::process::id(),
+            ATTEMPT.fetch_add(1, Ordering::Relaxed)
+        );
+        let created = exporter
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT {} TEMPORARY LOGICAL pgoutput (SNAPSHOT 'export')",
+                crate::catalog::ident(&temporary)
+            ))
             .await
-            .with_context(|| format!("dropping slot {slot} of the unfinished snapshot"))
-            .map_err(classify_sql)?;
-        tracing::info!(slot = %slot, "dropped the slot of the unfinished snapshot");
-    }
-    // Saved before the slot exists: a crash from here on leaves a checkpoint that
-    // says "unfinished", never a slot without one.
-    let mut cp = Checkpoint {
-        version: CHECKPOINT_VERSION,
-        system_identifier: ident.system_id.clone(),
-        database: ident.dbname.clone().unwrap_or_default(),
-        slot: slot.clone(),
-        lsn: Lsn(0),
-        partial: None,
-        snapshot: Some(SnapshotState {
-            consistent_point: None,
-            complete: false,
-            rows: 0,
-        }),
+            .with_context(|| {
+                format!(
+                    "creating temporary slot {temporary} with an exported snapshot (it needs \
+                     one free replication slot: max_replication_slots)"
+                )
+            })
+            .map_err(classify_replication)?;
+        let (point, name) = export(created)?;
+        tracing::info!(slot = %slot, temporary_slot = %temporary, consistent_point = %point,
+            stream_from = %start, "taking the snapshot again from a temporary slot");
+        (point, name, start)
+    } else {
+        // Saved before the slot exists: a crash from here on leaves a checkpoint
+        // that says "unfinished", never a slot without one.
+        let mut cp = Checkpoint {
+            version: CHECKPOINT_VERSION,
+            system_identifier: ident.system_id.clone(),
+            database: ident.dbname.clone().unwrap_or_default(),
+            slot: slot.clone(),
+            lsn: Lsn(0),
+            partial: None,
+            snapshot: Some(SnapshotState {
+                consistent_point: None,
+                complete: false,
+                rows: 0,
+            }),
+        };
+        ctx.store.save(&cp)?;
+        let created = exporter
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+                crate::catalog::ident(slot)
+            ))
+            .await
+            .with_context(|| format!("creating slot {slot} with an exported snapshot"))
+            .map_err(classify_replication)?;
+        let (point, name) = export(created)?;
+        cp.lsn = point;
+        if let Some(s) = cp.snapshot.as_mut() {
+            s.consistent_point = Some(point);
+        }
+        ctx.store.save(&cp)?;
+        relay.adopt_checkpoint(Some(cp));
+        tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
+        (point, name, point)
     };
-    ctx.store.save(&cp)?;
-    let created = exporter
-        .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
-            crate::catalog::ident(slot)
-        ))
-        .await
-        .with_context(|| format!("creating slot {slot} with an exported snapshot"))
-        .map_err(classify_replication)?;
-    let text = |i: usize| -> Result<String> {
-        created
-            .first()
-            .and_then(|row| row.get(i))
-            .and_then(|v| v.as_ref())
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-            .with_context(|| format!("CREATE_REPLICATION_SLOT returned no column {i}"))
-    };
-    let point: Lsn = text(1)?.parse().context("consistent_point")?;
-    let snapshot_name = text(2)?;
-    cp.lsn = point;
-    if let Some(s) = cp.snapshot.as_mut() {
-        s.consistent_point = Some(point);
-    }
-    ctx.store.save(&cp)?;
-    relay.adopt_checkpoint(Some(cp));
-    relay.core.begin_snapshot(point, point);
-    tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
+    relay.core.begin_snapshot(start, point);
 
     snapshot::begin(&sql, &snapshot_name)
         .await
@@ -106,7 +160,7 @@ pub(super) async fn take_snapshot(
         let mapper = Mapper::compile(table_cfg, &config.producer, &table.relation)?;
         let total = snapshot::count(&sql, &table, &config.snapshot).await?;
         let mut progress = snapshot::Progress::new(mapper.table().to_owned(), total);
-        snapshot::declare(&sql, &table, &config.snapshot).await?;
+        snapshot::declare(&sql, &table, table_cfg, &config.snapshot).await?;
         let fetch_sql = format!(
             "FETCH FORWARD {} FROM {}",
             config.snapshot.chunk_rows,
@@ -170,8 +224,9 @@ pub(super) async fn take_snapshot(
     // Read: the exported snapshot is no longer needed.
     drop(exporter);
     relay.core.end_snapshot(rows_total);
-    tracing::info!(rows = rows_total, consistent_point = %point, "snapshot read; the stream continues from its consistent point");
-    Ok(Some(point))
+    tracing::info!(rows = rows_total, consistent_point = %point, stream_from = %start,
+        "snapshot read; the stream continues from the slot's consistent point");
+    Ok(Some(start))
 }
 
 /// Why `walbox setup --snapshot` fails when a signal stops it.
@@ -194,18 +249,24 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
     let saved = store.load()?;
     let slot = slot_info(&sql, &config.source.slot).await?;
     drop(sql);
-    let drop_slot = match (&saved, &slot) {
+    let resume = match (&saved, &slot) {
         (Some(cp), _) if cp.snapshot_interrupted() => {
-            tracing::warn!(slot = %config.source.slot,
-                "the previous snapshot did not finish; taking it again from a new slot \
-                 (rows it published already are published again, with the same event ids)");
             if let Some(pid) = slot.as_ref().and_then(|s| s.active_pid) {
                 bail!(
                     "slot {:?} is in use by pid {pid}; stop that reader first",
                     config.source.slot
                 );
             }
-            slot.is_some()
+            // As `walbox run` would, except that a dropped slot of the unfinished
+            // snapshot is replaced: taking a new snapshot is what was asked for.
+            let options = RunOptions {
+                accept_slot_position: slot.is_none(),
+                ..RunOptions::default()
+            };
+            match plan(config, &store, saved.as_ref(), slot.as_ref(), &options)? {
+                Plan::Snapshot { resume } => resume,
+                Plan::Stream { .. } => bail!("the unfinished snapshot cannot be taken again"),
+            }
         }
         (_, Some(_)) => {
             println_out(&format!(
@@ -220,14 +281,14 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
             // the old slot's checkpoint (same cluster only: checked on connect).
             tracing::info!(checkpoint = %store.path().display(), old_position = %cp.lsn,
                 "replacing the checkpoint of the dropped slot");
-            false
+            None
         }
-        (None, None) => false,
+        (None, None) => None,
     };
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
     relay.adopt_checkpoint(saved);
-    let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, drop_slot).await?
+    let Some(point) = take_snapshot(&mut relay, &mut deliveries, &mut signals, resume).await?
     else {
         bail!(SNAPSHOT_STOPPED);
     };
@@ -252,8 +313,13 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
             ),
         }
     }
+    let slot_at = if resume.is_some() {
+        "the unfinished snapshot's slot"
+    } else {
+        "created"
+    };
     println_out(&format!(
-        "snapshot: published {} rows; slot {} created at {point}; `walbox run` streams from there",
+        "snapshot: published {} rows; slot {} ({slot_at}) at {point}; `walbox run` streams from there",
         relay.core.stats().events,
         config.source.slot
     ));
