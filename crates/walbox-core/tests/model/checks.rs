@@ -59,6 +59,15 @@ pub fn checkpoint_claims_only_acked(
                 p.commit_lsn
             )
         });
+        let next = log.txns.iter().find(|t| t.end_lsn > cp.lsn);
+        assert_eq!(
+            next.map(|t| t.commit_lsn),
+            Some(p.commit_lsn),
+            "the checkpoint at {} records progress in the transaction at {}, which is not the \
+             one a restart there resumes in",
+            cp.lsn,
+            p.commit_lsn
+        );
         let counted = Tables::from_names(&p.tables)
             .unwrap_or_else(|| panic!("partial counted over unknown tables {:?}", p.tables));
         let first = txn.first_events(counted, p.events);
@@ -127,7 +136,13 @@ pub fn broker_holds_the_log(log: &Log, broker: &Broker, excused: &Excused, upto:
                 "{} is in the wrong topic",
                 r.event_id
             );
-            if r.dead_letter || !first_copies.insert(e.row.id.as_str()) {
+            // Dead letters are made when the broker refuses a record, after
+            // later events of its key were read; an excused event first
+            // reaches the broker when a replay publishes its range again.
+            if r.dead_letter
+                || excused.contains(&e.row.id)
+                || !first_copies.insert(e.row.id.as_str())
+            {
                 continue;
             }
             let key = r.key.as_deref().unwrap_or_default();

@@ -45,9 +45,10 @@ pub fn params() -> impl Strategy<Value = Params> {
 /// One thing that happens.
 #[derive(Debug, Clone)]
 pub enum Step {
-    /// The shell takes up to this many messages from the server (while the
-    /// core is reading).
-    Read(u8),
+    /// The shell takes up to `n` messages from the server (while the core is
+    /// reading); with `pump`, it hands the core's events to the sink after each
+    /// (the shell does), otherwise they wait in the core for a later pump.
+    Read { n: u8, pump: bool },
     /// The broker writes and acknowledges the head of a partition (or refuses
     /// it when too large).
     Ack(u8),
@@ -64,6 +65,10 @@ pub enum Step {
     PgCheckpoint,
     /// A stop signal: finish the transaction, drain, save, report, exit.
     Stop,
+    /// walbox run is stopped (shutdown timeout) and `walbox replay` publishes
+    /// again from a position the slot still has to the checkpoint; then walbox
+    /// run starts again.
+    Replay(u8),
     /// walbox is killed (or, without `walbox`, only the server crashes and
     /// walbox's session ends); with `server`, the slot goes back to some position
     /// between its persisted and its last one. Then walbox starts again with
@@ -82,7 +87,7 @@ fn tables() -> impl Strategy<Value = Tables> {
 
 pub fn steps() -> impl Strategy<Value = Vec<Step>> {
     let step = prop_oneof![
-        8 => (1..9u8).prop_map(Step::Read),
+        8 => (1..9u8, prop::bool::weighted(0.8)).prop_map(|(n, pump)| Step::Read { n, pump }),
         8 => any::<u8>().prop_map(Step::Ack),
         2 => any::<u8>().prop_map(Step::Write),
         1 => (any::<u8>(), any::<bool>()).prop_map(|(sel, written)| Step::Timeout { sel, written }),
@@ -90,6 +95,7 @@ pub fn steps() -> impl Strategy<Value = Vec<Step>> {
         3 => any::<u8>().prop_map(Step::Flush),
         1 => Just(Step::PgCheckpoint),
         1 => Just(Step::Stop),
+        1 => any::<u8>().prop_map(Step::Replay),
         2 => (any::<bool>(), any::<bool>(), any::<u8>(), tables()).prop_map(
             |(walbox, server, back, tables)| Step::Crash { walbox, server, back, tables }
         ),
@@ -116,6 +122,8 @@ struct Session {
     /// Checkpoints handed to the writer thread, not yet on disk.
     submitted: Vec<Checkpoint>,
     stopping: bool,
+    /// `walbox replay`: nothing is reported; it ends once the end is reached.
+    replay: bool,
     /// Bytes the last message read added in flight (MEM: the bound is checked
     /// before reading, so one message may take the bytes past it).
     overshoot: usize,
@@ -181,16 +189,7 @@ impl<'a> World<'a> {
                 cp.lsn
             }
         };
-        let mut core = Core::new(CoreConfig {
-            tables: tables.configs(),
-            producer: "model".into(),
-            dead_letter_topic: TopicTemplate::parse("{topic}.dlq").expect("template"),
-            stop_on_poison: false,
-            max_in_flight: self.params.max_in_flight,
-            max_in_flight_bytes: self.params.max_in_flight_bytes,
-            replay_window: self.params.window,
-            checkpoint_every: Duration::from_millis(100),
-        });
+        let mut core = self.new_core(tables);
         core.adopt_checkpoint(saved.clone());
         let resume = saved.filter(|cp| cp.lsn == start).and_then(|cp| cp.partial);
         core.resume_at(start, slot, resume);
@@ -216,8 +215,22 @@ impl<'a> World<'a> {
             stream: self.log.stream(from, tables).into(),
             submitted: Vec::new(),
             stopping: false,
+            replay: false,
             overshoot: 0,
         });
+    }
+
+    fn new_core(&self, tables: Tables) -> Core {
+        Core::new(CoreConfig {
+            tables: tables.configs(),
+            producer: "model".into(),
+            dead_letter_topic: TopicTemplate::parse("{topic}.dlq").expect("template"),
+            stop_on_poison: false,
+            max_in_flight: self.params.max_in_flight,
+            max_in_flight_bytes: self.params.max_in_flight_bytes,
+            replay_window: self.params.window,
+            checkpoint_every: Duration::from_millis(100),
+        })
     }
 
     pub fn step(&mut self, step: &Step) {
@@ -225,13 +238,14 @@ impl<'a> World<'a> {
             return;
         }
         match *step {
-            Step::Read(n) => {
+            Step::Read { n, pump } => {
                 for _ in 0..n {
-                    if !self.read_one() {
+                    if !self.read_one(pump) {
                         break;
                     }
                 }
             }
+            Step::Replay(sel) => self.replay(sel),
             Step::Ack(sel) => self.settle(sel, Settle::Ack),
             Step::Write(sel) => {
                 if let Some(s) = &mut self.session {
@@ -297,7 +311,7 @@ impl<'a> World<'a> {
             self.params.max_in_flight_bytes,
             s.overshoot
         );
-        if s.stopping && s.core.idle() {
+        if (s.stopping || (s.replay && s.core.reached_end())) && s.core.idle() {
             let tables = s.tables;
             self.end_session(true);
             // A new `walbox run`.
@@ -308,7 +322,7 @@ impl<'a> World<'a> {
     /// The shell takes one message from the server; false when there is
     /// nothing to take (not reading, or the server sent everything and a
     /// keepalive with its WAL end).
-    fn read_one(&mut self) -> bool {
+    fn read_one(&mut self, pump_now: bool) -> bool {
         let wal_end = self.log.wal_end;
         let Some(s) = &mut self.session else {
             return false;
@@ -324,7 +338,9 @@ impl<'a> World<'a> {
         match s.core.on_wal(msg) {
             Ok(()) => {
                 s.overshoot = s.core.in_flight_bytes().saturating_sub(before);
-                pump(s);
+                if pump_now {
+                    pump(s);
+                }
                 more
             }
             Err(e) => {
@@ -370,6 +386,36 @@ impl<'a> World<'a> {
         self.start(tables);
     }
 
+    /// `walbox replay --from <a position the slot still has>` (to the
+    /// checkpoint), after walbox run stopped; walbox run starts again after it.
+    fn replay(&mut self, sel: u8) {
+        let Some(tables) = self.session.as_ref().map(|s| s.tables) else {
+            return;
+        };
+        self.end_session(true);
+        let (Some(cp), slot) = (self.disk.clone(), self.slot.confirmed) else {
+            return self.start(tables);
+        };
+        let mut from: Vec<Lsn> = vec![slot];
+        from.extend(
+            self.log
+                .txns
+                .iter()
+                .map(|t| t.end_lsn)
+                .filter(|l| *l > slot && *l < cp.lsn),
+        );
+        let from = from[usize::from(sel) % from.len()];
+        let mut core = self.new_core(tables);
+        core.adopt_checkpoint(Some(cp.clone()));
+        core.resume_at(from, slot, None);
+        core.stop_at(cp.lsn);
+        self.start(tables);
+        let s = self.session.as_mut().expect("started");
+        s.replay = true;
+        s.core = core;
+        s.stream = self.log.stream(from.max(slot), tables).into();
+    }
+
     /// What the checkpoint writer has on disk, told to the core (`sync_flushed`).
     fn sync_flushed(&mut self) {
         let (Some(s), Some(cp)) = (&mut self.session, &self.disk) else {
@@ -408,10 +454,10 @@ impl<'a> World<'a> {
             self.flush(None);
         }
         self.sync_flushed();
-        if !report {
+        let Some(s) = &mut self.session else { return };
+        if !report || s.replay {
             return;
         }
-        let Some(s) = &mut self.session else { return };
         if let Some(p) = s.core.position_to_report(|| now) {
             let on_disk = self.disk.as_ref().map_or(Lsn(0), |c| c.lsn);
             assert!(
@@ -474,7 +520,7 @@ impl<'a> World<'a> {
         self.session = None;
         self.start(Tables::Both);
         for _ in 0..100_000 {
-            let more = self.read_one();
+            let more = self.read_one(true);
             while self.session.as_ref().is_some_and(|s| !s.sink.is_empty()) {
                 self.settle(0, Settle::Ack);
             }
