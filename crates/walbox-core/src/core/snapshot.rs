@@ -1,0 +1,58 @@
+//! The initial snapshot as the core sees it: one transaction at the stream's
+//! start whose events carry the snapshot's own position, complete once every
+//! row is acknowledged.
+
+use walbox_outbox::{Mapper, Position};
+use walbox_pgoutput::{Lsn, TupleValue};
+
+use super::{Core, map_row};
+use crate::ack::AckTracker;
+use crate::error::CoreError;
+
+impl Core {
+    /// A snapshot taken at `point` is about to be published, as one transaction
+    /// whose events carry positions `(point, 0..)`; the stream then continues
+    /// from `stream_start` (the slot's consistent point, at or before `point`).
+    pub fn begin_snapshot(&mut self, stream_start: Lsn, point: Lsn) {
+        self.tracker = AckTracker::new(stream_start);
+        let txn = self.tracker.begin(stream_start);
+        self.snapshot = Some((txn, point, 0));
+    }
+
+    /// One row of the snapshot, mapped with `mapper`.
+    ///
+    /// # Errors
+    /// Outside a snapshot; a poison row under the stop policy.
+    pub fn snapshot_row(&mut self, mapper: &Mapper, row: &[TupleValue]) -> Result<(), CoreError> {
+        let (txn, point, index) = self
+            .snapshot
+            .as_mut()
+            .ok_or(CoreError::Protocol("snapshot row outside a snapshot"))?;
+        let position = Position {
+            commit_lsn: *point,
+            index: *index,
+            xid: 0,
+        };
+        *index = index.saturating_add(1);
+        let txn = *txn;
+        let event = map_row(
+            mapper,
+            row,
+            position,
+            &self.cfg,
+            &mut self.stats.dead_lettered,
+        )?;
+        self.queue(event, txn, 0);
+        Ok(())
+    }
+
+    /// Every row of the snapshot was read (`rows` of them); it is complete once
+    /// all are acknowledged.
+    pub fn end_snapshot(&mut self, rows: u64) {
+        if let Some((txn, _, _)) = self.snapshot.take() {
+            let start = self.tracker.confirmed();
+            self.tracker.commit(txn, start);
+            self.pending_snapshot = Some((txn, rows));
+        }
+    }
+}
