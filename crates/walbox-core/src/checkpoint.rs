@@ -31,6 +31,10 @@ pub struct Checkpoint {
     pub database: String,
     /// Slot name.
     pub slot: String,
+    /// The server's timeline when the checkpoint was last adopted or written
+    /// (`IDENTIFY_SYSTEM`); absent in files written before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<u32>,
     /// Resume position: the commit end LSN of the newest transaction whose
     /// outbox events, and those of all transactions before it, were acknowledged.
     #[serde(with = "lsn_text")]
@@ -252,6 +256,7 @@ mod tests {
             system_identifier: "7380000000000000001".into(),
             database: "postgres".into(),
             slot: "walbox".into(),
+            timeline: None,
             lsn: "0/16B3748".parse().unwrap(),
             partial: Some(Partial {
                 commit_lsn: "0/16B4000".parse().unwrap(),

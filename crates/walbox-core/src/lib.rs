@@ -31,6 +31,7 @@ mod core;
 mod error;
 mod holdback;
 mod ledger;
+mod timeline;
 
 pub use ack::{AckTracker, Ticket, TxnId};
 pub use checkpoint::{
@@ -39,3 +40,4 @@ pub use checkpoint::{
 pub use core::{Core, CoreConfig, Outcome, Stats, WalMessage};
 pub use error::{CoreError, Failure, Rejected};
 pub use holdback::{Holdback, MAX_SAMPLES, ReplayWindow};
+pub use timeline::{TimelineProblem, check_timeline};

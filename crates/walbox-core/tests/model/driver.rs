@@ -199,6 +199,7 @@ impl<'a> World<'a> {
                 system_identifier: "7".into(),
                 database: "app".into(),
                 slot: "walbox".into(),
+                timeline: None,
                 lsn: start,
                 partial: None,
                 snapshot: None,

@@ -370,6 +370,7 @@ mod tests {
             system_identifier: "1".into(),
             database: "postgres".into(),
             slot: "walbox".into(),
+            timeline: None,
             lsn: lsn(at),
             partial: None,
             snapshot: snapshot.map(|complete| SnapshotState {

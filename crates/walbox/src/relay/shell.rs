@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationClient, ReplicationEvent};
-use walbox_core::{Checkpoint, CheckpointFile, Core, CoreConfig, CoreError, Outcome, WalMessage};
+use walbox_core::{
+    Checkpoint, CheckpointFile, Core, CoreConfig, CoreError, Outcome, WalMessage, check_timeline,
+};
 use walbox_pgoutput::Lsn;
 use walbox_sink::{Delivery, Sink};
 
@@ -246,7 +248,7 @@ fn watch_error(f: crate::publication::WatchFailure) -> anyhow::Error {
 /// A gated replication session and the server's identity, checked against the
 /// relay's checkpoint (when it has one) before anything else runs on it.
 pub(super) async fn connect_identified(
-    relay: &Relay<'_>,
+    relay: &mut Relay<'_>,
     cfg: pgwire_replication::ReplicationConfig,
     accept_wal_behind: bool,
 ) -> Result<(ReplicationClient, pgwire_replication::IdentifySystem)> {
@@ -261,9 +263,45 @@ pub(super) async fn connect_identified(
         .await
         .with_context(where_)
         .map_err(classify_replication)?;
-    if let Some(cp) = relay.core.checkpoint() {
-        check_identity(cp, ctx.store, &ident, &ctx.config.source.slot)?;
-        check_wal_end(cp, ctx.store, Lsn(ident.xlogpos.0), accept_wal_behind)?;
+    if let Some(cp) = relay.core.checkpoint().cloned() {
+        check_identity(&cp, ctx.store, &ident, &ctx.config.source.slot)?;
+        check_wal_end(&cp, ctx.store, Lsn(ident.xlogpos.0), accept_wal_behind)?;
+        if let Some(timeline) = cp.timeline.filter(|t| *t != ident.timeline) {
+            let history = if ident.timeline > timeline {
+                let h = client
+                    .timeline_history(ident.timeline)
+                    .await
+                    .with_context(|| format!("reading the history of timeline {}", ident.timeline))
+                    .map_err(classify_replication)?;
+                Some(String::from_utf8_lossy(&h.content).into_owned())
+            } else {
+                None
+            };
+            if let Err(problem) =
+                check_timeline(timeline, cp.lsn, ident.timeline, history.as_deref())
+            {
+                if !accept_wal_behind {
+                    bail!(
+                        "{problem}. Outbox rows this server commits below {} would be skipped, \
+                         and events walbox published may not be on it. To publish what is \
+                         missing, create a new slot with a snapshot of the rows not yet \
+                         published (`walbox slot drop`, then `walbox setup --snapshot \
+                         --snapshot-where \"...\"`); to start anyway, once, pass \
+                         --accept-wal-behind (checkpoint {})",
+                        cp.lsn,
+                        ctx.store.path().display()
+                    );
+                }
+                tracing::warn!(%problem, "starting anyway as asked (--accept-wal-behind)");
+            }
+        }
+        if cp.timeline != Some(ident.timeline) {
+            // Recorded now, so the next start compares against this timeline.
+            let mut cp = cp;
+            cp.timeline = Some(ident.timeline);
+            ctx.store.save(&cp)?;
+            relay.adopt_checkpoint(Some(cp));
+        }
     }
     Ok((client, ident))
 }

@@ -118,6 +118,7 @@ pub(super) async fn take_snapshot(
             system_identifier: ident.system_id.clone(),
             database: ident.dbname.clone().unwrap_or_default(),
             slot: slot.clone(),
+            timeline: Some(ident.timeline),
             lsn: Lsn(0),
             partial: None,
             snapshot: Some(SnapshotState {

@@ -88,6 +88,7 @@ pub(super) async fn stream(
                 system_identifier: ident.system_id.clone(),
                 database: ident.dbname.clone().unwrap_or_default(),
                 slot: config.source.slot.clone(),
+                timeline: Some(ident.timeline),
                 lsn: spec.start,
                 partial: None,
                 snapshot: None,
