@@ -35,12 +35,14 @@ clippy:
 BENCH_EVENTS ?= 1000000
 BENCH_BIG_TXN ?= 1000000
 BENCH_STEADY_SECONDS ?= 60
+# Rounds of the slot contenders (rotating order; median and spread reported).
+BENCH_REPEAT ?= 3
 BENCH_ARGS ?=
 bench: bench-decoder bench-relay
 
 bench-relay: deps
 	$(CARGO) build --release -p walbox -p walbox-bench
-	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
+	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --repeat $(BENCH_REPEAT) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
 
 bench-decoder:
 	$(CARGO) bench -p walbox-pgoutput --bench decode

@@ -1,0 +1,134 @@
+//! The command line: which scenarios run, how large they are, and how many rounds
+//! the slot contenders drain.
+
+use std::path::PathBuf;
+
+use crate::Error;
+
+const USAGE: &str = "\
+usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
+                    [--rates LIST] [--only LIST] [--svg-dir DIR] [--walbox PATH]
+
+  --events N          backlog size, a multiple of 10 (default 1000000)
+  --big-txn N         rows in the one big transaction (default 1000000)
+  --repeat N          rounds of the slot contenders in the backlog and big-txn
+                      scenarios, in rotating order (default 3)
+  --steady-seconds N  seconds of writing per steady rate (default 60)
+  --rates LIST        steady rates in events/s (default 1000,5000,20000)
+  --only LIST         scenarios to run: backlog, polling, big-txn, steady (default all)
+  --svg-dir DIR       where a full run writes its charts
+  --walbox PATH       the walbox binary (default: next to this one)";
+
+pub struct Args {
+    pub events: u64,
+    pub big_txn: u64,
+    /// Rounds of the slot contenders per slot scenario.
+    pub repeat: usize,
+    pub steady_seconds: u64,
+    pub svg_dir: Option<PathBuf>,
+    pub walbox: PathBuf,
+    /// Scenarios to run (all by default).
+    pub only: Vec<Scenario>,
+    /// Rates of the steady-load scenario, events/s.
+    pub rates: Vec<u64>,
+}
+
+/// A part of the run that `--only` can pick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scenario {
+    Backlog,
+    Polling,
+    BigTxn,
+    Steady,
+}
+
+impl Scenario {
+    pub const ALL: [Scenario; 4] = [
+        Scenario::Backlog,
+        Scenario::Polling,
+        Scenario::BigTxn,
+        Scenario::Steady,
+    ];
+
+    fn parse(s: &str) -> Result<Self, Error> {
+        Ok(match s {
+            "backlog" => Scenario::Backlog,
+            "polling" => Scenario::Polling,
+            "big-txn" => Scenario::BigTxn,
+            "steady" => Scenario::Steady,
+            other => {
+                return Err(format!(
+                    "--only: unknown scenario {other:?} (backlog, polling, big-txn, steady)"
+                )
+                .into());
+            }
+        })
+    }
+}
+
+/// The arguments, or `None` when `--help` asked for the usage (printed).
+pub fn args() -> Result<Option<Args>, Error> {
+    let mut a = Args {
+        events: 1_000_000,
+        big_txn: 1_000_000,
+        repeat: 3,
+        steady_seconds: 60,
+        svg_dir: None,
+        walbox: std::env::current_exe()?
+            .parent()
+            .map(|d| d.join("walbox"))
+            .unwrap_or_else(|| PathBuf::from("walbox")),
+        only: Scenario::ALL.to_vec(),
+        rates: vec![1_000, 5_000, 20_000],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return Ok(None);
+            }
+            "--events" => a.events = it.next().ok_or("--events needs a number")?.parse()?,
+            "--big-txn" => a.big_txn = it.next().ok_or("--big-txn needs a number")?.parse()?,
+            "--repeat" => a.repeat = it.next().ok_or("--repeat needs a number")?.parse()?,
+            "--svg-dir" => {
+                a.svg_dir = Some(PathBuf::from(it.next().ok_or("--svg-dir needs a path")?));
+            }
+            "--steady-seconds" => {
+                a.steady_seconds = it
+                    .next()
+                    .ok_or("--steady-seconds needs a number")?
+                    .parse()?;
+            }
+            "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
+            "--rates" => {
+                let list = it.next().ok_or("--rates needs a list such as 1000,5000")?;
+                a.rates = comma_list(&list, |r| Ok(r.parse()?))?;
+            }
+            "--only" => {
+                let list = it
+                    .next()
+                    .ok_or("--only needs a list such as backlog,steady")?;
+                a.only = comma_list(&list, Scenario::parse)?;
+            }
+            other => {
+                return Err(format!("unknown argument {other:?}\n{USAGE}").into());
+            }
+        }
+    }
+    if a.events == 0 || !a.events.is_multiple_of(10) {
+        return Err("--events must be a positive multiple of 10".into());
+    }
+    if a.big_txn == 0 || a.steady_seconds == 0 || a.rates.contains(&0) {
+        return Err("--big-txn, --steady-seconds and --rates must be positive".into());
+    }
+    if a.repeat == 0 {
+        return Err("--repeat must be at least 1 (3 or more for a median and a spread)".into());
+    }
+    Ok(Some(a))
+}
+
+/// The items of a comma-separated flag value.
+fn comma_list<T>(list: &str, item: impl Fn(&str) -> Result<T, Error>) -> Result<Vec<T>, Error> {
+    list.split(',').map(item).collect()
+}

@@ -1,0 +1,267 @@
+//! The slot contenders, and how one run of one is timed: from its start until its
+//! slot's `confirmed_flush_lsn` reaches the last commit, with its peak RSS (VmHWM)
+//! and CPU seconds read from /proc.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use walbox_testkit::{Broker, PgCluster};
+
+use crate::Error;
+
+/// A contender that drains its own logical replication slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Contender {
+    /// `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling.
+    Ceiling,
+    /// `walbox run --sink stdout` to /dev/null: walbox without a broker.
+    WalboxStdout,
+    /// `walbox run` to the broker.
+    WalboxKafka,
+}
+
+impl Contender {
+    /// All of them; the ceiling first (the report relies on it).
+    pub const ALL: [Contender; 3] = [
+        Contender::Ceiling,
+        Contender::WalboxStdout,
+        Contender::WalboxKafka,
+    ];
+
+    /// The name in the report's tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Contender::Ceiling => "pg_recvlogical (ceiling)",
+            Contender::WalboxStdout => "walbox, stdout sink to /dev/null",
+            Contender::WalboxKafka => "walbox to the broker",
+        }
+    }
+
+    /// The short name in the lines that give the order of the rounds.
+    pub fn short(self) -> &'static str {
+        match self {
+            Contender::Ceiling => "ceiling",
+            Contender::WalboxStdout => "walbox-stdout",
+            Contender::WalboxKafka => "walbox-broker",
+        }
+    }
+
+    /// The contender's slot in `round` (0-based).
+    pub fn slot(self, round: usize) -> String {
+        let prefix = match self {
+            Contender::Ceiling => "ceiling",
+            Contender::WalboxStdout => "walbox_stdout",
+            Contender::WalboxKafka => "walbox_kafka",
+        };
+        format!("{prefix}_r{}", round + 1)
+    }
+
+    /// Starts the contender on `slot`, to stop at or after `target`.
+    pub fn spawn(
+        self,
+        pg: &PgCluster,
+        broker: &Broker,
+        walbox: &Path,
+        slot: &str,
+        target: &str,
+    ) -> Result<Child, Error> {
+        let sink = match self {
+            Contender::Ceiling => {
+                return Ok(Command::new(pg.bindir().join("pg_recvlogical"))
+                    .args(["-h", pg.host(), "-p", &pg.port().to_string()])
+                    .args(["-U", pg.user(), "-d", "postgres"])
+                    .args(["--slot", slot, "--start", "--no-loop"])
+                    .args(["-f", "/dev/null", "-o", "proto_version=1"])
+                    .args(["-o", "publication_names=walbox_outbox"])
+                    .args(["--endpos", target, "-s", "1", "-F", "1"])
+                    .stdout(Stdio::null())
+                    // Silent unless it fails (no --verbose).
+                    .stderr(Stdio::inherit())
+                    .spawn()?);
+            }
+            Contender::WalboxStdout => "stdout",
+            Contender::WalboxKafka => "kafka",
+        };
+        Ok(Command::new(walbox)
+            .arg("run")
+            .env("WALBOX_DSN", pg.conninfo("postgres"))
+            .env("WALBOX_SLOT", slot)
+            .env("WALBOX_CHECKPOINT", checkpoint_file(pg, slot))
+            .env("WALBOX_SINK", sink)
+            .env("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap())
+            .env("WALBOX_CREATE_TOPICS", "true")
+            .env("WALBOX_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()?)
+    }
+}
+
+/// Where walbox keeps its checkpoint for `slot`.
+pub fn checkpoint_file(pg: &PgCluster, slot: &str) -> std::path::PathBuf {
+    pg.client_dir().join(format!("{slot}.checkpoint.json"))
+}
+
+/// Figures of one run of one contender.
+#[derive(Debug, Clone, Copy)]
+pub struct Run {
+    pub seconds: f64,
+    /// `None` for a contender that runs inside the benchmark's own process.
+    pub peak_rss_kb: Option<u64>,
+    pub cpu_seconds: f64,
+}
+
+/// Peak RSS (kB) and CPU seconds of a running process.
+pub fn usage(pid: u32) -> (u64, f64) {
+    let hwm = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0);
+    let ticks = clock_ticks();
+    let cpu = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let after = s.rsplit_once(')')?.1;
+            let f: Vec<&str> = after.split_whitespace().collect();
+            let utime: f64 = f.get(11)?.parse().ok()?;
+            let stime: f64 = f.get(12)?.parse().ok()?;
+            Some((utime + stime) / ticks)
+        })
+        .unwrap_or(0.0);
+    (hwm, cpu)
+}
+
+/// Clock ticks per second; 100 on Linux unless configured otherwise.
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// An LSN (or any text) the query returns.
+pub async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
+    Ok(db.query_one(sql, &[]).await?.get(0))
+}
+
+/// Bytes of WAL between two LSNs (in text form).
+pub async fn wal_between(db: &tokio_postgres::Client, from: &str, to: &str) -> Result<i64, Error> {
+    Ok(db
+        .query_one(
+            "SELECT ($1::text::pg_lsn - $2::text::pg_lsn)::bigint",
+            &[&to, &from],
+        )
+        .await?
+        .get(0))
+}
+
+/// Whether `slot` has confirmed `target`.
+pub async fn slot_reached(
+    db: &tokio_postgres::Client,
+    slot: &str,
+    target: &str,
+) -> Result<bool, Error> {
+    Ok(db
+        .query_one(
+            "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot, &target],
+        )
+        .await?
+        .get(0))
+}
+
+/// Drops `slot` once its walsender is gone: a contender's exit ends its
+/// connection, but the server notices a moment later.
+pub async fn drop_slot(db: &tokio_postgres::Client, slot: &str) -> Result<(), Error> {
+    let waiting = Instant::now();
+    loop {
+        let active: bool = db
+            .query_one(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await?
+            .get(0);
+        if !active {
+            break;
+        }
+        if waiting.elapsed() > Duration::from_secs(30) {
+            return Err(format!(
+                "slot {slot} is still in use 30 s after its contender stopped: \
+                 see pg_stat_replication for the walsender holding it"
+            )
+            .into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        .await?;
+    Ok(())
+}
+
+/// Runs `child` until `slot` has confirmed `target`, sampling its usage.
+pub async fn drain(
+    name: &str,
+    db: &tokio_postgres::Client,
+    slot: &str,
+    target: &str,
+    mut child: Child,
+    started: Instant,
+) -> Result<Run, Error> {
+    let pid = child.id();
+    let mut last = (0u64, 0.0f64);
+    // Sample every 20 ms (the timing resolution) until the slot has it all.
+    let deadline = started + Duration::from_secs(3600);
+    loop {
+        if child.try_wait()?.is_some() {
+            // pg_recvlogical exits by itself at --endpos (after confirming it).
+            break;
+        }
+        // A process that exits between the check above and this read leaves a
+        // zombie without VmHWM: keep the highest reading.
+        let now = usage(pid);
+        last = (last.0.max(now.0), last.1.max(now.1));
+        if slot_reached(db, slot, target).await? {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{name} did not drain the backlog within an hour").into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    if let Some(status) = child.try_wait()? {
+        // An exit is only a finish if the slot has it all: a contender that
+        // failed must not pass for a fast one. The last confirmation can reach
+        // the server just after the process exited.
+        let settle = Instant::now();
+        while !slot_reached(db, slot, target).await? {
+            if settle.elapsed() > Duration::from_secs(10) {
+                return Err(format!(
+                    "{name} exited ({status}) before slot {slot} confirmed {target}: see its output above"
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    } else {
+        last = usage(pid);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid)?),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        child.wait()?;
+    }
+    Ok(Run {
+        seconds,
+        peak_rss_kb: Some(last.0),
+        cpu_seconds: last.1,
+    })
+}

@@ -1,0 +1,210 @@
+//! The drain scenarios: the slot contenders in rounds over one load, and the
+//! polling relay over the rows that load left in the table.
+
+use std::time::Instant;
+
+use walbox_testkit::{Broker, PgCluster};
+
+use crate::Error;
+use crate::cli::Args;
+use crate::contenders::{
+    Contender, Run, checkpoint_file, drain, drop_slot, lsn, usage, wal_between,
+};
+use crate::polling;
+use crate::report::Contended;
+
+/// One outbox row like a real service writes it, for row number `n` (an SQL
+/// expression) of transaction `t`.
+pub const ROW_SELECT: &str = "
+    SELECT 'order', 'order-' || (n % 1000), 'OrderPlaced',
+           jsonb_build_object(
+             'order_id', 'ord-' || n, 'customer_id', 'cus-' || (n * 7 % 5000),
+             'currency', 'EUR', 'total_cents', n * 13 % 100000,
+             'lines', jsonb_build_array(
+               jsonb_build_object('sku', 'SKU-' || (n % 977), 'qty', 2, 'unit_cents', 1299),
+               jsonb_build_object('sku', 'SKU-' || (n * 3 % 977), 'qty', 1, 'unit_cents', 4550)),
+             'shipping', jsonb_build_object('method', 'standard', 'country', 'DE'),
+             'note', 'leave at the door'),
+           jsonb_build_object('traceparent', '00-' || md5(n::text) || '-00f067aa0ba902b7-01'),
+           1";
+
+pub const INSERT: &str = "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)";
+
+/// What every scenario shares.
+pub struct Bench {
+    pub a: Args,
+    pub pg: PgCluster,
+    pub broker: Broker,
+    pub db: tokio_postgres::Client,
+}
+
+/// The order of the slot contenders in `round` (0-based): the list rotated by one
+/// place per round, so no contender always runs first or last (with three
+/// rounds each runs once in each place).
+pub fn order(round: usize) -> Vec<Contender> {
+    let mut order = Contender::ALL.to_vec();
+    order.rotate_left(round % Contender::ALL.len());
+    order
+}
+
+/// What a slot scenario measured.
+pub struct SlotDrain {
+    /// One per contender, the ceiling first; runs in round order.
+    pub contenders: Vec<Contended>,
+    /// WAL the load wrote, bytes.
+    pub wal_bytes: i64,
+}
+
+impl Bench {
+    /// Creates a slot per contender and round, runs `load` once, then lets each
+    /// contender drain its slot, `--repeat` rounds in rotating order.
+    ///
+    /// All slots exist before the one load, so every run drains the very same WAL
+    /// (the same records, not just the same kind). Loading again per round would
+    /// write other rows (new uuids and times), leave the table larger for each
+    /// round, and have a round pay for the checkpoint of the one before. The cost
+    /// of one load is that its WAL stays on disk until the last round's slots are
+    /// done: that is one copy of it (about 650 MB for 1,000,000 backlog events),
+    /// however many rounds, since the slots share it, where re-loading would write
+    /// a copy per round. Each slot goes as soon as its run is done.
+    pub async fn drain_slots(&self, load: &str) -> Result<SlotDrain, Error> {
+        let db = &self.db;
+        let rounds = self.a.repeat;
+        for round in 0..rounds {
+            for c in Contender::ALL {
+                db.execute(
+                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&c.slot(round)],
+                )
+                .await?;
+            }
+        }
+        db.batch_execute("CHECKPOINT").await?;
+        let start_lsn = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+        let loading = Instant::now();
+        db.batch_execute(load).await?;
+        let target = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+        let wal_bytes = wal_between(db, &start_lsn, &target).await?;
+        println!(
+            "loaded in {:.1} s: {:.1} MB of WAL",
+            loading.elapsed().as_secs_f64(),
+            wal_bytes as f64 / 1e6
+        );
+        // The load's dirty pages are written now, not by a checkpoint in the
+        // middle of some run but not of the others.
+        db.batch_execute("CHECKPOINT").await?;
+        let mut runs: Vec<Vec<Run>> = vec![Vec::with_capacity(rounds); Contender::ALL.len()];
+        for round in 0..rounds {
+            let mut this_round = vec![None; Contender::ALL.len()];
+            for c in order(round) {
+                let slot = c.slot(round);
+                let started = Instant::now();
+                let child = c.spawn(&self.pg, &self.broker, &self.a.walbox, &slot, &target)?;
+                let run = drain(c.name(), db, &slot, &target, child, started).await?;
+                println!(
+                    "round {}/{rounds}: {} {:.2} s, {:.1} CPU s",
+                    round + 1,
+                    c.name(),
+                    run.seconds,
+                    run.cpu_seconds
+                );
+                // Done: the slot goes, so it holds no WAL for what follows.
+                drop_slot(db, &slot).await?;
+                let _ = std::fs::remove_file(checkpoint_file(&self.pg, &slot));
+                this_round[index(c)] = Some(run);
+            }
+            for (i, run) in this_round.into_iter().enumerate() {
+                runs[i].push(run.ok_or("a contender did not run in a round")?);
+            }
+        }
+        let contenders = Contender::ALL
+            .iter()
+            .zip(runs)
+            .map(|(c, runs)| Contended {
+                name: c.name(),
+                runs,
+                in_rounds: true,
+                extra_wal_per_event: None,
+            })
+            .collect();
+        Ok(SlotDrain {
+            contenders,
+            wal_bytes,
+        })
+    }
+
+    /// The polling relay, both variants, over the rows in the table; one run each.
+    pub async fn polling(&self, events: u64) -> Result<Vec<Contended>, Error> {
+        let db = &self.db;
+        polling::prepare(db).await?;
+        let mut poller = self.pg.connect("postgres").await?;
+        let mut results = Vec::new();
+        for (name, marking) in [
+            ("polling relay, UPDATE per row", polling::Marking::PerRow),
+            (
+                "polling relay, UPDATE per batch",
+                polling::Marking::PerBatch,
+            ),
+        ] {
+            db.batch_execute(
+                "UPDATE outbox SET published_at = NULL WHERE published_at IS NOT NULL",
+            )
+            .await?;
+            db.batch_execute("VACUUM ANALYZE outbox").await?;
+            let before = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+            let cpu_before = usage(std::process::id()).1;
+            let started = Instant::now();
+            let published = polling::drain(&mut poller, &self.broker.bootstrap(), marking).await?;
+            let seconds = started.elapsed().as_secs_f64();
+            if published != events {
+                return Err(format!("{name} published {published} of {events} events").into());
+            }
+            let after = lsn(db, "SELECT pg_current_wal_lsn()::text").await?;
+            let written = wal_between(db, &before, &after).await?;
+            results.push(Contended {
+                name,
+                runs: vec![Run {
+                    seconds,
+                    peak_rss_kb: None,
+                    cpu_seconds: usage(std::process::id()).1 - cpu_before,
+                }],
+                in_rounds: false,
+                extra_wal_per_event: Some(written as f64 / published as f64),
+            });
+        }
+        Ok(results)
+    }
+}
+
+/// The place of `c` in [`Contender::ALL`].
+fn index(c: Contender) -> usize {
+    Contender::ALL
+        .iter()
+        .position(|&x| x == c)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn three_rounds_put_each_contender_once_in_each_place() {
+        let rounds: Vec<Vec<Contender>> = (0..3).map(order).collect();
+        for place in 0..3 {
+            let mut at: Vec<Contender> = rounds.iter().map(|r| r[place]).collect();
+            at.sort_by_key(|&c| index(c));
+            at.dedup();
+            assert_eq!(at.len(), 3, "place {place}: {rounds:?}");
+        }
+        for r in &rounds {
+            let mut sorted = r.clone();
+            sorted.sort_by_key(|&c| index(c));
+            assert_eq!(
+                sorted,
+                Contender::ALL.to_vec(),
+                "every round runs each once"
+            );
+        }
+    }
+}
