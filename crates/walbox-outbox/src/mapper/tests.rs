@@ -1,3 +1,5 @@
+//! Unit tests of compiling mappings, mapping rows and dead letters.
+
 use bytes::Bytes;
 use walbox_pgoutput::{Lsn, Relation, RelationColumn, ReplicaIdentity, TupleValue};
 

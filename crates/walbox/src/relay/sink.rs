@@ -82,7 +82,7 @@ pub(super) fn failure(e: DeliveryError) -> walbox_core::Failure {
         lasting: e.is_final(),
         event_id: e.event_id,
         topic: e.topic,
-        class: e.class,
+        class: e.class.as_str(),
         reason: e.reason,
         rejected: e.rejected.map(|r| walbox_core::Rejected {
             key: r.key,
