@@ -26,7 +26,6 @@ mod dlq;
 mod doctor;
 mod inspect;
 mod pg;
-mod pg_tls;
 mod publication;
 mod relay;
 mod snapshot;
