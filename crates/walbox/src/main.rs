@@ -28,6 +28,7 @@ mod inspect;
 mod pg;
 mod publication;
 mod relay;
+mod slot;
 mod snapshot;
 mod verify;
 
