@@ -46,8 +46,9 @@ enum TopicSource {
     Column(Col),
 }
 
-/// A [`TableConfig`](crate::TableConfig) resolved against one table shape: column indexes, payload
-/// kind, topic source. Recompile when a new Relation message arrives for the table.
+/// A [`TableConfig`](crate::TableConfig) resolved against one table shape:
+/// column indexes, payload kind, topic source. Recompile when a new Relation
+/// message arrives for the table.
 #[derive(Debug, Clone)]
 pub struct Mapper {
     table: String,
