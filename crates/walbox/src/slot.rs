@@ -2,8 +2,9 @@
 //! `pg_replication_slots` (and of `pg_stat_replication` for the slot's reader)
 //! lives here, with the typed rows walbox reads from them: [`SlotInfo`] for the
 //! decisions of `run`, `replay`, `setup` and `doctor`, [`SlotStatus`] for
-//! `walbox slot status | list`. A column that some PostgreSQL versions add or
-//! change is read here, in one place, and given a field of these structs.
+//! `walbox slot status | list`, [`SlotReader`] for the stall probe. A column
+//! that some PostgreSQL versions add or change is read here, in one place, and
+//! given a field of these structs.
 
 use anyhow::{Context, Result};
 use walbox_pgoutput::Lsn;
@@ -158,10 +159,19 @@ pub async fn senders_in_use(sql: &tokio_postgres::Client) -> Result<(i64, i64)> 
     Ok((row.get(0), row.get(1)))
 }
 
-/// The walsender reading slot `slot`, and how many seconds ago it last processed
-/// a status update from its client (1e9 when it never did). `None` when the slot
-/// does not exist or nobody reads it.
-pub async fn reader(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<(i32, f64)>> {
+/// The walsender reading a slot.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotReader {
+    /// Its process id.
+    pub pid: i32,
+    /// Seconds since it last processed a status update from its client (1e9
+    /// when it never did).
+    pub since_reply_secs: f64,
+}
+
+/// The walsender reading slot `slot`; `None` when the slot does not exist or
+/// nobody reads it.
+pub async fn reader(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<SlotReader>> {
     let row = sql
         .query_opt(
             "SELECT s.active_pid,
@@ -173,7 +183,9 @@ pub async fn reader(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<(
         )
         .await?;
     Ok(row.and_then(|r| {
-        r.get::<_, Option<i32>>(0)
-            .map(|pid| (pid, r.get::<_, f64>(1)))
+        r.get::<_, Option<i32>>(0).map(|pid| SlotReader {
+            pid,
+            since_reply_secs: r.get(1),
+        })
     }))
 }

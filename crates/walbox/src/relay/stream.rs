@@ -360,7 +360,8 @@ async fn check_stall(ctx: Ctx<'_>, timeout: Duration) -> Result<()> {
         ))),
         Ok(Err(e)) => Err(stalled(format!("a probe failed: {e:#}"))),
         Ok(Ok((_, None))) => Err(stalled("the server shows no reader on the slot".to_owned())),
-        Ok(Ok((sql, Some((pid, since_reply))))) => {
+        Ok(Ok((sql, Some(reader)))) => {
+            let (pid, since_reply) = (reader.pid, reader.since_reply_secs);
             if since_reply < secs {
                 tracing::debug!(pid, since_reply, "quiet stream, walsender alive");
                 return Ok(());
