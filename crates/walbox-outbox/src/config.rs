@@ -1,3 +1,6 @@
+//! An outbox table's configuration: which table, which column plays which role,
+//! how the topic is named and how the value is built.
+
 use serde::Deserialize;
 
 /// One outbox table and how its rows become events.

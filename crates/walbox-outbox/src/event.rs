@@ -1,3 +1,6 @@
+//! The event a mapped row becomes: key, topic, value, headers and its source
+//! position, plus the names of the headers walbox sets.
+
 use std::borrow::Cow;
 
 use bytes::Bytes;

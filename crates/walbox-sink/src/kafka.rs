@@ -1,3 +1,6 @@
+//! The Kafka sink: an idempotent rdkafka producer (`acks=all`, murmur2 keys),
+//! topics checked or created on first use, delivery failures classified.
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +14,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use tokio::sync::mpsc;
 use walbox_outbox::{Event, header};
 
-use crate::{Deliveries, Delivery, DeliveryError, RejectedRecord, Sink, SinkError};
+use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
 
 /// Settings of the Kafka sink.
 #[derive(Debug, Clone)]
@@ -94,25 +97,25 @@ impl ProducerContext for Reports {
     }
 }
 
-/// A short class for a delivery failure.
-fn classify(err: &KafkaError) -> &'static str {
+/// The class of a delivery failure.
+fn classify(err: &KafkaError) -> DeliveryClass {
     match err.rdkafka_error_code() {
         Some(RDKafkaErrorCode::MessageSizeTooLarge | RDKafkaErrorCode::InvalidMessageSize) => {
-            "message_too_large"
+            DeliveryClass::MessageTooLarge
         }
-        Some(RDKafkaErrorCode::MessageTimedOut) => "timeout",
+        Some(RDKafkaErrorCode::MessageTimedOut) => DeliveryClass::Timeout,
         Some(RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic) => {
-            "unknown_topic"
+            DeliveryClass::UnknownTopic
         }
         Some(
             RDKafkaErrorCode::TopicAuthorizationFailed
             | RDKafkaErrorCode::ClusterAuthorizationFailed
             | RDKafkaErrorCode::TransactionalIdAuthorizationFailed,
-        ) => "authorization",
-        Some(RDKafkaErrorCode::InvalidTopic) => "invalid_topic",
+        ) => DeliveryClass::Authorization,
+        Some(RDKafkaErrorCode::InvalidTopic) => DeliveryClass::InvalidTopic,
         // The broker refuses this record as such (e.g. no key on a compacted topic).
-        Some(RDKafkaErrorCode::InvalidRecord) => "invalid_record",
-        _ => "broker_error",
+        Some(RDKafkaErrorCode::InvalidRecord) => DeliveryClass::InvalidRecord,
+        _ => DeliveryClass::BrokerError,
     }
 }
 

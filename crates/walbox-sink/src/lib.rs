@@ -14,6 +14,7 @@
 //!
 //! [`read_topic`] reads back what a topic holds, for audits.
 
+mod delivery;
 mod kafka;
 mod reader;
 mod stdout;
@@ -21,66 +22,13 @@ mod stdout;
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
+pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
 pub use stdout::StdoutSink;
 
-/// The outcome of one event.
-#[derive(Debug)]
-pub struct Delivery {
-    /// The token given with the event.
-    pub token: usize,
-    /// Whether the destination acknowledged it.
-    pub result: Result<(), DeliveryError>,
-}
-
-/// A record the destination refused for what it is, not for where it went.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RejectedRecord {
-    /// Its key.
-    pub key: Option<Vec<u8>>,
-    /// Its headers, in order.
-    pub headers: Vec<(String, Vec<u8>)>,
-    /// Size of its value in bytes.
-    pub value_len: usize,
-}
-
-impl DeliveryError {
-    /// Whether the failure is about the message itself, so that sending it
-    /// again would fail again (it belongs in a dead-letter topic).
-    #[must_use]
-    pub fn is_about_the_message(&self) -> bool {
-        matches!(self.class, "message_too_large" | "invalid_record")
-    }
-
-    /// Whether the destination is gone for good (the reader of standard output
-    /// closed it), so that no later attempt can deliver anything: the relay
-    /// stops instead of retrying.
-    #[must_use]
-    pub fn is_final(&self) -> bool {
-        self.class == stdout::OUTPUT_CLOSED
-    }
-}
-
 /// Receives one [`Delivery`] per event sent.
 pub type Deliveries = mpsc::UnboundedReceiver<Delivery>;
-
-/// An event the destination did not accept.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("delivery of event {event_id} to {topic} failed ({class}): {reason}")]
-pub struct DeliveryError {
-    /// The event.
-    pub event_id: String,
-    /// Its topic.
-    pub topic: String,
-    /// Short class of the failure (for logs and dead-letter headers).
-    pub class: &'static str,
-    /// What the destination said.
-    pub reason: String,
-    /// For a failure about the message itself (too large), the record as it was
-    /// sent, without its value: what a dead letter needs.
-    pub rejected: Option<RejectedRecord>,
-}
 
 /// A failure of the sink itself, not of one event.
 #[derive(Debug, thiserror::Error)]

@@ -1,9 +1,12 @@
+//! The stdout sink: events as JSON lines, written and flushed in batches by a
+//! thread of its own, each acknowledged after the flush that wrote it.
+
 use std::io::Write;
 
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
-use crate::{Deliveries, Delivery, DeliveryError, Sink, SinkError};
+use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, Sink, SinkError};
 
 /// Writes each event as one JSON line: `{"topic", "key", "headers", "value"}`.
 ///
@@ -57,10 +60,6 @@ impl StdoutSink {
     }
 }
 
-/// Class of a delivery that failed because the reader of standard output went
-/// away (EPIPE): final, nothing written later can reach anyone.
-pub(crate) const OUTPUT_CLOSED: &str = "output_closed";
-
 /// Most events handed to the writer at once.
 const BATCH: usize = 1024;
 
@@ -89,7 +88,7 @@ fn writer(
                 Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(DeliveryError {
                     event_id: event.event_id,
                     topic: event.topic,
-                    class: OUTPUT_CLOSED,
+                    class: DeliveryClass::OutputClosed,
                     reason: format!(
                         "the reader of standard output closed it ({e}); nothing after the \
                          last line written is confirmed"
@@ -99,7 +98,7 @@ fn writer(
                 Err(e) => Err(DeliveryError {
                     event_id: event.event_id,
                     topic: event.topic,
-                    class: "io_error",
+                    class: DeliveryClass::IoError,
                     reason: e.to_string(),
                     rejected: None,
                 }),
@@ -260,7 +259,7 @@ mod tests {
         let e = DeliveryError {
             event_id: "e1".into(),
             topic: "t".into(),
-            class: "io_error",
+            class: DeliveryClass::IoError,
             reason: String::new(),
             rejected: None,
         };

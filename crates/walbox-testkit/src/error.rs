@@ -1,3 +1,6 @@
+//! The kit's error type: what went wrong while starting, driving or stopping
+//! test infrastructure.
+
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -1,3 +1,6 @@
+//! Waiting on conditions: a test polls until what it expects holds, with a
+//! deadline that names what it waited for, never a fixed sleep.
+
 use std::future::Future;
 use std::time::{Duration, Instant};
 

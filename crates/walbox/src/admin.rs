@@ -8,6 +8,7 @@ use crate::pg::ConnParams;
 
 use crate::catalog::ident;
 use crate::publication::{self, CREATED_BY_WALBOX, Problem};
+use crate::slot::SlotStatus;
 
 /// Creates the publication (marked as walbox's, publishing partitions as their
 /// root) or adds missing outbox tables to it; on a publication walbox created,
@@ -118,24 +119,16 @@ pub async fn drop_slot(config: &Config) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?;
     let sql = conn.connect().await?;
     let slot = &config.source.slot;
-    let row = sql
-        .query_opt(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-            &[slot],
-        )
-        .await?;
-    match row {
+    match crate::slot::info(&sql, slot).await? {
         None => {
             println_out(&format!("slot {slot} does not exist"));
             Ok(())
         }
-        Some(r) => {
-            if let Some(pid) = r.get::<_, Option<i32>>(0) {
+        Some(info) => {
+            if let Some(pid) = info.active_pid {
                 bail!("slot {slot} is in use by pid {pid}; stop that reader first");
             }
-            sql.execute("SELECT pg_drop_replication_slot($1)", &[slot])
-                .await
-                .with_context(|| format!("dropping slot {slot}"))?;
+            crate::slot::drop(&sql, slot).await?;
             println_out(&format!("dropped slot {slot}"));
             Ok(())
         }
@@ -147,26 +140,28 @@ fn println_out(line: &str) {
     println!("{line}");
 }
 
-/// One slot as `walbox slot status` / `list` show it.
+/// One slot as `walbox slot status` / `list` show it: the server's view, and
+/// for `status` the publication's tables and walbox's checkpoint.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct SlotStatus {
-    slot: String,
-    plugin: Option<String>,
-    database: Option<String>,
-    active_pid: Option<i32>,
-    confirmed_flush_lsn: Option<String>,
-    restart_lsn: Option<String>,
-    wal_status: Option<String>,
-    /// WAL the slot keeps on the server's disk: current WAL position - restart_lsn.
-    retained_wal_bytes: Option<i64>,
-    /// How far the confirmed position is behind the server's WAL end.
-    lag_bytes: Option<i64>,
+pub struct SlotReport {
+    #[serde(flatten)]
+    slot: SlotStatus,
     /// Tables of the configured publication (status only).
     #[serde(skip_serializing_if = "Option::is_none")]
     publication_tables: Option<Vec<String>>,
     /// walbox's checkpoint for this slot (status only).
     #[serde(skip_serializing_if = "Option::is_none")]
     checkpoint: Option<CheckpointStatus>,
+}
+
+impl From<SlotStatus> for SlotReport {
+    fn from(slot: SlotStatus) -> Self {
+        SlotReport {
+            slot,
+            publication_tables: None,
+            checkpoint: None,
+        }
+    }
 }
 
 /// walbox's checkpoint as `slot status` shows it.
@@ -185,40 +180,18 @@ struct CheckpointStatus {
     replay_window: String,
 }
 
-const SLOT_QUERY: &str = "
-    SELECT slot_name::text, plugin::text, database::text, active_pid,
-           confirmed_flush_lsn::text, restart_lsn::text, wal_status,
-           (pg_current_wal_lsn() - restart_lsn)::bigint,
-           (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
-    FROM pg_replication_slots WHERE slot_type = 'logical'";
-
-fn slot_row(r: &tokio_postgres::Row) -> SlotStatus {
-    SlotStatus {
-        slot: r.get(0),
-        plugin: r.get(1),
-        database: r.get(2),
-        active_pid: r.get(3),
-        confirmed_flush_lsn: r.get(4),
-        restart_lsn: r.get(5),
-        wal_status: r.get(6),
-        retained_wal_bytes: r.get(7),
-        lag_bytes: r.get(8),
-        publication_tables: None,
-        checkpoint: None,
-    }
-}
-
 fn or_dash<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
 
 #[allow(clippy::print_stdout)] // command output
-fn print_slots(slots: &[SlotStatus], json: bool) -> Result<()> {
+fn print_slots(slots: &[SlotReport], json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(slots)?);
         return Ok(());
     }
-    for s in slots {
+    for report in slots {
+        let s = &report.slot;
         println!("slot                 {}", s.slot);
         println!("  plugin             {}", or_dash(s.plugin.as_ref()));
         println!("  database           {}", or_dash(s.database.as_ref()));
@@ -234,10 +207,10 @@ fn print_slots(slots: &[SlotStatus], json: bool) -> Result<()> {
             or_dash(s.retained_wal_bytes)
         );
         println!("  lag behind server  {} bytes", or_dash(s.lag_bytes));
-        if let Some(tables) = &s.publication_tables {
+        if let Some(tables) = &report.publication_tables {
             println!("  publication tables {}", tables.join(", "));
         }
-        if let Some(c) = &s.checkpoint {
+        if let Some(c) = &report.checkpoint {
             println!(
                 "  checkpoint         {} ({})",
                 or_dash(c.lsn.as_ref()),
@@ -260,14 +233,9 @@ fn print_slots(slots: &[SlotStatus], json: bool) -> Result<()> {
 pub async fn slot_status(config: &Config, json: bool) -> Result<()> {
     let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
     let slot = &config.source.slot;
-    let row = sql
-        .query_opt(&format!("{SLOT_QUERY} AND slot_name = $1"), &[slot])
-        .await
-        .context("reading pg_replication_slots")?
-        .ok_or_else(|| {
-            anyhow::anyhow!("slot {slot:?} does not exist; create it with `walbox setup`")
-        })?;
-    let mut status = slot_row(&row);
+    let mut status = SlotReport::from(crate::slot::status(&sql, slot).await?.ok_or_else(|| {
+        anyhow::anyhow!("slot {slot:?} does not exist; create it with `walbox setup`")
+    })?);
     status.publication_tables = Some(
         sql.query(
             "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1 ORDER BY 1",
@@ -282,6 +250,7 @@ pub async fn slot_status(config: &Config, json: bool) -> Result<()> {
     let saved = store.load()?;
     let lsn = saved.as_ref().map(|c| c.lsn);
     let confirmed: Option<walbox_pgoutput::Lsn> = status
+        .slot
         .confirmed_flush_lsn
         .as_deref()
         .map(str::parse)
@@ -308,11 +277,11 @@ pub async fn slot_status(config: &Config, json: bool) -> Result<()> {
 /// `walbox slot list`: every logical slot of the server.
 pub async fn slot_list(config: &Config, json: bool) -> Result<()> {
     let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
-    let rows = sql
-        .query(&format!("{SLOT_QUERY} ORDER BY slot_name"), &[])
-        .await
-        .context("reading pg_replication_slots")?;
-    let slots: Vec<SlotStatus> = rows.iter().map(slot_row).collect();
+    let slots: Vec<SlotReport> = crate::slot::list(&sql)
+        .await?
+        .into_iter()
+        .map(SlotReport::from)
+        .collect();
     print_slots(&slots, json)
 }
 
@@ -323,29 +292,16 @@ pub async fn slot_create(config: &Config) -> Result<()> {
 }
 
 async fn create_slot(sql: &tokio_postgres::Client, slot: &str) -> Result<()> {
-    let row = sql
-        .query_opt(
-            "SELECT plugin::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await?;
-    match row {
-        Some(r) => {
-            let plugin: Option<String> = r.get(0);
+    match crate::slot::info(sql, slot).await? {
+        Some(info) => {
+            let plugin = info.plugin;
             if plugin.as_deref() != Some("pgoutput") {
                 bail!("slot {slot} exists with plugin {plugin:?}; walbox needs pgoutput");
             }
             println_out(&format!("slot {slot} exists"));
         }
         None => {
-            let row = sql
-                .query_one(
-                    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-                    &[&slot],
-                )
-                .await
-                .with_context(|| format!("creating replication slot {slot}"))?;
-            let lsn: String = row.get(0);
+            let lsn = crate::slot::create(sql, slot).await?;
             println_out(&format!("created slot {slot} at {lsn}"));
         }
     }

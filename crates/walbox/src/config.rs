@@ -332,6 +332,18 @@ impl SinkConfig {
             })
             .collect()
     }
+
+    /// The Kafka sink's settings: the librdkafka properties, topic creation and
+    /// the in-flight bound. Every command that produces to Kafka builds them here.
+    pub fn kafka_sink(&self) -> Result<walbox_sink::KafkaSinkConfig> {
+        Ok(walbox_sink::KafkaSinkConfig {
+            properties: self.kafka_properties()?,
+            create_topics: self.create_topics,
+            topic_partitions: self.topic_partitions,
+            topic_replication: self.topic_replication,
+            max_in_flight: self.max_in_flight,
+        })
+    }
 }
 
 /// How walbox stops.
@@ -559,6 +571,14 @@ mod tests {
         let props = c.sink.kafka_properties().unwrap();
         assert!(props.contains(&("linger.ms".into(), "10".into())));
         assert!(props.contains(&("enable.ssl.certificate.verification".into(), "true".into())));
+        let kafka = c.sink.kafka_sink().unwrap();
+        assert_eq!(kafka.properties, props);
+        assert!(kafka.create_topics);
+        assert_eq!(kafka.max_in_flight, 500);
+        assert_eq!(
+            (kafka.topic_partitions, kafka.topic_replication),
+            (c.sink.topic_partitions, c.sink.topic_replication)
+        );
     }
 
     #[test]

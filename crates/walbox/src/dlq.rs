@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use walbox_outbox::{Mapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
-use walbox_sink::{KafkaSink, KafkaSinkConfig, Sink};
+use walbox_sink::{KafkaSink, Sink};
 
 use crate::catalog::{self, ident};
 use crate::config::{Config, Overrides};
@@ -126,16 +126,11 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
     if topics.is_empty() {
         bail!("no dead-letter topic to replay: name one with --dlq-topic");
     }
-    let properties = config.sink.kafka_properties()?;
+    let sink_config = config.sink.kafka_sink()?;
+    let properties = sink_config.properties.clone();
     let group = format!("walbox-dlq-replay.{}", config.source.slot);
     let timeout = Duration::from_secs(60);
-    let (mut sink, mut deliveries) = KafkaSink::new(KafkaSinkConfig {
-        properties: properties.clone(),
-        create_topics: config.sink.create_topics,
-        topic_partitions: config.sink.topic_partitions,
-        topic_replication: config.sink.topic_replication,
-        max_in_flight: config.sink.max_in_flight,
-    })?;
+    let (mut sink, mut deliveries) = KafkaSink::new(sink_config)?;
     let (mut replayed, mut failing) = (0u64, 0u64);
     for dlq in &topics {
         let mut letters = Vec::new();

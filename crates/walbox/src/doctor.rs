@@ -65,26 +65,12 @@ pub async fn run(config: &Config) -> Result<()> {
     );
 
     let slot = &config.source.slot;
-    let slot_row = sql
-        .query_opt(
-            "SELECT plugin::text, wal_status FROM pg_replication_slots WHERE slot_name = $1",
-            &[slot],
-        )
-        .await?;
-    let (max_slots, used_slots): (i64, i64) = {
-        let row = sql
-            .query_one(
-                "SELECT current_setting('max_replication_slots')::bigint,
-                        (SELECT count(*) FROM pg_replication_slots)",
-                &[],
-            )
-            .await?;
-        (row.get(0), row.get(1))
-    };
+    let slot_row = crate::slot::info(&sql, slot).await?;
+    let (max_slots, used_slots) = crate::slot::slots_in_use(&sql).await?;
     match &slot_row {
-        Some(row) => {
-            let plugin: Option<String> = row.get(0);
-            let wal_status: Option<String> = row.get(1);
+        Some(info) => {
+            let plugin = info.plugin.clone();
+            let wal_status = info.wal_status.clone();
             if plugin.as_deref() != Some("pgoutput") {
                 r.add(Verdict::Fail, format!("slot {slot} uses plugin {plugin:?}, not pgoutput"));
             } else if wal_status.as_deref() == Some("lost") {
@@ -107,16 +93,7 @@ pub async fn run(config: &Config) -> Result<()> {
         Ok(None) => {}
         Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
     }
-    let (max_senders, used_senders): (i64, i64) = {
-        let row = sql
-            .query_one(
-                "SELECT current_setting('max_wal_senders')::bigint,
-                        (SELECT count(*) FROM pg_stat_replication)",
-                &[],
-            )
-            .await?;
-        (row.get(0), row.get(1))
-    };
+    let (max_senders, used_senders) = crate::slot::senders_in_use(&sql).await?;
     r.check(
         used_senders < max_senders,
         format!("max_wal_senders: {used_senders} of {max_senders} in use"),

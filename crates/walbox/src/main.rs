@@ -26,9 +26,9 @@ mod dlq;
 mod doctor;
 mod inspect;
 mod pg;
-mod pg_tls;
 mod publication;
 mod relay;
+mod slot;
 mod snapshot;
 mod verify;
 

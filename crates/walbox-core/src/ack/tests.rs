@@ -1,3 +1,5 @@
+//! Unit and property tests of the ack tracker.
+
 use proptest::prelude::*;
 
 use super::*;

@@ -1,8 +1,13 @@
-use bytes::Bytes;
-use walbox_pgoutput::{Lsn, Relation, RelationColumn, ReplicaIdentity, TupleValue};
+//! Unit tests of compiling mappings, mapping rows and dead letters.
 
+use bytes::Bytes;
+use walbox_pgoutput::{Lsn, Oid, Relation, RelationColumn, ReplicaIdentity, TupleValue};
+
+use super::compile::{BYTEA, JSONB, TEXT};
+use super::value::{json_headers, rfc3339};
 use super::*;
-use crate::config::ColumnNames;
+use crate::config::{ColumnNames, TableConfig};
+use crate::event::{Event, Position};
 use crate::template::TopicTemplate;
 
 fn relation(columns: &[(&str, Oid)]) -> Relation {

@@ -1,3 +1,5 @@
+//! Unit tests of the publication checks.
+
 use walbox_pgoutput::{RelationColumn, ReplicaIdentity};
 
 use super::*;

@@ -31,7 +31,7 @@ pub use plan::where_run_starts;
 pub use replay::replay;
 pub use snapshot::setup_snapshot;
 
-use plan::{Plan, plan, slot_info, wait_for_slot};
+use plan::{Plan, plan, wait_for_slot};
 use shell::Relay;
 use sink::make_sink;
 use snapshot::take_snapshot;
@@ -206,7 +206,9 @@ async fn session(
     let slot_name = &config.source.slot;
     let sql = ctx.conn.connect().await.map_err(classify_sql)?;
     let saved = ctx.store.load()?;
-    let mut slot = slot_info(&sql, slot_name).await.map_err(classify_sql)?;
+    let mut slot = crate::slot::info(&sql, slot_name)
+        .await
+        .map_err(classify_sql)?;
     if let Some(info) = slot.clone()
         && let Some(pid) = info.active_pid
     {

@@ -10,45 +10,7 @@ use walbox_pgoutput::Lsn;
 
 use super::{RunOptions, classify_sql};
 use crate::config::{Config, SnapshotMode};
-
-/// The slot as `pg_replication_slots` shows it.
-#[derive(Debug, Clone)]
-pub(super) struct SlotInfo {
-    pub(super) plugin: Option<String>,
-    pub(super) same_database: bool,
-    pub(super) active_pid: Option<i32>,
-    pub(super) confirmed: Option<Lsn>,
-    pub(super) wal_status: Option<String>,
-}
-
-pub(super) async fn slot_info(
-    sql: &tokio_postgres::Client,
-    slot: &str,
-) -> Result<Option<SlotInfo>> {
-    let row = sql
-        .query_opt(
-            "SELECT plugin::text, database = current_database(), active_pid,
-                    confirmed_flush_lsn::text, wal_status
-             FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .context("reading pg_replication_slots")?;
-    row.map(|r| {
-        let confirmed: Option<String> = r.get(3);
-        Ok(SlotInfo {
-            plugin: r.get(0),
-            same_database: r.get::<_, Option<bool>>(1) == Some(true),
-            active_pid: r.get(2),
-            confirmed: confirmed
-                .map(|c| c.parse())
-                .transpose()
-                .context("slot position")?,
-            wal_status: r.get(4),
-        })
-    })
-    .transpose()
-}
+use crate::slot::SlotInfo;
 
 /// Where a session starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -289,7 +251,7 @@ pub async fn where_run_starts(
 ) -> Result<Option<String>> {
     let store = config.checkpoint_store();
     let saved = store.load()?;
-    let slot = slot_info(sql, &config.source.slot).await?;
+    let slot = crate::slot::info(sql, &config.source.slot).await?;
     if saved.is_none() && slot.is_none() {
         return Ok(None);
     }
@@ -341,7 +303,7 @@ pub(super) async fn wait_for_slot(
             Some(()) = signals.recv() => return Ok(None),
             () = tokio::time::sleep(SLOT_POLL) => {}
         }
-        match slot_info(sql, slot).await.map_err(classify_sql)? {
+        match crate::slot::info(sql, slot).await.map_err(classify_sql)? {
             Some(next) => info = next,
             None => bail!("slot {slot:?} was dropped while waiting for it"),
         }

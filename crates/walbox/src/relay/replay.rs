@@ -3,7 +3,7 @@
 use anyhow::{Context, Result, bail};
 use walbox_pgoutput::Lsn;
 
-use super::plan::{Plan, plan, slot_info};
+use super::plan::{Plan, plan};
 use super::shell::Relay;
 use super::stream::{StreamEnd, StreamSpec, stream};
 use super::{Ctx, RunOptions, make_sink, println_out, signals};
@@ -25,7 +25,7 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
     let name = &config.source.slot;
     let sql = conn.connect().await?;
     let saved = store.load()?;
-    let slot = slot_info(&sql, name)
+    let slot = crate::slot::info(&sql, name)
         .await?
         .with_context(|| format!("replication slot {name:?} does not exist"))?;
     if let Some(pid) = slot.active_pid {

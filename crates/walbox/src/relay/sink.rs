@@ -4,9 +4,7 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use walbox_outbox::Event;
-use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, KafkaSinkConfig, Sink, SinkError, StdoutSink,
-};
+use walbox_sink::{Deliveries, DeliveryError, KafkaSink, Sink, SinkError, StdoutSink};
 
 use super::transient;
 use crate::config::{Config, SinkKind};
@@ -50,13 +48,7 @@ impl Sink for AnySink {
 pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)> {
     Ok(match config.sink.kind {
         SinkKind::Kafka => {
-            let (sink, deliveries) = KafkaSink::new(KafkaSinkConfig {
-                properties: config.sink.kafka_properties()?,
-                create_topics: config.sink.create_topics,
-                topic_partitions: config.sink.topic_partitions,
-                topic_replication: config.sink.topic_replication,
-                max_in_flight: config.sink.max_in_flight,
-            })?;
+            let (sink, deliveries) = KafkaSink::new(config.sink.kafka_sink()?)?;
             (AnySink::Kafka(sink), deliveries)
         }
         SinkKind::Stdout => {
@@ -82,7 +74,7 @@ pub(super) fn failure(e: DeliveryError) -> walbox_core::Failure {
         lasting: e.is_final(),
         event_id: e.event_id,
         topic: e.topic,
-        class: e.class,
+        class: e.class.as_str(),
         reason: e.reason,
         rejected: e.rejected.map(|r| walbox_core::Rejected {
             key: r.key,

@@ -14,9 +14,7 @@ use walbox_sink::{Deliveries, Sink};
 
 use super::plan::{Plan, plan};
 use super::shell::{Relay, connect_identified};
-use super::{
-    Ctx, RunOptions, classify_replication, classify_sql, make_sink, println_out, signals, slot_info,
-};
+use super::{Ctx, RunOptions, classify_replication, classify_sql, make_sink, println_out, signals};
 use crate::catalog;
 use crate::config::Config;
 use crate::pg::ConnParams;
@@ -248,7 +246,7 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
     };
     let sql = conn.connect().await?;
     let saved = store.load()?;
-    let slot = slot_info(&sql, &config.source.slot).await?;
+    let slot = crate::slot::info(&sql, &config.source.slot).await?;
     drop(sql);
     let resume = match (&saved, &slot) {
         (Some(cp), _) if cp.snapshot_interrupted() => {

@@ -351,20 +351,8 @@ async fn check_stall(ctx: Ctx<'_>, timeout: Duration) -> Result<()> {
     };
     let probe = async {
         let sql = ctx.conn.connect().await?;
-        let row = sql
-            .query_opt(
-                "SELECT s.active_pid,
-                        coalesce(extract(epoch FROM now() - r.reply_time), 1e9)::float8
-                 FROM pg_replication_slots s
-                 LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
-                 WHERE s.slot_name = $1",
-                &[slot],
-            )
-            .await?;
-        Ok::<_, anyhow::Error>((
-            sql,
-            row.map(|r| (r.get::<_, Option<i32>>(0), r.get::<_, f64>(1))),
-        ))
+        let reader = crate::slot::reader(&sql, slot).await?;
+        Ok::<_, anyhow::Error>((sql, reader))
     };
     match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
         Err(_) => Err(stalled(format!(
@@ -372,10 +360,9 @@ async fn check_stall(ctx: Ctx<'_>, timeout: Duration) -> Result<()> {
             PROBE_TIMEOUT.as_secs()
         ))),
         Ok(Err(e)) => Err(stalled(format!("a probe failed: {e:#}"))),
-        Ok(Ok((_, None | Some((None, _))))) => {
-            Err(stalled("the server shows no reader on the slot".to_owned()))
-        }
-        Ok(Ok((sql, Some((Some(pid), since_reply))))) => {
+        Ok(Ok((_, None))) => Err(stalled("the server shows no reader on the slot".to_owned())),
+        Ok(Ok((sql, Some(reader)))) => {
+            let (pid, since_reply) = (reader.pid, reader.since_reply_secs);
             if since_reply < secs {
                 tracing::debug!(pid, since_reply, "quiet stream, walsender alive");
                 return Ok(());

@@ -8,6 +8,7 @@
 //! unset); `sslcert` / `sslkey` add a client certificate.
 
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
@@ -18,7 +19,37 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, Error, RootCertStore, SignatureScheme};
 
-use crate::pg::SslMode;
+/// libpq `sslmode` values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SslMode {
+    /// No TLS.
+    Disable,
+    /// TLS when the server offers it (libpq's default).
+    #[default]
+    Prefer,
+    /// TLS, without checking the certificate.
+    Require,
+    /// TLS with a certificate signed by a trusted CA.
+    VerifyCa,
+    /// TLS with a trusted certificate for the host name.
+    VerifyFull,
+}
+
+impl FromStr for SslMode {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "disable" => Self::Disable,
+            "allow" | "prefer" => Self::Prefer,
+            "require" => Self::Require,
+            "verify-ca" => Self::VerifyCa,
+            "verify-full" => Self::VerifyFull,
+            other => bail!(
+                "sslmode {other:?} is not one of disable, allow, prefer, require, verify-ca, verify-full"
+            ),
+        })
+    }
+}
 
 fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())

@@ -1,10 +1,15 @@
 //! PostgreSQL connections: parsing libpq connection strings (key=value or URI),
-//! the SQL connection, and the replication connection's settings.
+//! the SQL connection, and the replication connection's settings. TLS for the
+//! SQL connection lives in [`tls`], which depends on nothing here.
+
+mod tls;
 
 use std::str::FromStr;
 
 use anyhow::{Context, Result, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
+
+pub use tls::SslMode;
 
 /// Settings that change how the server writes a value as text, pinned on every
 /// connection walbox opens (replication and SQL), so that a value renders the
@@ -20,38 +25,6 @@ fn session_options(own: Option<&str>) -> String {
     match own.map(str::trim) {
         Some(own) if !own.is_empty() => format!("{own} {SESSION_OPTIONS}"),
         _ => SESSION_OPTIONS.to_owned(),
-    }
-}
-
-/// libpq `sslmode` values.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum SslMode {
-    /// No TLS.
-    Disable,
-    /// TLS when the server offers it (libpq's default).
-    #[default]
-    Prefer,
-    /// TLS, without checking the certificate.
-    Require,
-    /// TLS with a certificate signed by a trusted CA.
-    VerifyCa,
-    /// TLS with a trusted certificate for the host name.
-    VerifyFull,
-}
-
-impl FromStr for SslMode {
-    type Err = anyhow::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Ok(match s {
-            "disable" => Self::Disable,
-            "allow" | "prefer" => Self::Prefer,
-            "require" => Self::Require,
-            "verify-ca" => Self::VerifyCa,
-            "verify-full" => Self::VerifyFull,
-            other => bail!(
-                "sslmode {other:?} is not one of disable, allow, prefer, require, verify-ca, verify-full"
-            ),
-        })
     }
 }
 
@@ -141,7 +114,7 @@ impl ConnParams {
             drive(connection);
             client
         } else {
-            let tls = crate::pg_tls::client_config(
+            let tls = tls::client_config(
                 self.sslmode,
                 self.sslrootcert.as_deref(),
                 self.sslcert.as_deref(),
