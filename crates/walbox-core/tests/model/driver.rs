@@ -79,6 +79,10 @@ pub enum Step {
         back: u8,
         tables: Tables,
     },
+    /// The publication check passes (`PublicationWatch`): positions up to the
+    /// end of a transaction of the log (chosen by the number) are verified; a
+    /// session of `walbox run` saves and reports nothing beyond it.
+    Verify(u8),
 }
 
 fn tables() -> impl Strategy<Value = Tables> {
@@ -96,6 +100,7 @@ pub fn steps() -> impl Strategy<Value = Vec<Step>> {
         1 => Just(Step::PgCheckpoint),
         1 => Just(Step::Stop),
         1 => any::<u8>().prop_map(Step::Replay),
+        2 => any::<u8>().prop_map(Step::Verify),
         2 => (any::<bool>(), any::<bool>(), any::<u8>(), tables()).prop_map(
             |(walbox, server, back, tables)| Step::Crash { walbox, server, back, tables }
         ),
@@ -147,6 +152,11 @@ pub struct World<'a> {
     abort_on_failure: bool,
     /// No position may reach this (the end of a transaction walbox must stop in).
     pub barrier: Option<Lsn>,
+    /// Whether sessions of `walbox run` check the publication (not in the final
+    /// clean run, which stands for checks that keep passing).
+    watch: bool,
+    /// How far the publication is verified in this session.
+    limit: Option<Lsn>,
 }
 
 impl<'a> World<'a> {
@@ -167,6 +177,8 @@ impl<'a> World<'a> {
             now: Instant::now(),
             abort_on_failure: true,
             barrier: None,
+            watch: true,
+            limit: None,
         };
         w.start(tables);
         w
@@ -190,6 +202,9 @@ impl<'a> World<'a> {
             }
         };
         let mut core = self.new_core(tables);
+        // A new session's watch has verified nothing yet.
+        self.limit = self.watch.then_some(Lsn(0));
+        core.limit_position(self.limit);
         core.adopt_checkpoint(saved.clone());
         let resume = saved.filter(|cp| cp.lsn == start).and_then(|cp| cp.partial);
         core.resume_at(start, slot, resume);
@@ -261,6 +276,17 @@ impl<'a> World<'a> {
                 self.turn(false);
             }
             Step::Flush(k) => self.flush(Some(usize::from(k))),
+            Step::Verify(sel) => {
+                if let Some(s) = self.session.as_mut().filter(|s| !s.replay)
+                    && let Some(limit) = self.limit
+                {
+                    let mut ends = vec![self.log.created];
+                    ends.extend(self.log.txns.iter().map(|t| t.end_lsn));
+                    let to = limit.max(ends[usize::from(sel) % ends.len()]);
+                    self.limit = Some(to);
+                    s.core.limit_position(self.limit);
+                }
+            }
             Step::PgCheckpoint => self.slot.persisted = self.slot.confirmed,
             Step::Stop => {
                 if let Some(s) = &mut self.session {
@@ -438,7 +464,14 @@ impl<'a> World<'a> {
         self.sync_flushed();
         let now = self.now;
         let Some(s) = &mut self.session else { return };
+        let before = s.core.checkpoint().map_or(Lsn(0), |c| c.lsn);
+        let limit = self.limit.filter(|_| !s.replay);
         if let Some(cp) = s.core.checkpoint_due(now, force) {
+            assert!(
+                limit.is_none_or(|l| cp.lsn <= l.max(before)),
+                "checkpoint at {} passes the publication's verified position {limit:?}",
+                cp.lsn
+            );
             assert!(
                 self.barrier.is_none_or(|b| cp.lsn < b),
                 "LSN: checkpoint at {} passes a transaction walbox cannot publish",
@@ -521,6 +554,7 @@ impl<'a> World<'a> {
     pub fn finish(&mut self) {
         self.stopped = None;
         self.session = None;
+        self.watch = false;
         self.start(Tables::Both);
         for _ in 0..100_000 {
             let more = self.read_one(true);
