@@ -10,6 +10,17 @@ use walbox_pgoutput::Lsn;
 use super::{Core, Flushed};
 use crate::checkpoint::{Checkpoint, Partial};
 
+/// What the checkpoint's acknowledged prefix is to be.
+#[derive(Debug, Clone, Copy)]
+enum NextPartial {
+    /// The one it records.
+    Keep,
+    /// None.
+    Drop,
+    /// This transaction's first `events` events.
+    New { commit_lsn: Lsn, events: u64 },
+}
+
 impl Core {
     /// The acknowledged position, within a replay's end and the limit.
     fn savable(&self) -> Lsn {
@@ -24,36 +35,41 @@ impl Core {
     }
 
     /// The acknowledged prefix of the oldest unconfirmed transaction, as the
-    /// checkpoint records it.
-    fn partial(&self, cp: &Checkpoint) -> Option<Partial> {
-        if self.savable() < self.tracker.confirmed() {
+    /// checkpoint is to record it: decided without building a [`Partial`] (it is
+    /// asked every turn of the loop; the table list is copied only when a
+    /// checkpoint is written).
+    fn next_partial(&self, cp: &Checkpoint) -> NextPartial {
+        let savable = self.savable();
+        let keep_saved = if savable <= cp.lsn {
+            NextPartial::Keep
+        } else {
+            NextPartial::Drop
+        };
+        if savable < self.tracker.confirmed() {
             // Held back (the publication check's limit): the transactions between
             // the saved position and the partly acknowledged one are sent again
             // in full; only a prefix already recorded for a transaction the saved
             // position has not passed still holds.
-            return cp.partial.clone().filter(|_| self.savable() <= cp.lsn);
+            return keep_saved;
         }
-        let tracked = self.tracker.partial().map(|(commit_lsn, events)| {
-            let base = self
-                .skipped_base
-                .as_ref()
-                .filter(|b| b.commit_lsn == commit_lsn)
-                .map_or(0, |b| b.events);
-            Partial {
-                commit_lsn,
-                events: base + events,
-                tables: self.tables.clone(),
-            }
-        });
         // Only a transaction after the saved position (not one a replay or an
         // earlier --from-lsn sends again).
-        let after = cp.lsn.max(self.savable());
-        match tracked.filter(|p| p.commit_lsn >= after) {
-            Some(p) => Some(p),
+        let after = cp.lsn.max(savable);
+        match self.tracker.partial() {
+            Some((commit_lsn, events)) if commit_lsn >= after => {
+                let base = self
+                    .skipped_base
+                    .as_ref()
+                    .filter(|b| b.commit_lsn == commit_lsn)
+                    .map_or(0, |b| b.events);
+                NextPartial::New {
+                    commit_lsn,
+                    events: base + events,
+                }
+            }
             // Nothing new acknowledged in it yet: the saved prefix still holds
             // while the position has not moved past its transaction.
-            None if self.savable() <= cp.lsn => cp.partial.clone(),
-            None => None,
+            _ => keep_saved,
         }
     }
 
@@ -68,7 +84,16 @@ impl Core {
         if self.snapshot.is_some() {
             return false;
         }
-        self.savable() > cp.lsn || self.partial(cp) != cp.partial
+        if self.savable() > cp.lsn {
+            return true;
+        }
+        match self.next_partial(cp) {
+            NextPartial::Keep => false,
+            NextPartial::Drop => cp.partial.is_some(),
+            NextPartial::New { commit_lsn, events } => cp.partial.as_ref().is_none_or(|p| {
+                p.commit_lsn != commit_lsn || p.events != events || p.tables != self.tables
+            }),
+        }
     }
 
     /// The checkpoint to hand to the writer, when it is behind and the interval
@@ -97,12 +122,26 @@ impl Core {
             tracing::info!(rows, consistent_point = %savable,
                 "snapshot complete: every row acknowledged");
         }
-        let partial = self.checkpoint.as_ref().and_then(|c| self.partial(c));
+        let next = self
+            .checkpoint
+            .as_ref()
+            .map_or(NextPartial::Keep, |c| self.next_partial(c));
         let waiting = self.pending_snapshot.is_some();
+        let tables = &self.tables;
         let cp = self.checkpoint.as_mut()?;
         if !waiting {
             cp.lsn = cp.lsn.max(savable);
-            cp.partial = partial;
+            match next {
+                NextPartial::Keep => {}
+                NextPartial::Drop => cp.partial = None,
+                NextPartial::New { commit_lsn, events } => {
+                    cp.partial = Some(Partial {
+                        commit_lsn,
+                        events,
+                        tables: tables.clone(),
+                    });
+                }
+            }
         }
         self.submitted_at = Some(now);
         Some(cp.clone())
