@@ -7,20 +7,12 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions};
+use walbox_testkit::{Broker, PgCluster, PgOptions};
 
 const TOPIC: &str = "outbox.order";
 
-async fn start_with(options: PgOptions) -> (PgCluster, Broker, tokio_postgres::Client) {
-    let pg = PgCluster::start_with(options).unwrap();
-    let broker = Broker::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    (pg, broker, db)
-}
-
 async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
-    start_with(PgOptions::default()).await
+    servers().await
 }
 
 /// A config file with a replay window.
@@ -234,8 +226,11 @@ async fn a_slot_ahead_of_the_checkpoint_or_recreated_is_refused_unless_accepted(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_slot_stops_walbox_at_once_with_the_recovery_steps() {
-    let (pg, broker, db) =
-        start_with(PgOptions::default().setting("max_slot_wal_keep_size", "1MB")).await;
+    let (pg, broker, db) = servers_with(
+        PgOptions::default().setting("max_slot_wal_keep_size", "1MB"),
+        walbox_testkit::BrokerOptions::default(),
+    )
+    .await;
     let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 1, 1, 10, 10).await;
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;

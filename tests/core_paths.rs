@@ -9,21 +9,13 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use common::*;
-use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, StopMode, wait_until};
+use walbox_testkit::{PgCluster, StopMode, wait_until};
 
 const TOPIC: &str = "outbox.order";
 
-async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
-    let pg = PgCluster::start().unwrap();
-    let broker = Broker::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    (pg, broker, db)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_restored_behind_the_checkpoint_is_refused_with_the_range() {
-    let (mut pg, broker, db) = start().await;
+    let (mut pg, broker, db) = servers().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
@@ -74,7 +66,7 @@ async fn a_server_restored_behind_the_checkpoint_is_refused_with_the_range() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_stop_leaves_the_final_position_on_the_server() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
     // Positions are sent once per status interval: a long one leaves a wide
@@ -121,7 +113,7 @@ fn two_table_config(pg: &PgCluster, name: &str, tables: &[&str], ignore: &[&str]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_config_change_inside_a_partly_acknowledged_transaction_sends_it_whole_again() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     db.batch_execute(TWO_TABLES).await.unwrap();
     let env = walbox_env(&pg, &broker);
     let both = two_table_config(&pg, "both.toml", &["outbox", "outbox_b"], &[]);
@@ -183,7 +175,7 @@ async fn a_config_change_inside_a_partly_acknowledged_transaction_sends_it_whole
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_insert_from_a_published_table_that_is_no_outbox_stops_walbox_before_it() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     db.batch_execute("CREATE TABLE audit_log (id bigserial PRIMARY KEY, note text)")
         .await
         .unwrap();

@@ -12,17 +12,11 @@ use std::time::Duration;
 
 use common::*;
 use nix::sys::signal::Signal;
-use walbox_testkit::{Broker, BrokerOptions, BrokerStorage, OUTBOX_DDL, PgCluster, StopMode};
+use walbox_testkit::{
+    Broker, BrokerOptions, BrokerStorage, OUTBOX_DDL, PgCluster, PgOptions, StopMode,
+};
 
 const TOPIC: &str = "outbox.order";
-
-async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
-    let pg = PgCluster::start().unwrap();
-    let broker = Broker::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    (pg, broker, db)
-}
 
 /// A pseudo-random number below `n` (fault timing, not synchronisation).
 fn random_below(n: u64) -> u64 {
@@ -79,7 +73,7 @@ async fn steady_writer(pg: &PgCluster, stop: Arc<AtomicBool>) -> tokio::task::Jo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_kill_9_rounds_under_steady_writes_lose_nothing() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
     let stop_writing = Arc::new(AtomicBool::new(false));
@@ -107,7 +101,7 @@ async fn twenty_kill_9_rounds_under_steady_writes_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_open_across_a_restart_is_published_when_it_commits() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     let (env, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     let long = pg.connect("postgres").await.unwrap();
     long.batch_execute(
@@ -170,7 +164,7 @@ async fn rows_sharing_an_event_id_are_both_published_with_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alter_table_while_streaming_loses_nothing() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     let (_, mut walbox) = Walbox::set_up_and_run(&pg, &broker);
     write_events(&pg, 1, 5, 10, 10).await;
     // New columns (one with a default that rewrites nothing, one NULL) and a
@@ -198,7 +192,7 @@ async fn alter_table_while_streaming_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restarts_during_the_snapshot_and_the_snapshot_is_taken_again() {
-    let (mut pg, broker, db) = start().await;
+    let (mut pg, broker, db) = servers().await;
     db.batch_execute(
         "ALTER TABLE outbox ADD COLUMN seq bigserial;
          INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -254,16 +248,16 @@ fn assert_duplicates_are_replays_or_snapshot(records: &[walbox_testkit::kafka::R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_longer_than_the_delivery_timeout_resumes_from_the_checkpoint() {
-    let pg = PgCluster::start().unwrap();
-    let mut broker = Broker::start_with(BrokerOptions {
-        storage: BrokerStorage::Sqlite,
-    })
-    .unwrap();
+    let (pg, mut broker, db) = servers_with(
+        PgOptions::default(),
+        BrokerOptions {
+            storage: BrokerStorage::Sqlite,
+        },
+    )
+    .await;
     if broker.is_external() {
         return; // needs a broker this test can stop
     }
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
     let env = walbox_env(&pg, &broker);
     setup(&env);
     let cfg = config_file(
@@ -298,7 +292,7 @@ async fn a_broker_outage_longer_than_the_delivery_timeout_resumes_from_the_check
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silently_stalled_connection_is_detected_and_replaced() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
     let cfg = config_file(&pg, "stall.toml", "[source]\nstall_timeout_ms = 3000\n");
@@ -337,7 +331,7 @@ async fn a_silently_stalled_connection_is_detected_and_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[allow(clippy::print_stderr)] // prints its memory figures
 async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
-    let (pg, broker, db) = start().await;
+    let (pg, broker, db) = servers().await;
     let env = walbox_env(&pg, &broker);
     setup(&env);
     let cfg = config_file(
@@ -397,16 +391,16 @@ async fn one_transaction_of_300_000_rows_goes_out_in_order_in_bounded_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[allow(clippy::print_stderr)] // prints its memory figures
 async fn large_rows_stay_within_the_byte_bound_while_the_broker_is_away() {
-    let pg = PgCluster::start().unwrap();
-    let mut broker = Broker::start_with(BrokerOptions {
-        storage: BrokerStorage::Sqlite,
-    })
-    .unwrap();
+    let (pg, mut broker, db) = servers_with(
+        PgOptions::default(),
+        BrokerOptions {
+            storage: BrokerStorage::Sqlite,
+        },
+    )
+    .await;
     if broker.is_external() {
         return; // needs a broker this test can stop
     }
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
     let env = walbox_env(&pg, &broker);
     setup(&env);
     let cfg = config_file(

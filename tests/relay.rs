@@ -12,11 +12,11 @@ use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions};
 const TOPIC: &str = "outbox.order";
 
 async fn start() -> (PgCluster, Broker, tokio_postgres::Client) {
-    let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC")).unwrap();
-    let broker = Broker::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    (pg, broker, db)
+    servers_with(
+        PgOptions::default().setting("timezone", "UTC"),
+        walbox_testkit::BrokerOptions::default(),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,7 @@
 //! - [`writers`]: writers of outbox rows.
 //! - [`topics`]: reading topics back and auditing them against the outbox table.
 //! - [`order`]: per-key order and the Java client's partitioner.
+//! - [`servers`]: a cluster with the outbox table and a broker for one test.
 //!
 //! Each test file starts its own PostgreSQL cluster and broker through
 //! `walbox-testkit`; nothing here talks to a server the test did not start, except
@@ -16,6 +17,7 @@
 mod order;
 mod positions;
 mod process;
+mod servers;
 mod topics;
 mod writers;
 
@@ -26,6 +28,8 @@ pub use order::*;
 pub use positions::*;
 #[allow(unused_imports)]
 pub use process::*;
+#[allow(unused_imports)]
+pub use servers::*;
 #[allow(unused_imports)]
 pub use topics::*;
 #[allow(unused_imports)]
