@@ -28,9 +28,8 @@ pub async fn begin(sql: &tokio_postgres::Client, name: &str) -> Result<()> {
     ))
     .await
     .context("importing the slot's snapshot")?;
-    sql.batch_execute("SET LOCAL TimeZone = 'UTC'; SET LOCAL DateStyle = 'ISO, YMD'")
-        .await
-        .context("session settings")?;
+    // Values render as in the stream: the connection pins the settings that
+    // change a value's text form (`pg::SESSION_OPTIONS`).
     Ok(())
 }
 
