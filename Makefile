@@ -5,7 +5,14 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 60
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all build deps demo test fmt-check clippy bench bench-decoder bench-relay fuzz clean
+.PHONY: all build deps demo test test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay fuzz clean
+
+# PostgreSQL majors the end-to-end tests run on: `make test` runs the whole suite on
+# the first and the end-to-end tests again on the others; `make test-matrix` runs
+# the whole suite on every supported major. 15 is Debian's; 16, 17 and 18 are
+# fetched once per machine by scripts/pg-major.sh.
+PG_VERSIONS ?= 15 17
+PG_MATRIX ?= 15 16 17 18
 
 all: build
 
@@ -13,7 +20,7 @@ build:
 	$(CARGO) build --workspace --release
 
 deps:
-	@scripts/deps.sh
+	@scripts/deps.sh $(PG_VERSIONS)
 
 ## The main job end to end on throwaway infrastructure.
 demo: deps
@@ -22,8 +29,25 @@ demo: deps
 
 ## Everything CI checks: formatting, lints, unit, property and end-to-end tests.
 test: deps fmt-check clippy
-	$(CARGO) test --workspace --all-targets --no-fail-fast
+	WALBOX_PG_VERSION=$(firstword $(PG_VERSIONS)) $(CARGO) test --workspace --all-targets --no-fail-fast
 	$(CARGO) test --workspace --doc
+	@for v in $(wordlist 2,99,$(PG_VERSIONS)); do \
+	  $(MAKE) --no-print-directory test-e2e PG_VERSION=$$v || exit 1; \
+	done
+
+## The end-to-end tests (the ones that start PostgreSQL) on one major: PG_VERSION=17.
+PG_VERSION ?= 15
+test-e2e:
+	@echo "== end-to-end tests on PostgreSQL $(PG_VERSION)"
+	WALBOX_PG_VERSION=$(PG_VERSION) $(CARGO) test -p walbox -p walbox-pgoutput --test '*' --no-fail-fast
+
+## The whole suite on every supported major.
+test-matrix: fmt-check clippy
+	@scripts/deps.sh $(PG_MATRIX)
+	@for v in $(PG_MATRIX); do \
+	  echo "== whole suite on PostgreSQL $$v"; \
+	  WALBOX_PG_VERSION=$$v $(CARGO) test --workspace --all-targets --no-fail-fast || exit 1; \
+	done
 
 fmt-check:
 	$(CARGO) fmt --all -- --check

@@ -5,6 +5,8 @@
 #   - the C toolchain pieces librdkafka's bundled build uses (with OpenSSL, so
 #     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
+#   - the PostgreSQL majors given as arguments (`scripts/deps.sh 15 17`): 15 from
+#     apt, 16/17/18 through scripts/pg-major.sh
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
 set -euo pipefail
 
@@ -60,4 +62,8 @@ else
   cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql
 fi
 
-log "ready: postgres server, build tools, tansu $TANSU_VERSION"
+for major in "$@"; do
+  "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
+done
+
+log "ready: postgres server${1:+ (majors: $*)}, build tools, tansu $TANSU_VERSION"

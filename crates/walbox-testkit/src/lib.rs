@@ -23,7 +23,7 @@ mod wait;
 
 pub use broker::{Broker, BrokerOptions, BrokerStorage};
 pub use error::TestkitError;
-pub use postgres::{PgCluster, PgOptions, StopMode};
+pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use tls::TlsFiles;
 pub use wait::{wait_until, wait_until_async};
 

@@ -311,6 +311,11 @@ impl PgCluster {
         &self.bindir
     }
 
+    /// The server's major version (15, 16, 17, 18), from `postgres --version`.
+    pub fn major(&self) -> Result<u32> {
+        server_major(&self.bindir)
+    }
+
     /// A libpq key=value connection string for `database` over TCP as the superuser
     /// (with the password and `sslmode=verify-full` when those are on).
     #[must_use]
@@ -476,12 +481,19 @@ fn quote(value: &str) -> String {
     format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
-/// Directory of the PostgreSQL server binaries: `WALBOX_PG_BINDIR`, else
+/// Directory of the PostgreSQL server binaries: `WALBOX_PG_BINDIR`, else the
+/// major version `WALBOX_PG_VERSION` names (see [`major_bindir`]), else
 /// `pg_config --bindir` when it holds `initdb`, else the newest
 /// `/usr/lib/postgresql/<version>/bin` (Debian's layout).
 fn bindir() -> Result<PathBuf> {
     if let Ok(dir) = std::env::var("WALBOX_PG_BINDIR") {
         return Ok(PathBuf::from(dir));
+    }
+    if let Ok(major) = std::env::var("WALBOX_PG_VERSION") {
+        let major = major.trim();
+        if !major.is_empty() {
+            return major_bindir(major);
+        }
     }
     if let Ok(out) = std::process::Command::new("pg_config")
         .arg("--bindir")
@@ -501,5 +513,72 @@ fn bindir() -> Result<PathBuf> {
     Err(TestkitError::MissingProgram {
         program: "PostgreSQL server (initdb, postgres)".into(),
         hint: "run `make deps`, or set WALBOX_PG_BINDIR".into(),
+    })
+}
+
+/// The major version of the server binaries in `bindir`, from `postgres --version`
+/// (`postgres (PostgreSQL) 17.10` -> 17).
+pub fn server_major(bindir: &Path) -> Result<u32> {
+    let program = bindir.join("postgres");
+    let out = std::process::Command::new(&program)
+        .arg("--version")
+        .output()
+        .map_err(TestkitError::io("running", &program))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.rsplit(' ')
+        .next()
+        .and_then(|v| v.trim().split('.').next())
+        .and_then(|m| m.parse().ok())
+        .ok_or_else(|| TestkitError::MissingProgram {
+            program: format!(
+                "a PostgreSQL server that reports its version ({})",
+                program.display()
+            ),
+            hint: "set WALBOX_PG_BINDIR or WALBOX_PG_VERSION".into(),
+        })
+}
+
+/// The server binaries of one major version: Debian's
+/// `/usr/lib/postgresql/<major>/bin`, else the build `scripts/pg-major.sh`
+/// unpacked into its cache (`WALBOX_PG_CACHE`, `/var/cache/walbox/postgresql`,
+/// `~/.cache/walbox/postgresql`), in a directory named `<major>.<minor>...`.
+pub fn major_bindir(major: &str) -> Result<PathBuf> {
+    let debian = PathBuf::from(format!("/usr/lib/postgresql/{major}/bin"));
+    if debian.join("initdb").is_file() {
+        return Ok(debian);
+    }
+    let mut caches = Vec::new();
+    if let Ok(dir) = std::env::var("WALBOX_PG_CACHE") {
+        caches.push(PathBuf::from(dir));
+    }
+    caches.push(PathBuf::from("/var/cache/walbox/postgresql"));
+    if let Some(home) = std::env::var_os("XDG_CACHE_HOME").or_else(|| {
+        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").into_os_string())
+    }) {
+        caches.push(PathBuf::from(home).join("walbox").join("postgresql"));
+    }
+    for cache in &caches {
+        let Ok(entries) = std::fs::read_dir(cache) else {
+            continue;
+        };
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.split('.').next() == Some(major))
+                    && p.join(".complete").is_file()
+                    && p.join("native/bin/initdb").is_file()
+            })
+            .collect();
+        found.sort();
+        if let Some(dir) = found.pop() {
+            return Ok(dir.join("native/bin"));
+        }
+    }
+    Err(TestkitError::MissingProgram {
+        program: format!("PostgreSQL {major} server (initdb, postgres)"),
+        hint: format!("run `scripts/pg-major.sh {major}` (or `make deps PG_VERSIONS={major}`)"),
     })
 }
