@@ -5,6 +5,8 @@
 #   - the C toolchain pieces librdkafka's bundled build uses (with OpenSSL, so
 #     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
+#   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
+#     check the alert rules and the service file in deploy/
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
 set -euo pipefail
 
@@ -33,6 +35,8 @@ command -v pkg-config >/dev/null 2>&1 || apt_packages+=(pkg-config)
 command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 [ -e /usr/include/zlib.h ] || apt_packages+=(zlib1g-dev)
 [ -e /usr/include/openssl/ssl.h ] || apt_packages+=(libssl-dev)
+command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
   log "installing ${apt_packages[*]}"
@@ -60,4 +64,4 @@ else
   cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql
 fi
 
-log "ready: postgres server, build tools, tansu $TANSU_VERSION"
+log "ready: postgres server, build tools, promtool, systemd-analyze, tansu $TANSU_VERSION"
