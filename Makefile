@@ -5,12 +5,16 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 60
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all build deps demo test fmt-check clippy bench bench-decoder bench-relay fuzz clean
+.PHONY: all build release deps demo test fmt-check clippy bench bench-decoder bench-relay fuzz clean
 
 all: build
 
 build:
 	$(CARGO) build --workspace --release
+
+## The walbox binary alone, as the Dockerfile builds it (target/release/walbox).
+release:
+	$(CARGO) build --release --locked -p walbox
 
 deps:
 	@scripts/deps.sh

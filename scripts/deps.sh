@@ -8,7 +8,17 @@
 #   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
 #     check the alert rules and the service file in deploy/
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
+#
+# `scripts/deps.sh --build-only` installs only what `make release` needs (the
+# build tools); the Dockerfile's builder stage runs it.
 set -euo pipefail
+
+build_only=false
+case "${1:-}" in
+  "") ;;
+  --build-only) build_only=true ;;
+  *) echo "deps: unknown argument ${1}; use --build-only or nothing" >&2; exit 2 ;;
+esac
 
 TANSU_VERSION=0.6.0
 log() { printf 'deps: %s\n' "$*"; }
@@ -27,7 +37,7 @@ have_pg_server() {
 }
 
 apt_packages=()
-have_pg_server || apt_packages+=(postgresql-15)
+$build_only || have_pg_server || apt_packages+=(postgresql-15)
 command -v make >/dev/null 2>&1 || apt_packages+=(make)
 command -v cc >/dev/null 2>&1 || apt_packages+=(gcc)
 command -v c++ >/dev/null 2>&1 || apt_packages+=(g++)
@@ -35,8 +45,10 @@ command -v pkg-config >/dev/null 2>&1 || apt_packages+=(pkg-config)
 command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 [ -e /usr/include/zlib.h ] || apt_packages+=(zlib1g-dev)
 [ -e /usr/include/openssl/ssl.h ] || apt_packages+=(libssl-dev)
-command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
-command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
+if ! $build_only; then
+  command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+  command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
+fi
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
   log "installing ${apt_packages[*]}"
@@ -53,6 +65,11 @@ if [ ${#apt_packages[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
+fi
+
+if $build_only; then
+  log "ready: build tools"
+  exit 0
 fi
 
 cargo_bin="${CARGO_HOME:-$HOME/.cargo}/bin"
