@@ -5,10 +5,25 @@
 #   - the C toolchain pieces librdkafka's bundled build uses (with OpenSSL, so
 #     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
+#   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
+#     check the alert rules and the service file in deploy/
 #   - the PostgreSQL majors given as arguments (`scripts/deps.sh 15 17`): 15 from
 #     apt, 16/17/18 through scripts/pg-major.sh
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
+#
+# `scripts/deps.sh --build-only` installs only what `make release` needs (the
+# build tools); the Dockerfile's builder stage runs it.
 set -euo pipefail
+
+build_only=false
+majors=()
+for arg in "$@"; do
+  case "$arg" in
+    --build-only) build_only=true ;;
+    1[5-9]) majors+=("$arg") ;;
+    *) echo "deps: unknown argument ${arg}; use --build-only or PostgreSQL majors (15 16 17 18)" >&2; exit 2 ;;
+  esac
+done
 
 TANSU_VERSION=0.6.0
 log() { printf 'deps: %s\n' "$*"; }
@@ -27,7 +42,7 @@ have_pg_server() {
 }
 
 apt_packages=()
-have_pg_server || apt_packages+=(postgresql-15)
+$build_only || have_pg_server || apt_packages+=(postgresql-15)
 command -v make >/dev/null 2>&1 || apt_packages+=(make)
 command -v cc >/dev/null 2>&1 || apt_packages+=(gcc)
 command -v c++ >/dev/null 2>&1 || apt_packages+=(g++)
@@ -35,6 +50,10 @@ command -v pkg-config >/dev/null 2>&1 || apt_packages+=(pkg-config)
 command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 [ -e /usr/include/zlib.h ] || apt_packages+=(zlib1g-dev)
 [ -e /usr/include/openssl/ssl.h ] || apt_packages+=(libssl-dev)
+if ! $build_only; then
+  command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+  command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
+fi
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
   log "installing ${apt_packages[*]}"
@@ -53,6 +72,11 @@ if [ ${#apt_packages[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
 fi
 
+if $build_only; then
+  log "ready: build tools"
+  exit 0
+fi
+
 cargo_bin="${CARGO_HOME:-$HOME/.cargo}/bin"
 tansu_bin=$(command -v tansu 2>/dev/null || echo "$cargo_bin/tansu")
 if [ -x "$tansu_bin" ] && "$tansu_bin" --version 2>/dev/null | grep -q " $TANSU_VERSION"; then
@@ -62,8 +86,8 @@ else
   cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql
 fi
 
-for major in "$@"; do
+for major in "${majors[@]}"; do
   "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
 done
 
-log "ready: postgres server${1:+ (majors: $*)}, build tools, tansu $TANSU_VERSION"
+log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, tansu $TANSU_VERSION"
