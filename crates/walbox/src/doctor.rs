@@ -100,20 +100,16 @@ pub async fn run(config: &Config) -> Result<()> {
         format!("max_wal_senders: all {max_senders} in use; raise it (restart)"),
     );
 
-    let (user, replication, superuser): (String, bool, bool) = {
-        let row = sql
-            .query_one(
-                "SELECT current_user::text, rolreplication, rolsuper FROM pg_roles WHERE rolname = current_user",
-                &[],
-            )
-            .await?;
-        (row.get(0), row.get(1), row.get(2))
-    };
+    let role = crate::privileges::role(&sql).await?;
+    let user = role.name.clone();
     r.check(
-        replication || superuser,
+        role.replication || role.superuser,
         format!("role {user} may replicate"),
         format!("role {user} lacks REPLICATION: ALTER ROLE {user} REPLICATION"),
     );
+    for extra in crate::privileges::unneeded(&sql, &role).await? {
+        r.add(Verdict::Warn, extra);
+    }
 
     let keep = setting(&sql, "max_slot_wal_keep_size").await?;
     if keep == "-1" {
@@ -152,6 +148,15 @@ pub async fn run(config: &Config) -> Result<()> {
             continue;
         };
         let oid = found.relation.oid;
+        let usage: bool = sql
+            .query_one("SELECT has_schema_privilege($1, 'USAGE')", &[&schema])
+            .await?
+            .get(0);
+        r.check(
+            usage,
+            format!("{user} may use schema {schema}"),
+            format!("{user} cannot use schema {schema}: GRANT USAGE ON SCHEMA {schema} TO {user}"),
+        );
         let select: bool = sql
             .query_one("SELECT has_table_privilege($1::oid, 'SELECT')", &[&oid])
             .await?
@@ -161,6 +166,9 @@ pub async fn run(config: &Config) -> Result<()> {
             format!("{user} may SELECT from {qualified}"),
             format!("{user} cannot SELECT from {qualified}: GRANT SELECT ON {qualified} TO {user}"),
         );
+        if let Some(w) = crate::privileges::writes(&sql, &role, oid, &qualified).await? {
+            r.add(Verdict::Warn, w);
+        }
         // The order a snapshot reads the table in.
         match crate::snapshot::read_order(&found, table, &config.snapshot) {
             Ok(order) => match order.warning {

@@ -26,6 +26,7 @@ mod dlq;
 mod doctor;
 mod inspect;
 mod pg;
+mod privileges;
 mod publication;
 mod relay;
 mod slot;

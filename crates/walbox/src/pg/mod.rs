@@ -1,14 +1,23 @@
-//! PostgreSQL connections: parsing libpq connection strings (key=value or URI),
-//! the SQL connection, and the replication connection's settings. TLS for the
-//! SQL connection lives in [`tls`], which depends on nothing here.
+//! PostgreSQL connections: the settings of a connection as libpq gathers them
+//! (connection string, service file, environment, password file), the SQL
+//! connection, and the replication connection's settings. The string's syntax
+//! lives in [`dsn`], the other sources in [`sources`], TLS for the SQL connection
+//! in [`tls`]; none of them depends on this module.
 
+mod dsn;
+#[cfg(test)]
+mod properties;
+mod sources;
 mod tls;
 
+use std::collections::BTreeMap;
 use std::str::FromStr;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
+pub use sources::Env;
+use sources::PassFile;
 pub use tls::SslMode;
 
 /// Settings that change how the server writes a value as text, pinned on every
@@ -41,6 +50,8 @@ pub struct ConnParams {
     pub sslcert: Option<String>,
     /// `sslkey`: client key file.
     pub sslkey: Option<String>,
+    /// The password file's entries, read when no password was given.
+    passfile: PassFile,
 }
 
 impl std::fmt::Debug for ConnParams {
@@ -50,30 +61,142 @@ impl std::fmt::Debug for ConnParams {
     }
 }
 
-const TLS_KEYS: &[&str] = &["sslmode", "sslrootcert", "sslcert", "sslkey"];
+/// Settings walbox reads itself; the others go to tokio-postgres.
+const OWN_KEYS: &[&str] = &[
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "service",
+    "passfile",
+    "fallback_application_name",
+];
 
 impl ConnParams {
-    /// Parses a libpq connection string in key=value or URI form.
+    /// Parses a libpq connection string in key=value or URI form, completed from
+    /// this process's environment and files as libpq would.
     pub fn parse(dsn: &str) -> Result<Self> {
-        let (rest, tls) = if dsn.starts_with("postgres://") || dsn.starts_with("postgresql://") {
-            split_uri(dsn)
-        } else {
-            split_key_value(dsn)?
+        Self::parse_with(dsn, &Env::process())
+    }
+
+    /// Parses a libpq connection string completed from `env`: a setting in the
+    /// string wins over the service file (`service=`), which wins over the `PG*`
+    /// variables, which win over libpq's defaults (`user`: the operating-system
+    /// user; `dbname`: the user). The password file is read when no password was
+    /// given, and consulted per host by [`ConnParams::password_for`].
+    ///
+    /// One difference from libpq: without `host` or `PGHOST` walbox connects to
+    /// `localhost` over TCP, not to a Unix socket, because the replication
+    /// connection speaks TCP only.
+    pub fn parse_with(dsn: &str, env: &Env) -> Result<Self> {
+        let mut settings: BTreeMap<&'static str, String> = BTreeMap::new();
+        for (key, value) in dsn::parse(dsn)? {
+            // An empty value counts as not given, so the next source applies.
+            if value.is_empty() {
+                settings.remove(key);
+            } else {
+                settings.insert(key, value);
+            }
+        }
+        let service = settings
+            .get("service")
+            .cloned()
+            .or_else(|| env.var("PGSERVICE").map(str::to_owned));
+        if let Some(name) = service {
+            for (key, value) in sources::service(env, &name)? {
+                if !value.is_empty() {
+                    settings.entry(key).or_insert(value);
+                }
+            }
+        }
+        for (var, key) in sources::ENV_KEYS {
+            if let Some(value) = env.var(var) {
+                settings.entry(key).or_insert_with(|| value.to_owned());
+            }
+        }
+        if !settings.contains_key("user")
+            && let Some(user) = env.os_user()
+        {
+            settings.insert("user", user.to_owned());
+        }
+        if !settings.contains_key("dbname")
+            && let Some(user) = settings.get("user").cloned()
+        {
+            settings.insert("dbname", user);
+        }
+        if !settings.contains_key("host") && !settings.contains_key("hostaddr") {
+            settings.insert("host", "localhost".to_owned());
+        }
+        if !settings.contains_key("application_name")
+            && let Some(name) = settings.get("fallback_application_name").cloned()
+        {
+            settings.insert("application_name", name);
+        }
+
+        let mut rest = Vec::new();
+        for (&key, value) in &settings {
+            if OWN_KEYS.contains(&key) {
+                continue;
+            }
+            // libpq's name, tokio-postgres's name.
+            let key = if key == "keepalives_count" {
+                "keepalives_retries"
+            } else {
+                key
+            };
+            let pair = format!("{key}={}", dsn::quote(value));
+            // One key at a time, so that the error names the key; tokio-postgres's
+            // own message is not passed on.
+            tokio_postgres::Config::from_str(&pair).map_err(|_| {
+                anyhow!("invalid connection string: the value of {key} is not valid; see libpq's documentation of {key}")
+            })?;
+            rest.push(pair);
+        }
+        let pg = tokio_postgres::Config::from_str(&rest.join(" "))
+            .map_err(|_| anyhow!("invalid connection string: its settings do not fit together"))?;
+        let get = |k: &str| settings.get(k).cloned();
+        let sslmode = match settings.get("sslmode") {
+            Some(mode) => mode.parse().map_err(|_| {
+                anyhow!(
+                    "invalid connection string: sslmode must be one of disable, allow, prefer, \
+                     require, verify-ca, verify-full"
+                )
+            })?,
+            None => SslMode::default(),
         };
-        // tokio-postgres errors do not echo the string, so no password leaks here.
-        let pg = tokio_postgres::Config::from_str(&rest)
-            .context("invalid PostgreSQL connection string")?;
-        let get = |k: &str| tls.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let passfile = match pg.get_password() {
+            Some(_) => PassFile::default(),
+            None => env
+                .passfile(settings.get("passfile").map(String::as_str))
+                .map(|path| PassFile::load(&path))
+                .unwrap_or_default(),
+        };
         Ok(ConnParams {
             pg,
-            sslmode: get("sslmode")
-                .map(|m| m.parse())
-                .transpose()?
-                .unwrap_or_default(),
+            sslmode,
             sslrootcert: get("sslrootcert"),
             sslcert: get("sslcert"),
             sslkey: get("sslkey"),
+            passfile,
         })
+    }
+
+    /// The password for connecting to `host` (a name, an address or a Unix
+    /// socket directory) on `port`: the one given in the connection string,
+    /// service or environment, else the password file's entry for this host,
+    /// port, database and user.
+    pub fn password_for(&self, host: &str, port: u16) -> Option<Vec<u8>> {
+        if let Some(password) = self.pg.get_password() {
+            return Some(password.to_vec());
+        }
+        self.passfile
+            .lookup(
+                host,
+                port,
+                self.pg.get_dbname().unwrap_or_default(),
+                self.pg.get_user().unwrap_or_default(),
+            )
+            .map(|p| p.as_bytes().to_vec())
     }
 
     /// The first TCP host, or the Unix socket directory.
@@ -105,6 +228,9 @@ impl ConnParams {
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
         let context = || format!("connecting to {}", self.describe());
         let mut pg = self.pg.clone();
+        if let Some(password) = self.password_for(&self.host()?, self.port()) {
+            pg.password(password);
+        }
         pg.options(session_options(self.pg.get_options()));
         let client = if self.sslmode == SslMode::Disable {
             let (client, connection) = pg
@@ -137,12 +263,11 @@ impl ConnParams {
 
     /// Settings of the replication connection for `slot` and `publication`.
     pub fn replication(&self, slot: &str, publication: &str) -> Result<ReplicationConfig> {
-        let password = self
-            .pg
-            .get_password()
-            .map(|p| String::from_utf8_lossy(p).into_owned())
-            .unwrap_or_default();
         let host = self.host()?;
+        let password = self
+            .password_for(&host, self.port())
+            .map(|p| String::from_utf8_lossy(&p).into_owned())
+            .unwrap_or_default();
         let mut cfg = ReplicationConfig::new(
             host.clone(),
             self.pg.get_user().unwrap_or("postgres"),
@@ -190,137 +315,6 @@ where
             tracing::warn!(error = %e, "SQL connection closed");
         }
     });
-}
-
-/// Splits the TLS keys out of a key=value string; returns the rest re-joined.
-fn split_key_value(dsn: &str) -> Result<(String, Vec<(String, String)>)> {
-    let mut rest = Vec::new();
-    let mut tls = Vec::new();
-    let mut chars = dsn.chars().peekable();
-    loop {
-        while chars.peek().is_some_and(|c| c.is_whitespace()) {
-            chars.next();
-        }
-        if chars.peek().is_none() {
-            break;
-        }
-        let mut key = String::new();
-        while let Some(&c) = chars.peek() {
-            if c == '=' || c.is_whitespace() {
-                break;
-            }
-            key.push(c);
-            chars.next();
-        }
-        while chars.peek().is_some_and(|c| c.is_whitespace()) {
-            chars.next();
-        }
-        if chars.next() != Some('=') {
-            bail!("invalid connection string: missing '=' after {key:?}");
-        }
-        while chars.peek().is_some_and(|c| c.is_whitespace()) {
-            chars.next();
-        }
-        let mut raw = String::new();
-        if chars.peek() == Some(&'\'') {
-            raw.push('\'');
-            chars.next();
-            let mut closed = false;
-            while let Some(c) = chars.next() {
-                raw.push(c);
-                if c == '\\' {
-                    if let Some(n) = chars.next() {
-                        raw.push(n);
-                    }
-                } else if c == '\'' {
-                    closed = true;
-                    break;
-                }
-            }
-            if !closed {
-                bail!("invalid connection string: unterminated quote in the value of {key:?}");
-            }
-        } else {
-            while let Some(&c) = chars.peek() {
-                if c.is_whitespace() {
-                    break;
-                }
-                raw.push(c);
-                chars.next();
-            }
-        }
-        if TLS_KEYS.contains(&key.as_str()) {
-            tls.push((key, unquote(&raw)));
-        } else {
-            rest.push(format!("{key}={raw}"));
-        }
-    }
-    Ok((rest.join(" "), tls))
-}
-
-fn unquote(raw: &str) -> String {
-    let Some(inner) = raw.strip_prefix('\'').and_then(|r| r.strip_suffix('\'')) else {
-        return raw.to_owned();
-    };
-    let mut out = String::new();
-    let mut chars = inner.chars();
-    while let Some(c) = chars.next() {
-        if c == '\\' {
-            if let Some(n) = chars.next() {
-                out.push(n);
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// Splits the TLS keys out of a URI's query string.
-fn split_uri(dsn: &str) -> (String, Vec<(String, String)>) {
-    let Some((base, query)) = dsn.split_once('?') else {
-        return (dsn.to_owned(), Vec::new());
-    };
-    let mut keep = Vec::new();
-    let mut tls = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        if TLS_KEYS.contains(&k) {
-            tls.push((k.to_owned(), percent_decode(v)));
-        } else {
-            keep.push(pair);
-        }
-    }
-    if keep.is_empty() {
-        (base.to_owned(), tls)
-    } else {
-        (format!("{base}?{}", keep.join("&")), tls)
-    }
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match (bytes.get(i), bytes.get(i + 1..i + 3)) {
-            (Some(b'%'), Some(hex)) => {
-                if let Some(b) = std::str::from_utf8(hex)
-                    .ok()
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                {
-                    out.push(b);
-                    i += 3;
-                    continue;
-                }
-                out.push(b'%');
-            }
-            (Some(b), _) => out.push(*b),
-            (None, _) => {}
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -380,10 +374,116 @@ mod tests {
     #[test]
     fn bad_strings_are_refused_without_echoing_secrets() {
         let err = ConnParams::parse("host=a sslmode=sometimes").unwrap_err();
-        assert!(err.to_string().contains("sometimes"));
+        assert!(err.to_string().contains("sslmode must be one of"), "{err}");
+        assert!(!err.to_string().contains("sometimes"), "{err}");
         let err = ConnParams::parse("host=a password='unterminated").unwrap_err();
-        assert!(err.to_string().contains("unterminated quote"), "{err}");
+        assert!(err.to_string().contains("no closing quote"), "{err}");
+        assert!(!err.to_string().contains("unterminated"), "{err}");
+        let err = ConnParams::parse("host=a password=ab cd").unwrap_err();
+        assert!(!format!("{err:#}").contains("cd"), "{err:#}");
+        let err = ConnParams::parse("host=a port=hunter2").unwrap_err();
+        assert!(format!("{err:#}").contains("port"), "{err:#}");
+        assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
         let err = ConnParams::parse("host=a bogus_key=1 password=hunter2").unwrap_err();
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
+    }
+
+    #[test]
+    fn the_string_wins_over_the_service_which_wins_over_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let services = dir.path().join("services.conf");
+        std::fs::write(
+            &services,
+            "[orders]\nhost=svc-host\nport=6001\ndbname=svc-db\n",
+        )
+        .unwrap();
+        let env = Env::empty()
+            .with_os_user("osuser")
+            .with("PGSERVICEFILE", services.display().to_string())
+            .with("PGHOST", "env-host")
+            .with("PGPORT", "7000")
+            .with("PGUSER", "env-user")
+            .with("PGDATABASE", "env-db")
+            .with("PGPASSWORD", "env-pw")
+            .with("PGSSLMODE", "verify-full")
+            .with("PGSSLROOTCERT", "/env/ca.crt")
+            .with("PGAPPNAME", "env-app")
+            .with("PGCONNECT_TIMEOUT", "7")
+            .with("PGTARGETSESSIONATTRS", "read-write");
+        let c =
+            ConnParams::parse_with("service=orders dbname=dsn-db sslmode=require", &env).unwrap();
+        assert_eq!(c.host().unwrap(), "svc-host", "service over environment");
+        assert_eq!(c.port(), 6001);
+        assert_eq!(c.pg.get_dbname(), Some("dsn-db"), "string over service");
+        assert_eq!(
+            c.pg.get_user(),
+            Some("env-user"),
+            "environment over default"
+        );
+        assert_eq!(c.pg.get_password(), Some(&b"env-pw"[..]));
+        assert_eq!(c.sslmode, SslMode::Require, "string over environment");
+        assert_eq!(c.sslrootcert.as_deref(), Some("/env/ca.crt"));
+        assert_eq!(c.pg.get_application_name(), Some("env-app"));
+        assert_eq!(
+            c.pg.get_connect_timeout(),
+            Some(&std::time::Duration::from_secs(7))
+        );
+        assert_eq!(
+            c.pg.get_target_session_attrs(),
+            tokio_postgres::config::TargetSessionAttrs::ReadWrite
+        );
+        // PGSERVICE names the service when the string does not.
+        let c = ConnParams::parse_with("", &env.clone().with("PGSERVICE", "orders")).unwrap();
+        assert_eq!(c.host().unwrap(), "svc-host");
+        let err = ConnParams::parse_with("service=nosuch", &env).unwrap_err();
+        assert!(
+            err.to_string().contains("nosuch") && err.to_string().contains("services.conf"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn libpq_defaults_user_from_the_os_and_dbname_from_the_user() {
+        let c = ConnParams::parse_with("", &Env::empty().with_os_user("osuser")).unwrap();
+        assert_eq!(c.pg.get_user(), Some("osuser"));
+        assert_eq!(c.pg.get_dbname(), Some("osuser"));
+        assert_eq!(c.host().unwrap(), "localhost");
+        let c = ConnParams::parse_with("user=u", &Env::empty().with_os_user("osuser")).unwrap();
+        assert_eq!(c.pg.get_dbname(), Some("u"));
+        // An empty value counts as not given.
+        let env = Env::empty().with("PGHOST", "env-host");
+        let c = ConnParams::parse_with("host=''", &env).unwrap();
+        assert_eq!(c.host().unwrap(), "env-host");
+    }
+
+    #[test]
+    fn the_password_file_answers_per_host_only_without_a_password() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let pgpass = dir.path().join("pgpass");
+        std::fs::write(&pgpass, "a:5432:app:walbox:pw-a\nb:6000:app:walbox:pw-b\n").unwrap();
+        std::fs::set_permissions(&pgpass, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let env = Env::empty().with("PGPASSFILE", pgpass.display().to_string());
+        let c =
+            ConnParams::parse_with("host=a,b port=5432,6000 user=walbox dbname=app", &env).unwrap();
+        assert_eq!(c.password_for("a", 5432), Some(b"pw-a".to_vec()));
+        assert_eq!(c.password_for("b", 6000), Some(b"pw-b".to_vec()));
+        assert_eq!(c.password_for("b", 5432), None);
+        assert!(!format!("{c:?}").contains("pw-"));
+        // A given password wins; the file is not consulted.
+        let c =
+            ConnParams::parse_with("host=a user=walbox dbname=app password=given", &env).unwrap();
+        assert_eq!(c.password_for("b", 6000), Some(b"given".to_vec()));
+        // passfile= in the string, and ~/.pgpass through HOME.
+        let other = dir.path().join("other");
+        std::fs::write(&other, "*:*:*:*:from-passfile\n").unwrap();
+        std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let s = format!("host=a user=walbox dbname=app passfile={}", other.display());
+        let c = ConnParams::parse_with(&s, &env).unwrap();
+        assert_eq!(c.password_for("a", 5432), Some(b"from-passfile".to_vec()));
+        std::fs::copy(&pgpass, dir.path().join(".pgpass")).unwrap();
+        let home = Env::empty().with("HOME", dir.path().display().to_string());
+        let c = ConnParams::parse_with("host=a user=walbox dbname=app", &home).unwrap();
+        assert_eq!(c.password_for("a", 5432), Some(b"pw-a".to_vec()));
     }
 }
