@@ -1,5 +1,7 @@
 //! Configuration: a TOML file, then `WALBOX_*` environment variables and flags on
-//! top. Unknown keys and bad values are refused with the key's name.
+//! top. Unknown keys and bad values are refused with the key's name. The
+//! connection string and secret Kafka properties never appear in a `Debug`
+//! form ([`Secret`], [`walbox_sink::is_secret_property`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -7,6 +9,44 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use walbox_outbox::TableConfig;
+
+/// A value that may hold a password (a connection string): its `Debug` and
+/// `Display` forms are `<hidden>`; [`Secret::expose`] gives the text.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The text itself, for the code that uses it (never for printing).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for Secret {
+    fn from(s: String) -> Self {
+        Secret(s)
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<hidden>")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<hidden>")
+    }
+}
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -191,7 +231,7 @@ fn default_producer() -> String {
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
     /// Connection string, libpq key=value or URI form.
-    pub dsn: Option<String>,
+    pub dsn: Option<Secret>,
     /// Logical replication slot (pgoutput).
     #[serde(default = "default_slot")]
     pub slot: String,
@@ -261,8 +301,8 @@ pub enum SinkKind {
     Stdout,
 }
 
-/// The destination.
-#[derive(Debug, Clone, Deserialize)]
+/// The destination. Its `Debug` form hides secret Kafka properties.
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
     /// `kafka` or `stdout`.
@@ -312,6 +352,32 @@ impl Default for SinkConfig {
             max_in_flight_bytes: default_max_in_flight_bytes(),
             kafka: BTreeMap::new(),
         }
+    }
+}
+
+impl std::fmt::Debug for SinkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kafka: BTreeMap<&str, &dyn std::fmt::Debug> = self
+            .kafka
+            .iter()
+            .map(|(k, v)| {
+                let shown: &dyn std::fmt::Debug = if walbox_sink::is_secret_property(k) {
+                    &walbox_sink::Hidden
+                } else {
+                    v
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("SinkConfig")
+            .field("kind", &self.kind)
+            .field("create_topics", &self.create_topics)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication", &self.topic_replication)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_in_flight_bytes", &self.max_in_flight_bytes)
+            .field("kafka", &kafka)
+            .finish()
     }
 }
 
@@ -375,7 +441,7 @@ pub struct Overrides {
     pub config: Option<PathBuf>,
     /// PostgreSQL connection string (libpq key=value or URI).
     #[arg(long, env = "WALBOX_DSN", hide_env_values = true)]
-    pub dsn: Option<String>,
+    pub dsn: Option<Secret>,
     /// Replication slot.
     #[arg(long, env = "WALBOX_SLOT")]
     pub slot: Option<String>,
@@ -528,7 +594,8 @@ impl Config {
     pub fn dsn(&self) -> Result<&str> {
         self.source
             .dsn
-            .as_deref()
+            .as_ref()
+            .map(Secret::expose)
             .context("no PostgreSQL connection string: set source.dsn, --dsn or WALBOX_DSN")
     }
 }
@@ -661,6 +728,38 @@ mod tests {
             c.checkpoint_store().path(),
             Path::new("walbox-walbox.checkpoint.json")
         );
+    }
+
+    #[test]
+    fn debug_forms_hide_the_dsn_and_secret_kafka_properties() {
+        let c = Config::parse(
+            r#"
+            [source]
+            dsn = "host=db user=walbox password=pw-c0ffee01"
+            [sink.kafka]
+            "bootstrap.servers" = "k:9092"
+            "sasl.username" = "walbox"
+            "sasl.password" = "pw-c0ffee02"
+            "ssl.key.password" = "pw-c0ffee03"
+            "sasl.oauthbearer.client.secret" = "pw-c0ffee04"
+            "#,
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let o = Overrides {
+            dsn: Some("password=pw-c0ffee05".parse().unwrap()),
+            ..Overrides::default()
+        };
+        let shown = format!("{c:?} {c:#?} {o:?}");
+        for n in 1..=5 {
+            let secret = format!("pw-c0ffee0{n}");
+            assert!(!shown.contains(&secret), "{secret} in {shown}");
+        }
+        assert!(
+            shown.contains("k:9092") && shown.contains("<hidden>"),
+            "{shown}"
+        );
+        assert_eq!(c.dsn().unwrap(), "host=db user=walbox password=pw-c0ffee01");
     }
 
     #[test]
