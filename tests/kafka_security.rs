@@ -132,6 +132,7 @@ async fn a_wrong_kafka_password_stops_walbox_naming_the_user_and_no_secret() {
 /// for it, `;`-separated (`security.protocol=SASL_SSL;ssl.ca.location=...;
 /// sasl.mechanism=SCRAM-SHA-512;sasl.username=...;sasl.password=...`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::print_stderr)] // the reason a skipped test did not run
 async fn walbox_relays_over_sasl_ssl_to_a_real_kafka() {
     let Some(bootstrap) = std::env::var("WALBOX_TEST_KAFKA")
         .ok()
