@@ -476,9 +476,40 @@ pub struct Overrides {
 }
 
 impl Config {
-    /// Parses a TOML document.
+    /// Parses a TOML document. An error names the line, column and problem but
+    /// does not quote the line: it may hold a password.
     pub fn parse(text: &str, origin: &Path) -> Result<Self> {
-        toml::from_str(text).with_context(|| format!("configuration {}", origin.display()))
+        toml::from_str(text).map_err(|e| {
+            let at = e.span().map_or_else(String::new, |span| {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+                let column = before.len() - line_start + 1;
+                // The key of the line, and the table it is in; never the value.
+                let this_line = text[line_start..].lines().next().unwrap_or_default();
+                let key = this_line
+                    .split_once('=')
+                    .map(|(k, _)| k.trim().trim_matches('"'))
+                    .filter(|k| !k.is_empty());
+                let table = before
+                    .lines()
+                    .rev()
+                    .map(str::trim)
+                    .find(|l| l.starts_with('['))
+                    .map(|l| l.trim_matches(|c| c == '[' || c == ']'));
+                let name = match (table, key) {
+                    (Some(t), Some(k)) => format!(" {t}.{k}"),
+                    (None, Some(k)) => format!(" {k}"),
+                    _ => String::new(),
+                };
+                format!("{name} at line {line}, column {column}")
+            });
+            anyhow::anyhow!(
+                "configuration {}{at}: {}",
+                origin.display(),
+                e.message().trim_end()
+            )
+        })
     }
 
     /// Loads the file (if any) and applies the overrides.
@@ -728,6 +759,17 @@ mod tests {
             c.checkpoint_store().path(),
             Path::new("walbox-walbox.checkpoint.json")
         );
+    }
+
+    #[test]
+    fn parse_errors_do_not_quote_the_line() {
+        let text = "[source]\ndsn = \"host=a password=pw-51ab\"\npasword = \"pw-51ab\"\n";
+        let err = format!(
+            "{:#}",
+            Config::parse(text, Path::new("t.toml")).unwrap_err()
+        );
+        assert!(err.contains("pasword") && err.contains("line 3"), "{err}");
+        assert!(!err.contains("pw-51ab"), "{err}");
     }
 
     #[test]
