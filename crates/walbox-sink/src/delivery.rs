@@ -41,6 +41,8 @@ pub enum DeliveryClass {
     InvalidTopic,
     /// The client may not write to the topic.
     Authorization,
+    /// The broker refused the client's credentials (SASL).
+    Authentication,
     /// Any other broker or client error.
     BrokerError,
     /// The reader of standard output closed it (EPIPE).
@@ -51,13 +53,14 @@ pub enum DeliveryClass {
 
 impl DeliveryClass {
     /// Every class, for checks over all of them.
-    pub const ALL: [DeliveryClass; 9] = [
+    pub const ALL: [DeliveryClass; 10] = [
         DeliveryClass::Timeout,
         DeliveryClass::MessageTooLarge,
         DeliveryClass::InvalidRecord,
         DeliveryClass::UnknownTopic,
         DeliveryClass::InvalidTopic,
         DeliveryClass::Authorization,
+        DeliveryClass::Authentication,
         DeliveryClass::BrokerError,
         DeliveryClass::OutputClosed,
         DeliveryClass::IoError,
@@ -73,6 +76,7 @@ impl DeliveryClass {
             DeliveryClass::UnknownTopic => "unknown_topic",
             DeliveryClass::InvalidTopic => "invalid_topic",
             DeliveryClass::Authorization => "authorization",
+            DeliveryClass::Authentication => "authentication",
             DeliveryClass::BrokerError => "broker_error",
             DeliveryClass::OutputClosed => "output_closed",
             DeliveryClass::IoError => "io_error",
@@ -90,11 +94,14 @@ impl DeliveryClass {
     }
 
     /// Whether the destination is gone for good (the reader of standard output
-    /// closed it), so that no later attempt can deliver anything: the relay
-    /// stops instead of retrying.
+    /// closed it) or refuses walbox's credentials, so that no later attempt can
+    /// deliver anything: the relay stops instead of retrying.
     #[must_use]
     pub const fn is_final(self) -> bool {
-        matches!(self, DeliveryClass::OutputClosed)
+        matches!(
+            self,
+            DeliveryClass::OutputClosed | DeliveryClass::Authentication
+        )
     }
 }
 
@@ -152,6 +159,7 @@ mod tests {
                 "unknown_topic",
                 "invalid_topic",
                 "authorization",
+                "authentication",
                 "broker_error",
                 "output_closed",
                 "io_error",
@@ -163,7 +171,8 @@ mod tests {
     }
 
     #[test]
-    fn only_refused_records_are_about_the_message_and_only_a_closed_output_is_final() {
+    fn only_refused_records_are_about_the_message_and_only_a_closed_output_or_refused_credentials_are_final()
+     {
         let about: Vec<DeliveryClass> = DeliveryClass::ALL
             .into_iter()
             .filter(|c| c.is_about_the_message())
@@ -176,7 +185,10 @@ mod tests {
             .into_iter()
             .filter(|c| c.is_final())
             .collect();
-        assert_eq!(last, [DeliveryClass::OutputClosed]);
+        assert_eq!(
+            last,
+            [DeliveryClass::Authentication, DeliveryClass::OutputClosed]
+        );
         let e = DeliveryError {
             event_id: "e1".into(),
             topic: "t".into(),

@@ -1,12 +1,14 @@
 //! The Kafka sink: an idempotent rdkafka producer (`acks=all`, murmur2 keys),
-//! topics checked or created on first use, delivery failures classified.
+//! topics checked or created on first use, delivery failures classified. A
+//! broker that refuses the credentials stops the sink with
+//! [`SinkError::Authentication`].
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::client::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -14,10 +16,12 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use tokio::sync::mpsc;
 use walbox_outbox::{Event, header};
 
+use crate::secrets::{AuthFailure, Redacted};
 use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
 
-/// Settings of the Kafka sink.
-#[derive(Debug, Clone)]
+/// Settings of the Kafka sink. Its `Debug` form hides the values of secret
+/// properties ([`crate::is_secret_property`]).
+#[derive(Clone)]
 pub struct KafkaSinkConfig {
     /// librdkafka properties (`bootstrap.servers`, security, compression, linger,
     /// ...), passed through. `enable.idempotence` and `acks` are fixed.
@@ -32,6 +36,44 @@ pub struct KafkaSinkConfig {
     pub max_in_flight: usize,
 }
 
+impl std::fmt::Debug for KafkaSinkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSinkConfig")
+            .field("properties", &Redacted(&self.properties))
+            .field("create_topics", &self.create_topics)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication", &self.topic_replication)
+            .field("max_in_flight", &self.max_in_flight)
+            .finish()
+    }
+}
+
+impl KafkaSinkConfig {
+    fn property(&self, key: &str) -> Option<&str> {
+        self.properties
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The error for a broker that refused the credentials.
+    fn authentication_error(&self, reason: String) -> SinkError {
+        SinkError::Authentication {
+            user: self
+                .property("sasl.username")
+                .unwrap_or("(none)")
+                .to_owned(),
+            mechanism: self
+                .property("sasl.mechanism")
+                .or(self.property("sasl.mechanisms"))
+                .unwrap_or("(none)")
+                .to_owned(),
+            reason,
+        }
+    }
+}
+
 impl Default for KafkaSinkConfig {
     fn default() -> Self {
         KafkaSinkConfig {
@@ -44,12 +86,35 @@ impl Default for KafkaSinkConfig {
     }
 }
 
-/// Forwards librdkafka's delivery reports to the relay.
+/// Forwards librdkafka's delivery reports to the relay, and records the
+/// broker refusing the credentials.
 struct Reports {
     tx: mpsc::UnboundedSender<Delivery>,
+    auth: AuthFailure,
 }
 
-impl ClientContext for Reports {}
+impl ClientContext for Reports {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if self.auth.observe(&error, reason) {
+            tracing::error!(%error, reason, "kafka: the broker refused the credentials");
+        } else {
+            tracing::error!(%error, reason, "kafka client error");
+        }
+    }
+}
+
+/// Records the admin client's authentication failures too.
+struct AdminContext {
+    auth: AuthFailure,
+}
+
+impl ClientContext for AdminContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !self.auth.observe(&error, reason) {
+            tracing::error!(%error, reason, "kafka admin client error");
+        }
+    }
+}
 
 impl ProducerContext for Reports {
     type DeliveryOpaque = usize;
@@ -67,10 +132,17 @@ impl ProducerContext for Reports {
                             .map(|v| String::from_utf8_lossy(v).into_owned())
                     })
                     .unwrap_or_default();
+                let mut class = classify(err);
+                // Undelivered because no broker would take the credentials.
+                if matches!(class, DeliveryClass::Timeout | DeliveryClass::BrokerError)
+                    && self.auth.get().is_some()
+                {
+                    class = DeliveryClass::Authentication;
+                }
                 let mut e = DeliveryError {
                     event_id,
                     topic: msg.topic().to_owned(),
-                    class: classify(err),
+                    class,
                     reason: err.to_string(),
                     rejected: None,
                 };
@@ -112,6 +184,9 @@ fn classify(err: &KafkaError) -> DeliveryClass {
             | RDKafkaErrorCode::ClusterAuthorizationFailed
             | RDKafkaErrorCode::TransactionalIdAuthorizationFailed,
         ) => DeliveryClass::Authorization,
+        Some(RDKafkaErrorCode::Authentication | RDKafkaErrorCode::SaslAuthenticationFailed) => {
+            DeliveryClass::Authentication
+        }
         Some(RDKafkaErrorCode::InvalidTopic) => DeliveryClass::InvalidTopic,
         // The broker refuses this record as such (e.g. no key on a compacted topic).
         Some(RDKafkaErrorCode::InvalidRecord) => DeliveryClass::InvalidRecord,
@@ -124,8 +199,9 @@ fn classify(err: &KafkaError) -> DeliveryClass {
 /// partition whichever client wrote it.
 pub struct KafkaSink {
     producer: Arc<ThreadedProducer<Reports>>,
-    admin: AdminClient<DefaultClientContext>,
+    admin: AdminClient<AdminContext>,
     config: KafkaSinkConfig,
+    auth: AuthFailure,
     known_topics: HashSet<String>,
 }
 
@@ -136,6 +212,21 @@ impl std::fmt::Debug for KafkaSink {
             .finish_non_exhaustive()
     }
 }
+
+/// What a topic check found out.
+enum TopicCheck {
+    /// The broker answered: whether the topic exists.
+    Exists(bool),
+    /// The broker refused the credentials.
+    Refused(String),
+    /// No answer.
+    Failed(KafkaError),
+}
+
+/// A metadata request's wait, and how many of them make up the 30 s a topic
+/// check waits for the broker.
+const METADATA_TURN: Duration = Duration::from_secs(1);
+const METADATA_TURNS: u32 = 30;
 
 /// Properties walbox sets itself and does not let configuration change.
 const FIXED: &[(&str, &str)] = &[("enable.idempotence", "true"), ("acks", "all")];
@@ -172,13 +263,19 @@ impl KafkaSink {
             ));
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        let producer: ThreadedProducer<Reports> = cc.create_with_context(Reports { tx })?;
-        let admin: AdminClient<DefaultClientContext> = cc.create()?;
+        let auth = AuthFailure::default();
+        let producer: ThreadedProducer<Reports> = cc.create_with_context(Reports {
+            tx,
+            auth: auth.clone(),
+        })?;
+        let admin: AdminClient<AdminContext> =
+            cc.create_with_context(AdminContext { auth: auth.clone() })?;
         Ok((
             KafkaSink {
                 producer: Arc::new(producer),
                 admin,
                 config,
+                auth,
                 known_topics: HashSet::new(),
             },
             rx,
@@ -192,19 +289,41 @@ impl KafkaSink {
         }
         let producer = Arc::clone(&self.producer);
         let name = topic.to_owned();
-        let exists = tokio::task::spawn_blocking(move || {
-            // All topics: asking for one by name could make a broker auto-create it.
-            producer
-                .client()
-                .fetch_metadata(None, Duration::from_secs(30))
-                .map(|md| {
-                    md.topics()
-                        .iter()
-                        .any(|t| t.name() == name && t.error().is_none())
-                })
+        let auth = self.auth.clone();
+        // Asked in short turns, so that refused credentials stop it early.
+        let answer = tokio::task::spawn_blocking(move || {
+            let mut last = None;
+            for _ in 0..METADATA_TURNS {
+                if let Some(reason) = auth.get() {
+                    return TopicCheck::Refused(reason);
+                }
+                // All topics: asking for one by name could make a broker auto-create it.
+                match producer.client().fetch_metadata(None, METADATA_TURN) {
+                    Ok(md) => {
+                        return TopicCheck::Exists(
+                            md.topics()
+                                .iter()
+                                .any(|t| t.name() == name && t.error().is_none()),
+                        );
+                    }
+                    Err(e) => last = Some(e),
+                }
+            }
+            match (auth.get(), last) {
+                (Some(reason), _) => TopicCheck::Refused(reason),
+                (None, Some(e)) => TopicCheck::Failed(e),
+                (None, None) => TopicCheck::Failed(KafkaError::MetadataFetch(
+                    RDKafkaErrorCode::OperationTimedOut,
+                )),
+            }
         })
         .await
-        .map_err(|e| SinkError::Config(format!("metadata task: {e}")))??;
+        .map_err(|e| SinkError::Config(format!("metadata task: {e}")))?;
+        let exists = match answer {
+            TopicCheck::Exists(exists) => exists,
+            TopicCheck::Refused(reason) => return Err(self.config.authentication_error(reason)),
+            TopicCheck::Failed(e) => return Err(e.into()),
+        };
         if !exists {
             if !self.config.create_topics {
                 return Err(SinkError::MissingTopic(topic.to_owned()));
@@ -219,7 +338,11 @@ impl KafkaSink {
                     )],
                     &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
                 )
-                .await?;
+                .await;
+            let results = match (results, self.auth.get()) {
+                (_, Some(reason)) => return Err(self.config.authentication_error(reason)),
+                (r, None) => r?,
+            };
             for r in results {
                 match r {
                     Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
@@ -345,6 +468,39 @@ mod tests {
             ("compression.type", "zstd"),
         ]));
         assert!(sink.is_ok(), "{:?}", sink.err());
+        for mechanism in ["SCRAM-SHA-256", "PLAIN"] {
+            let sink = KafkaSink::new(config(&[
+                ("bootstrap.servers", "127.0.0.1:1"),
+                ("security.protocol", "sasl_plaintext"),
+                ("sasl.mechanism", mechanism),
+                ("sasl.username", "walbox"),
+                ("sasl.password", "secret"),
+            ]));
+            assert!(sink.is_ok(), "{mechanism}: {:?}", sink.err());
+        }
+    }
+
+    #[test]
+    fn settings_and_configuration_errors_print_no_secret() {
+        let c = config(&[
+            ("bootstrap.servers", "127.0.0.1:1"),
+            ("sasl.password", "pw-4f1b8e"),
+            ("ssl.key.password", "pw-90ac2d"),
+        ]);
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("pw-4f1b8e") && !shown.contains("pw-90ac2d"),
+            "{shown}"
+        );
+        assert!(shown.contains("127.0.0.1:1"), "{shown}");
+        // A mistyped key with a secret value, and a bad value of a secret key.
+        for (k, v) in [("sasl.pasword", "pw-4f1b8e"), ("linger.ms", "pw-4f1b8e")] {
+            let err = KafkaSink::new(config(&[("bootstrap.servers", "127.0.0.1:1"), (k, v)]))
+                .unwrap_err();
+            let text = format!("{err} {err:?}");
+            assert!(text.contains(k), "{text}");
+            assert!(!text.contains("pw-4f1b8e"), "{text}");
+        }
     }
 
     #[test]

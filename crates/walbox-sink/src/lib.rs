@@ -17,6 +17,7 @@
 mod delivery;
 mod kafka;
 mod reader;
+mod secrets;
 mod stdout;
 
 use tokio::sync::mpsc;
@@ -25,6 +26,7 @@ use walbox_outbox::Event;
 pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
+pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;
 
 /// Receives one [`Delivery`] per event sent.
@@ -47,7 +49,22 @@ pub enum SinkError {
     },
     /// The producer or admin client could not be set up or reached.
     #[error("kafka: {0}")]
-    Kafka(#[from] rdkafka::error::KafkaError),
+    Kafka(rdkafka::error::KafkaError),
+    /// The broker refused the client's credentials. Trying again would only
+    /// repeat it.
+    #[error(
+        "kafka: authentication failed for user {user:?} with {mechanism}: {reason}; check \
+         sasl.username, sasl.password and sasl.mechanism in [sink.kafka] (and that the \
+         user exists on the broker)"
+    )]
+    Authentication {
+        /// `sasl.username`, or `(none)`.
+        user: String,
+        /// `sasl.mechanism`, or `(none)`.
+        mechanism: String,
+        /// What the client reported (it never holds the password).
+        reason: String,
+    },
     /// Writing to standard output failed.
     #[error("writing to stdout: {0}")]
     Io(#[from] std::io::Error),
@@ -62,6 +79,17 @@ pub enum SinkError {
         /// Why.
         reason: String,
     },
+}
+
+impl From<rdkafka::error::KafkaError> for SinkError {
+    fn from(e: rdkafka::error::KafkaError) -> Self {
+        match e {
+            rdkafka::error::KafkaError::ClientConfig(_, desc, key, value) => {
+                SinkError::Config(secrets::config_error(&desc, &key, &value))
+            }
+            other => SinkError::Kafka(other),
+        }
+    }
 }
 
 /// A destination for events.

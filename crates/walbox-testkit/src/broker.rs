@@ -30,6 +30,71 @@ pub enum BrokerStorage {
     Sqlite,
 }
 
+/// A SASL/SCRAM mechanism of a broker user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scram {
+    /// `SCRAM-SHA-256`.
+    Sha256,
+    /// `SCRAM-SHA-512`.
+    Sha512,
+}
+
+impl Scram {
+    /// The mechanism's name as clients set it (`sasl.mechanism`).
+    #[must_use]
+    pub const fn mechanism(self) -> &'static str {
+        match self {
+            Scram::Sha256 => "SCRAM-SHA-256",
+            Scram::Sha512 => "SCRAM-SHA-512",
+        }
+    }
+
+    const fn tansu_name(self) -> &'static str {
+        match self {
+            Scram::Sha256 => "scram256",
+            Scram::Sha512 => "scram512",
+        }
+    }
+}
+
+/// A user of a broker that requires authentication.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerUser {
+    /// User name (`sasl.username`).
+    pub name: String,
+    /// Password (`sasl.password`).
+    pub password: String,
+    /// Mechanism its credentials are stored for.
+    pub scram: Scram,
+}
+
+impl BrokerUser {
+    /// A user with a SCRAM credential.
+    #[must_use]
+    pub fn new(name: &str, password: &str, scram: Scram) -> Self {
+        BrokerUser {
+            name: name.into(),
+            password: password.into(),
+            scram,
+        }
+    }
+
+    /// The client properties that authenticate as this user over plaintext
+    /// (`SASL_PLAINTEXT`).
+    #[must_use]
+    pub fn client_properties(&self) -> Vec<(String, String)> {
+        [
+            ("security.protocol", "SASL_PLAINTEXT"),
+            ("sasl.mechanism", self.scram.mechanism()),
+            ("sasl.username", &self.name),
+            ("sasl.password", &self.password),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    }
+}
+
 /// Settings for a [`Broker`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BrokerOptions {
@@ -59,6 +124,7 @@ struct Tansu {
     program: PathBuf,
     port: u16,
     storage: BrokerStorage,
+    users: Vec<BrokerUser>,
     child: Option<Child>,
 }
 
@@ -70,9 +136,28 @@ impl Broker {
 
     /// Starts a broker (or uses `WALBOX_TEST_KAFKA`).
     pub fn start_with(options: BrokerOptions) -> Result<Self> {
+        Self::start_tansu_or_external(options, Vec::new())
+    }
+
+    /// Starts a tansu broker that requires SASL authentication
+    /// (`tansu broker --authentication`) and knows these users. tansu creates
+    /// users only while authentication is off, so the broker starts once without
+    /// it to create them, then again with it, on SQLite storage. Always a local
+    /// tansu, also with `WALBOX_TEST_KAFKA` set.
+    pub fn start_authenticated(users: &[BrokerUser]) -> Result<Self> {
+        assert!(!users.is_empty(), "an authenticated broker needs a user");
+        Self::start_tansu_or_external(
+            BrokerOptions {
+                storage: BrokerStorage::Sqlite,
+            },
+            users.to_vec(),
+        )
+    }
+
+    fn start_tansu_or_external(options: BrokerOptions, users: Vec<BrokerUser>) -> Result<Self> {
         if let Some(addr) = std::env::var("WALBOX_TEST_KAFKA")
             .ok()
-            .filter(|a| !a.is_empty())
+            .filter(|a| !a.is_empty() && users.is_empty())
         {
             return Ok(Broker {
                 inner: Inner::External(addr),
@@ -87,12 +172,13 @@ impl Broker {
             program: tansu_program()?,
             port: 0,
             storage: options.storage,
+            users,
             child: None,
         };
         let mut last = None;
         for _ in 0..5 {
             tansu.port = process::free_port()?;
-            match tansu.launch() {
+            match tansu.launch_with_users() {
                 Ok(()) => {
                     return Ok(Broker {
                         inner: Inner::Tansu(tansu),
@@ -160,7 +246,8 @@ impl Broker {
         if t.child.is_some() {
             return Ok(());
         }
-        t.launch()
+        let authentication = !t.users.is_empty();
+        t.launch(authentication)
     }
 
     /// Stops and starts the broker.
@@ -184,7 +271,39 @@ impl Tansu {
         self.dir.path().join("broker.log")
     }
 
-    fn launch(&mut self) -> Result<()> {
+    /// Launches the broker; with users, first without authentication to create
+    /// them, then with it.
+    fn launch_with_users(&mut self) -> Result<()> {
+        if self.users.is_empty() {
+            return self.launch(false);
+        }
+        self.launch(false)?;
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        for user in &self.users {
+            let output = process::command(&self.program, None)
+                .args(["user", "create", "--broker", &url])
+                .args(["--mechanism", user.scram.tansu_name()])
+                .args([&user.name, &user.password])
+                .current_dir(self.dir.path())
+                .stdin(Stdio::null())
+                .output()
+                .map_err(TestkitError::io("starting", &self.program))?;
+            if !output.status.success() {
+                return Err(TestkitError::Exited {
+                    what: format!("tansu user create {}", user.name),
+                    status: output.status,
+                    log: String::from_utf8_lossy(&output.stderr).into_owned(),
+                });
+            }
+        }
+        if let Some(mut child) = self.child.take() {
+            signal_group(&child, Signal::SIGTERM)?;
+            process::wait_group_gone(&mut child, "broker", BROKER_TIMEOUT)?;
+        }
+        self.launch(true)
+    }
+
+    fn launch(&mut self, authentication: bool) -> Result<()> {
         let url = format!("tcp://127.0.0.1:{}", self.port);
         let storage = match self.storage {
             BrokerStorage::Memory => "memory://tansu/".to_owned(),
@@ -197,6 +316,7 @@ impl Tansu {
         cmd.arg("broker")
             .args(["--listener-url", &url, "--advertised-listener-url", &url])
             .args(["--storage-engine", &storage])
+            .args(authentication.then_some("--authentication"))
             .current_dir(self.dir.path())
             .env_remove("LISTENER_URL")
             .env_remove("ADVERTISED_LISTENER_URL")
@@ -228,10 +348,14 @@ impl Tansu {
             });
         }
         // Listening is not serving: wait for a metadata answer.
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &addr)
-            .set("log_level", "3")
-            .create()?;
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &addr).set("log_level", "3");
+        if let Some(user) = self.users.first().filter(|_| authentication) {
+            for (k, v) in user.client_properties() {
+                config.set(k, v);
+            }
+        }
+        let consumer: BaseConsumer = config.create()?;
         wait_until(
             "the broker to answer metadata requests",
             BROKER_TIMEOUT,

@@ -21,7 +21,7 @@ mod process;
 mod tls;
 mod wait;
 
-pub use broker::{Broker, BrokerOptions, BrokerStorage};
+pub use broker::{Broker, BrokerOptions, BrokerStorage, BrokerUser, Scram};
 pub use error::TestkitError;
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use tls::TlsFiles;

@@ -1,5 +1,7 @@
 //! Configuration: a TOML file, then `WALBOX_*` environment variables and flags on
-//! top. Unknown keys and bad values are refused with the key's name.
+//! top. Unknown keys and bad values are refused with the key's name. The
+//! connection string and secret Kafka properties never appear in a `Debug`
+//! form ([`Secret`], [`walbox_sink::is_secret_property`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -7,6 +9,44 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use walbox_outbox::TableConfig;
+
+/// A value that may hold a password (a connection string): its `Debug` and
+/// `Display` forms are `<hidden>`; [`Secret::expose`] gives the text.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The text itself, for the code that uses it (never for printing).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for Secret {
+    fn from(s: String) -> Self {
+        Secret(s)
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<hidden>")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<hidden>")
+    }
+}
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -191,7 +231,7 @@ fn default_producer() -> String {
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
     /// Connection string, libpq key=value or URI form.
-    pub dsn: Option<String>,
+    pub dsn: Option<Secret>,
     /// Logical replication slot (pgoutput).
     #[serde(default = "default_slot")]
     pub slot: String,
@@ -261,8 +301,8 @@ pub enum SinkKind {
     Stdout,
 }
 
-/// The destination.
-#[derive(Debug, Clone, Deserialize)]
+/// The destination. Its `Debug` form hides secret Kafka properties.
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
     /// `kafka` or `stdout`.
@@ -312,6 +352,32 @@ impl Default for SinkConfig {
             max_in_flight_bytes: default_max_in_flight_bytes(),
             kafka: BTreeMap::new(),
         }
+    }
+}
+
+impl std::fmt::Debug for SinkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kafka: BTreeMap<&str, &dyn std::fmt::Debug> = self
+            .kafka
+            .iter()
+            .map(|(k, v)| {
+                let shown: &dyn std::fmt::Debug = if walbox_sink::is_secret_property(k) {
+                    &walbox_sink::Hidden
+                } else {
+                    v
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("SinkConfig")
+            .field("kind", &self.kind)
+            .field("create_topics", &self.create_topics)
+            .field("topic_partitions", &self.topic_partitions)
+            .field("topic_replication", &self.topic_replication)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_in_flight_bytes", &self.max_in_flight_bytes)
+            .field("kafka", &kafka)
+            .finish()
     }
 }
 
@@ -375,7 +441,7 @@ pub struct Overrides {
     pub config: Option<PathBuf>,
     /// PostgreSQL connection string (libpq key=value or URI).
     #[arg(long, env = "WALBOX_DSN", hide_env_values = true)]
-    pub dsn: Option<String>,
+    pub dsn: Option<Secret>,
     /// Replication slot.
     #[arg(long, env = "WALBOX_SLOT")]
     pub slot: Option<String>,
@@ -410,9 +476,40 @@ pub struct Overrides {
 }
 
 impl Config {
-    /// Parses a TOML document.
+    /// Parses a TOML document. An error names the line, column and problem but
+    /// does not quote the line: it may hold a password.
     pub fn parse(text: &str, origin: &Path) -> Result<Self> {
-        toml::from_str(text).with_context(|| format!("configuration {}", origin.display()))
+        toml::from_str(text).map_err(|e| {
+            let at = e.span().map_or_else(String::new, |span| {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+                let column = before.len() - line_start + 1;
+                // The key of the line, and the table it is in; never the value.
+                let this_line = text[line_start..].lines().next().unwrap_or_default();
+                let key = this_line
+                    .split_once('=')
+                    .map(|(k, _)| k.trim().trim_matches('"'))
+                    .filter(|k| !k.is_empty());
+                let table = before
+                    .lines()
+                    .rev()
+                    .map(str::trim)
+                    .find(|l| l.starts_with('['))
+                    .map(|l| l.trim_matches(|c| c == '[' || c == ']'));
+                let name = match (table, key) {
+                    (Some(t), Some(k)) => format!(" {t}.{k}"),
+                    (None, Some(k)) => format!(" {k}"),
+                    _ => String::new(),
+                };
+                format!("{name} at line {line}, column {column}")
+            });
+            anyhow::anyhow!(
+                "configuration {}{at}: {}",
+                origin.display(),
+                e.message().trim_end()
+            )
+        })
     }
 
     /// Loads the file (if any) and applies the overrides.
@@ -528,7 +625,8 @@ impl Config {
     pub fn dsn(&self) -> Result<&str> {
         self.source
             .dsn
-            .as_deref()
+            .as_ref()
+            .map(Secret::expose)
             .context("no PostgreSQL connection string: set source.dsn, --dsn or WALBOX_DSN")
     }
 }
@@ -661,6 +759,49 @@ mod tests {
             c.checkpoint_store().path(),
             Path::new("walbox-walbox.checkpoint.json")
         );
+    }
+
+    #[test]
+    fn parse_errors_do_not_quote_the_line() {
+        let text = "[source]\ndsn = \"host=a password=pw-51ab\"\npasword = \"pw-51ab\"\n";
+        let err = format!(
+            "{:#}",
+            Config::parse(text, Path::new("t.toml")).unwrap_err()
+        );
+        assert!(err.contains("pasword") && err.contains("line 3"), "{err}");
+        assert!(!err.contains("pw-51ab"), "{err}");
+    }
+
+    #[test]
+    fn debug_forms_hide_the_dsn_and_secret_kafka_properties() {
+        let c = Config::parse(
+            r#"
+            [source]
+            dsn = "host=db user=walbox password=pw-c0ffee01"
+            [sink.kafka]
+            "bootstrap.servers" = "k:9092"
+            "sasl.username" = "walbox"
+            "sasl.password" = "pw-c0ffee02"
+            "ssl.key.password" = "pw-c0ffee03"
+            "sasl.oauthbearer.client.secret" = "pw-c0ffee04"
+            "#,
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let o = Overrides {
+            dsn: Some("password=pw-c0ffee05".parse().unwrap()),
+            ..Overrides::default()
+        };
+        let shown = format!("{c:?} {c:#?} {o:?}");
+        for n in 1..=5 {
+            let secret = format!("pw-c0ffee0{n}");
+            assert!(!shown.contains(&secret), "{secret} in {shown}");
+        }
+        assert!(
+            shown.contains("k:9092") && shown.contains("<hidden>"),
+            "{shown}"
+        );
+        assert_eq!(c.dsn().unwrap(), "host=db user=walbox password=pw-c0ffee01");
     }
 
     #[test]

@@ -11,8 +11,8 @@ use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid};
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Connection string (libpq key=value or URI form).
-    #[arg(long, env = "WALBOX_DSN")]
-    dsn: String,
+    #[arg(long, env = "WALBOX_DSN", hide_env_values = true)]
+    dsn: crate::config::Secret,
     /// Logical replication slot (pgoutput) to look into.
     #[arg(long)]
     slot: String,
@@ -170,7 +170,9 @@ pub async fn run(args: Args) -> Result<()> {
     if args.slot.is_empty() || args.publication.is_empty() {
         bail!("--slot and --publication must not be empty");
     }
-    let client = crate::pg::ConnParams::parse(&args.dsn)?.connect().await?;
+    let client = crate::pg::ConnParams::parse(args.dsn.expose())?
+        .connect()
+        .await?;
     let summary = summarise(&client, &args).await?;
     let mut out = std::io::stdout().lock();
     if args.json {

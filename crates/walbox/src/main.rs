@@ -33,7 +33,7 @@ mod slot;
 mod snapshot;
 mod verify;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -153,6 +153,16 @@ struct SlotShow {
     json: bool,
 }
 
+/// The command line with every environment variable's value hidden from help
+/// (`WALBOX_DSN` holds a password), in every command, also ones added later.
+fn command_line() -> clap::Command {
+    fn hide(cmd: clap::Command) -> clap::Command {
+        cmd.mut_args(|a| a.hide_env_values(true))
+            .mut_subcommands(hide)
+    }
+    hide(Cli::command())
+}
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -162,7 +172,10 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&command_line().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     // The streaming commands run on one thread: the replication reader, the
     // relay and the SQL connections hand work to each other for every event, and
     // on one thread a hand-off is a queue push instead of a thread wakeup. The
@@ -234,5 +247,38 @@ fn main() -> std::process::ExitCode {
             tracing::error!("{e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn every_command(cmd: &clap::Command, out: &mut Vec<clap::Command>) {
+        out.push(cmd.clone());
+        for sub in cmd.get_subcommands() {
+            every_command(sub, out);
+        }
+    }
+
+    #[test]
+    fn every_environment_value_is_hidden_from_help() {
+        let mut all = Vec::new();
+        every_command(&command_line(), &mut all);
+        let mut with_env = 0;
+        for cmd in &all {
+            for arg in cmd.get_arguments() {
+                if arg.get_env().is_some() {
+                    with_env += 1;
+                    assert!(
+                        arg.is_hide_env_values_set(),
+                        "{} --{}",
+                        cmd.get_name(),
+                        arg.get_id()
+                    );
+                }
+            }
+        }
+        assert!(with_env > 10, "{with_env} arguments read the environment");
     }
 }
