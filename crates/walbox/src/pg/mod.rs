@@ -2,6 +2,7 @@
 //! the SQL connection, and the replication connection's settings. TLS for the
 //! SQL connection lives in [`tls`], which depends on nothing here.
 
+mod resolve;
 mod tls;
 
 use std::str::FromStr;
@@ -9,6 +10,7 @@ use std::str::FromStr;
 use anyhow::{Context, Result, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
+pub use resolve::{NoServer, TargetSession};
 pub use tls::SslMode;
 
 /// Settings that change how the server writes a value as text, pinned on every
@@ -41,6 +43,9 @@ pub struct ConnParams {
     pub sslcert: Option<String>,
     /// `sslkey`: client key file.
     pub sslkey: Option<String>,
+    /// `target_session_attrs`: which of several servers a session uses (see
+    /// [`ConnParams::resolve`]).
+    pub target: TargetSession,
 }
 
 impl std::fmt::Debug for ConnParams {
@@ -50,7 +55,15 @@ impl std::fmt::Debug for ConnParams {
     }
 }
 
-const TLS_KEYS: &[&str] = &["sslmode", "sslrootcert", "sslcert", "sslkey"];
+/// Keys walbox reads itself instead of tokio-postgres: TLS, and
+/// `target_session_attrs` (whose libpq values tokio-postgres only partly knows).
+const TLS_KEYS: &[&str] = &[
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "target_session_attrs",
+];
 
 impl ConnParams {
     /// Parses a libpq connection string in key=value or URI form.
@@ -61,10 +74,16 @@ impl ConnParams {
             split_key_value(dsn)?
         };
         // tokio-postgres errors do not echo the string, so no password leaks here.
-        let pg = tokio_postgres::Config::from_str(&rest)
+        let mut pg = tokio_postgres::Config::from_str(&rest)
             .context("invalid PostgreSQL connection string")?;
         let get = |k: &str| tls.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let target: TargetSession = get("target_session_attrs")
+            .map(|t| t.parse())
+            .transpose()?
+            .unwrap_or_default();
+        pg.target_session_attrs(target.driver());
         Ok(ConnParams {
+            target,
             pg,
             sslmode: get("sslmode")
                 .map(|m| m.parse())

@@ -85,6 +85,17 @@ fn classify_sql(e: anyhow::Error) -> anyhow::Error {
     transient(e)
 }
 
+/// Finding the server of a session: transient when servers answered but none
+/// was of the kind asked for (a standby being promoted) or none answered in
+/// time; connection errors as [`classify_sql`] has them.
+fn classify_resolve(e: anyhow::Error) -> anyhow::Error {
+    if e.downcast_ref::<crate::pg::NoServer>().is_some() {
+        transient(e)
+    } else {
+        classify_sql(e)
+    }
+}
+
 /// Replication errors: I/O and server errors (restart, shutdown, a lost
 /// connection) are transient; authentication, TLS and protocol errors are not.
 fn classify_replication(e: anyhow::Error) -> anyhow::Error {
@@ -204,6 +215,12 @@ async fn session(
 ) -> Result<()> {
     let config = ctx.config;
     let slot_name = &config.source.slot;
+    // One server for the whole session, the SQL and the replication connection.
+    let pinned = ctx.conn.resolve().await.map_err(classify_resolve)?;
+    let ctx = Ctx {
+        conn: &pinned,
+        ..ctx
+    };
     let sql = ctx.conn.connect().await.map_err(classify_sql)?;
     let saved = ctx.store.load()?;
     let mut slot = crate::slot::info(&sql, slot_name)
