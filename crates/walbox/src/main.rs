@@ -24,6 +24,7 @@ mod catalog;
 mod config;
 mod dlq;
 mod doctor;
+mod failover;
 mod inspect;
 mod pg;
 mod publication;

@@ -13,6 +13,7 @@ mod shell;
 mod sink;
 mod snapshot;
 mod stream;
+mod takeover;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -244,7 +245,12 @@ async fn session(
             return Err(if attempt > 0 { transient(e) } else { e });
         }
     }
+    takeover::check(ctx, &sql, saved.as_ref(), slot.as_ref(), options).await?;
     let plan = plan(config, ctx.store, saved.as_ref(), slot.as_ref(), options)?;
+    crate::failover::ensure(ctx.conn, &sql, config)
+        .await
+        .map_err(classify_replication)
+        .map_err(classify_sql)?;
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;

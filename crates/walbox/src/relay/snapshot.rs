@@ -126,9 +126,15 @@ pub(super) async fn take_snapshot(
             }),
         };
         ctx.store.save(&cp)?;
+        // FAILOVER: PostgreSQL 17+, which the session checked.
+        let failover = if config.source.failover {
+            ", FAILOVER"
+        } else {
+            ""
+        };
         let created = exporter
             .simple_query(&format!(
-                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export'{failover})",
                 crate::catalog::ident(slot)
             ))
             .await
