@@ -23,6 +23,7 @@ const TOPIC: &str = "outbox.order";
 
 /// The primary with the outbox table, its broker, and whether the server has
 /// failover slots (17 and later); says so when it has not.
+#[allow(clippy::print_stderr)] // says why the test has nothing to do
 async fn primary() -> Option<(PgCluster, Broker, tokio_postgres::Client)> {
     let (pg, broker, db) = servers().await;
     let major = pg.major().unwrap();
@@ -233,6 +234,40 @@ async fn a_promoted_standby_with_the_synced_slot_takes_over_and_nothing_is_lost(
     );
     assert_duplicates_are_replays(&records);
     assert_per_key_order(&records, true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_makes_the_snapshots_slot_a_failover_slot_and_is_refused_before_17() {
+    let (pg, broker, db) = servers().await;
+    let mut env = walbox_env(&pg, &broker);
+    env.push(("WALBOX_FAILOVER", "true".into()));
+    let major = pg.major().unwrap();
+    let (status, _, stderr) = walbox_cmd(&["setup", "--snapshot"], &env);
+    if major < 17 {
+        assert_ne!(status, Some(0), "{stderr}");
+        assert!(
+            stderr.contains(&format!("server is PostgreSQL {major}"))
+                && stderr.contains("needs PostgreSQL 17"),
+            "{stderr}"
+        );
+        let slots: i64 = db
+            .query_one("SELECT count(*) FROM pg_replication_slots", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(slots, 0, "no slot created");
+        return;
+    }
+    assert_eq!(status, Some(0), "{stderr}");
+    let failover: bool = db
+        .query_one(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = 'walbox'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(failover, "the slot is created with FAILOVER");
 }
 
 /// Runs walbox until it exits after the promotion; returns its log.

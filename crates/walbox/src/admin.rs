@@ -21,6 +21,9 @@ use crate::slot::SlotStatus;
 pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
     let sql = conn.connect().await?;
+    if config.source.failover {
+        crate::failover::require_support(crate::failover::server_major(&sql).await?)?;
+    }
     let publication = &config.source.publication;
     let quoted_pub = ident(publication);
     let facts = publication::fetch(&sql, publication, &config.outbox).await?;

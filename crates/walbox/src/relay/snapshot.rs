@@ -243,7 +243,7 @@ const SNAPSHOT_STOPPED: &str = "stopped before the snapshot finished; the next s
 /// and records the consistent point, where `walbox run` continues.
 pub async fn setup_snapshot(config: &Config) -> Result<()> {
     let mut signals = signals()?;
-    let conn = ConnParams::parse(config.dsn()?)?;
+    let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
     let store = config.checkpoint_store();
     let ctx = Ctx {
         config,
