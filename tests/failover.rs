@@ -353,3 +353,57 @@ async fn a_standby_behind_the_slot_is_refused_with_the_range() {
         "the range ends at the checkpoint {cp}:\n{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_standby_says_what_to_fix_until_the_standby_can_take_over() {
+    let Some((primary, broker, db)) = self::primary().await else {
+        return;
+    };
+    let standby = standby(&primary, &db, false, false).await;
+    let mut env = walbox_env(&primary, &broker);
+    setup(&env);
+    env.push(("WALBOX_STANDBY_DSN", standby.conninfo("postgres")));
+    let physical = standby.primary_slot_name().unwrap().to_owned();
+
+    let (status, out, err) = walbox_cmd(&["doctor"], &env);
+    assert_ne!(status, Some(0), "{out}{err}");
+    for fix in [
+        "FAIL standby: sync_replication_slots = off",
+        "set sync_replication_slots = on on the standby",
+        "ok   standby: hot_standby_feedback = on",
+        &format!("ok   standby: primary_slot_name = {physical}"),
+        "ok   standby: primary_conninfo names a dbname",
+        "FAIL primary: synchronized_standby_slots = '' does not name",
+        &format!("synchronized_standby_slots = '{physical}'"),
+        &format!("ok   primary: physical slot {physical} is in use by the standby"),
+        "FAIL primary: slot walbox is not a failover slot",
+        "FAIL standby: no slot walbox yet",
+    ] {
+        assert!(out.contains(fix), "{fix:?} in:\n{out}");
+    }
+
+    // Each fix as the report says it.
+    let sdb = standby.connect("postgres").await.unwrap();
+    sdb.batch_execute("ALTER SYSTEM SET sync_replication_slots = on")
+        .await
+        .unwrap();
+    sdb.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+    db.batch_execute(&format!(
+        "ALTER SYSTEM SET synchronized_standby_slots = '{physical}'"
+    ))
+    .await
+    .unwrap();
+    db.batch_execute("SELECT pg_reload_conf()").await.unwrap();
+    let (status, out, err) = walbox_cmd(&["slot", "create", "--failover"], &env);
+    assert_eq!(status, Some(0), "{out}{err}");
+    assert!(out.contains("slot walbox is now a failover slot"), "{out}");
+    wait_synced(&db, &standby).await;
+
+    let (status, out, err) = walbox_cmd(&["doctor"], &env);
+    assert_eq!(status, Some(0), "{out}{err}");
+    assert!(
+        out.contains("ok   standby: slot walbox is synchronized (synced = true), confirmed at"),
+        "{out}"
+    );
+    assert!(!out.contains("FAIL"), "{out}");
+}
