@@ -31,6 +31,7 @@ mod core;
 mod error;
 mod holdback;
 mod ledger;
+mod takeover;
 mod timeline;
 
 pub use ack::{AckTracker, Ticket, TxnId};
@@ -40,4 +41,5 @@ pub use checkpoint::{
 pub use core::{Core, CoreConfig, Outcome, Stats, WalMessage};
 pub use error::{CoreError, Failure, Rejected};
 pub use holdback::{Holdback, MAX_SAMPLES, ReplayWindow};
+pub use takeover::{SlotOnServer, Takeover, TakeoverProblem, check_takeover};
 pub use timeline::{TimelineProblem, check_timeline};

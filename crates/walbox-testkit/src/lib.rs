@@ -4,7 +4,9 @@
 //!   dir on a free port, started as an unprivileged user when the caller is root,
 //!   optionally with TLS (a generated CA and server certificate) and SCRAM
 //!   passwords; it can be stopped, restarted and killed with SIGKILL, and it is
-//!   removed when dropped, also during a panic.
+//!   removed when dropped, also during a panic. [`PgCluster::standby_of`] makes a
+//!   physical standby of one (a low-level base backup, streaming through a
+//!   physical slot) that [`PgCluster::promote`] turns into a primary.
 //! - [`Broker`]: a Kafka-protocol broker. By default a `tansu` process on a free port
 //!   with in-memory or SQLite storage (stop, restart, SIGKILL); when
 //!   `WALBOX_TEST_KAFKA` is set, that bootstrap address (a real Kafka) instead.

@@ -9,6 +9,8 @@ use nix::sys::signal::Signal;
 use nix::unistd::User;
 use tempfile::TempDir;
 
+mod standby;
+
 use crate::process::{self, command, give_to, log_tail, server_user, signal_group};
 use crate::{Result, TestkitError, TlsFiles, wait_until};
 
@@ -64,6 +66,8 @@ pub struct PgCluster {
     options: PgOptions,
     tls: Option<TlsFiles>,
     child: Option<Child>,
+    /// The physical slot on the primary, for a standby.
+    primary_slot: Option<String>,
 }
 
 impl PgCluster {
@@ -97,7 +101,18 @@ impl PgCluster {
         }
         process::run(initdb)?;
         let _ = std::fs::remove_file(&pwfile);
+        Self::configure_and_launch(dir, bindir, user, options)
+    }
 
+    /// Writes the configuration of the data directory `dir/data` (with a
+    /// generated certificate when TLS is asked for) and starts the server on a
+    /// free port.
+    fn configure_and_launch(
+        dir: TempDir,
+        bindir: PathBuf,
+        user: Option<User>,
+        options: PgOptions,
+    ) -> Result<Self> {
         let tls = if options.tls {
             let certs = dir.path().join("certs");
             std::fs::create_dir(&certs).map_err(TestkitError::io("creating", &certs))?;
@@ -114,6 +129,7 @@ impl PgCluster {
             options,
             tls,
             child: None,
+            primary_slot: None,
         };
         cluster.write_config()?;
         give_to(cluster.user.as_ref(), cluster.dir.path())?;

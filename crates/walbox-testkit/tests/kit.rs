@@ -228,3 +228,61 @@ async fn memory_broker_reads_an_empty_topic_and_times_out_clearly() {
     .unwrap_err();
     assert!(err.to_string().contains("0 records read"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_streams_from_its_primary_and_is_promoted_after_a_kill() {
+    let mut primary = PgCluster::start().unwrap();
+    let db = primary.connect("postgres").await.unwrap();
+    db.batch_execute("CREATE TABLE t (n int); INSERT INTO t SELECT generate_series(1, 10)")
+        .await
+        .unwrap();
+    let standby = PgCluster::standby_of(&primary, PgOptions::default())
+        .await
+        .unwrap();
+    let slot = standby.primary_slot_name().unwrap().to_owned();
+    db.batch_execute("INSERT INTO t SELECT generate_series(11, 20)")
+        .await
+        .unwrap();
+    let at: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    standby
+        .wait_replayed(&at, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let active: bool = db
+        .query_one(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(active, "the standby streams through its physical slot");
+    let sdb = standby.connect("postgres").await.unwrap();
+    assert_eq!(count(&sdb).await, 20);
+    assert!(
+        sdb.batch_execute("INSERT INTO t VALUES (0)").await.is_err(),
+        "a standby refuses writes"
+    );
+
+    primary.kill9().unwrap();
+    standby.promote().await.unwrap();
+    let sdb = standby.connect("postgres").await.unwrap();
+    sdb.batch_execute("INSERT INTO t VALUES (21)")
+        .await
+        .unwrap();
+    assert_eq!(count(&sdb).await, 21);
+    let timeline: String = sdb
+        .query_one("SELECT pg_walfile_name(pg_current_wal_lsn())", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        &timeline[..8],
+        "00000002",
+        "a new timeline after the promotion"
+    );
+}

@@ -19,8 +19,11 @@ use crate::slot::SlotStatus;
 /// follows), warns about tables whose snapshot order need not keep each key's
 /// commit order.
 pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
-    let conn = ConnParams::parse(config.dsn()?)?;
+    let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
     let sql = conn.connect().await?;
+    if config.source.failover {
+        crate::failover::require_support(crate::failover::server_major(&sql).await?)?;
+    }
     let publication = &config.source.publication;
     let quoted_pub = ident(publication);
     let facts = publication::fetch(&sql, publication, &config.outbox).await?;
@@ -100,6 +103,7 @@ pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     }
     if create_slot_too {
         create_slot(&sql, &config.source.slot).await?;
+        failover_slot(&conn, &sql, config).await?;
     } else {
         // A snapshot follows: say when it cannot keep each key's order.
         for t in &config.outbox {
@@ -287,8 +291,26 @@ pub async fn slot_list(config: &Config, json: bool) -> Result<()> {
 
 /// `walbox slot create`: the slot alone (idempotent).
 pub async fn slot_create(config: &Config) -> Result<()> {
-    let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
-    create_slot(&sql, &config.source.slot).await
+    let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
+    let sql = conn.connect().await?;
+    create_slot(&sql, &config.source.slot).await?;
+    failover_slot(&conn, &sql, config).await
+}
+
+/// With `source.failover`, makes the slot a failover slot (refused before
+/// PostgreSQL 17).
+async fn failover_slot(
+    conn: &ConnParams,
+    sql: &tokio_postgres::Client,
+    config: &Config,
+) -> Result<()> {
+    if crate::failover::ensure(conn, sql, config).await? {
+        println_out(&format!(
+            "slot {} is now a failover slot",
+            config.source.slot
+        ));
+    }
+    Ok(())
 }
 
 async fn create_slot(sql: &tokio_postgres::Client, slot: &str) -> Result<()> {

@@ -256,6 +256,11 @@ pub struct SourceConfig {
     /// walbox before its position.
     #[serde(default)]
     pub ignore_tables: Vec<String>,
+    /// Make the slot a failover slot (PostgreSQL 17 and later): standbys with
+    /// `sync_replication_slots = on` keep it in sync, so walbox resumes on a
+    /// promoted standby. Created so, or turned on for an existing slot.
+    #[serde(default)]
+    pub failover: bool,
 }
 
 fn default_stall_timeout_ms() -> u64 {
@@ -286,6 +291,7 @@ impl Default for SourceConfig {
             replay_window: default_replay_window(),
             stall_timeout_ms: default_stall_timeout_ms(),
             ignore_tables: Vec::new(),
+            failover: false,
         }
     }
 }
@@ -473,6 +479,9 @@ pub struct Overrides {
     /// "published_at IS NULL".
     #[arg(long, env = "WALBOX_SNAPSHOT_WHERE")]
     pub snapshot_where: Option<String>,
+    /// Make the slot a failover slot, kept in sync on standbys (PostgreSQL 17+).
+    #[arg(long, env = "WALBOX_FAILOVER", num_args = 0..=1, default_missing_value = "true")]
+    pub failover: Option<bool>,
 }
 
 impl Config {
@@ -550,6 +559,9 @@ impl Config {
         }
         if let Some(v) = &o.snapshot_where {
             c.snapshot.filter = Some(v.clone());
+        }
+        if let Some(v) = o.failover {
+            c.source.failover = v;
         }
         if c.outbox.is_empty() {
             c.outbox.push(TableConfig::new(

@@ -1,4 +1,7 @@
-//! `walbox doctor`: checks a server before first use and says what to fix.
+//! `walbox doctor`: checks a server before first use and says what to fix;
+//! with `--standby`, a standby for a failover too ([`standby`]).
+
+mod standby;
 
 use std::fmt;
 
@@ -50,8 +53,9 @@ async fn setting(sql: &tokio_postgres::Client, name: &str) -> Result<String> {
         .get(0))
 }
 
-/// Runs every check, prints one line per check, fails when any check failed.
-pub async fn run(config: &Config) -> Result<()> {
+/// Runs every check (the standby's too, when given), prints one line per check,
+/// fails when any check failed.
+pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?;
     let sql = conn.connect().await?;
     let mut r = Report::default();
@@ -190,6 +194,10 @@ pub async fn run(config: &Config) -> Result<()> {
             Ok(_) => r.add(Verdict::Ok, format!("{qualified} columns fit the mapping")),
             Err(e) => r.add(Verdict::Fail, e.to_string()),
         }
+    }
+
+    if let Some(dsn) = standby_dsn {
+        standby::check(&mut r, &sql, config, dsn).await?;
     }
 
     print(&r);

@@ -24,6 +24,7 @@ mod catalog;
 mod config;
 mod dlq;
 mod doctor;
+mod failover;
 mod inspect;
 mod pg;
 mod privileges;
@@ -61,7 +62,7 @@ enum Command {
         action: SlotAction,
     },
     /// Check a server before first use and say what to fix.
-    Doctor(config::Overrides),
+    Doctor(DoctorArgs),
     /// Show the changes a slot holds, without consuming them.
     Inspect(inspect::Args),
     /// Audit the outbox table against the topics: missing, duplicated and
@@ -120,6 +121,21 @@ struct RunArgs {
     /// not published.
     #[arg(long)]
     accept_wal_behind: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct DoctorArgs {
+    #[command(flatten)]
+    overrides: config::Overrides,
+    /// Also check this standby (connection string) for taking over with the
+    /// slot after a failover: slot synchronization, and the primary waiting for it.
+    #[arg(
+        long,
+        value_name = "DSN",
+        env = "WALBOX_STANDBY_DSN",
+        hide_env_values = true
+    )]
+    standby: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -233,7 +249,9 @@ fn main() -> std::process::ExitCode {
                     admin::slot_list(&config::Config::load(&s.overrides)?, s.json).await
                 }
             },
-            Command::Doctor(o) => doctor::run(&config::Config::load(&o)?).await,
+            Command::Doctor(a) => {
+                doctor::run(&config::Config::load(&a.overrides)?, a.standby.as_deref()).await
+            }
             Command::Inspect(args) => inspect::run(args).await,
             Command::Verify(args) => verify::run(args).await,
             Command::Dlq {

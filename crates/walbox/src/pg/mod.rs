@@ -7,6 +7,7 @@
 mod dsn;
 #[cfg(test)]
 mod properties;
+mod resolve;
 mod sources;
 mod tls;
 
@@ -16,6 +17,7 @@ use std::str::FromStr;
 use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
+pub use resolve::{NoServer, TargetSession};
 pub use sources::Env;
 use sources::PassFile;
 pub use tls::SslMode;
@@ -52,6 +54,9 @@ pub struct ConnParams {
     pub sslkey: Option<String>,
     /// The password file's entries, read when no password was given.
     passfile: PassFile,
+    /// `target_session_attrs`: which of several servers a session uses (see
+    /// [`ConnParams::resolve`]).
+    pub target: TargetSession,
 }
 
 impl std::fmt::Debug for ConnParams {
@@ -62,6 +67,8 @@ impl std::fmt::Debug for ConnParams {
 }
 
 /// Settings walbox reads itself; the others go to tokio-postgres.
+/// `target_session_attrs` is among them because tokio-postgres knows only part of
+/// libpq's values.
 const OWN_KEYS: &[&str] = &[
     "sslmode",
     "sslrootcert",
@@ -70,6 +77,7 @@ const OWN_KEYS: &[&str] = &[
     "service",
     "passfile",
     "fallback_application_name",
+    "target_session_attrs",
 ];
 
 impl ConnParams {
@@ -171,7 +179,15 @@ impl ConnParams {
                 .map(|path| PassFile::load(&path))
                 .unwrap_or_default(),
         };
+        let target: TargetSession = settings
+            .get("target_session_attrs")
+            .map(|t| t.parse())
+            .transpose()?
+            .unwrap_or_default();
+        let mut pg = pg;
+        pg.target_session_attrs(target.driver());
         Ok(ConnParams {
+            target,
             pg,
             sslmode,
             sslrootcert: get("sslrootcert"),

@@ -13,6 +13,7 @@ mod shell;
 mod sink;
 mod snapshot;
 mod stream;
+mod takeover;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -83,6 +84,17 @@ fn classify_sql(e: anyhow::Error) -> anyhow::Error {
         source = err.source();
     }
     transient(e)
+}
+
+/// Finding the server of a session: transient when servers answered but none
+/// was of the kind asked for (a standby being promoted) or none answered in
+/// time; connection errors as [`classify_sql`] has them.
+fn classify_resolve(e: anyhow::Error) -> anyhow::Error {
+    if e.downcast_ref::<crate::pg::NoServer>().is_some() {
+        transient(e)
+    } else {
+        classify_sql(e)
+    }
 }
 
 /// Replication errors: I/O and server errors (restart, shutdown, a lost
@@ -204,6 +216,12 @@ async fn session(
 ) -> Result<()> {
     let config = ctx.config;
     let slot_name = &config.source.slot;
+    // One server for the whole session, the SQL and the replication connection.
+    let pinned = ctx.conn.resolve().await.map_err(classify_resolve)?;
+    let ctx = Ctx {
+        conn: &pinned,
+        ..ctx
+    };
     let sql = ctx.conn.connect().await.map_err(classify_sql)?;
     let saved = ctx.store.load()?;
     let mut slot = crate::slot::info(&sql, slot_name)
@@ -227,7 +245,12 @@ async fn session(
             return Err(if attempt > 0 { transient(e) } else { e });
         }
     }
+    takeover::check(ctx, &sql, saved.as_ref(), slot.as_ref(), options).await?;
     let plan = plan(config, ctx.store, saved.as_ref(), slot.as_ref(), options)?;
+    crate::failover::ensure(ctx.conn, &sql, config)
+        .await
+        .map_err(classify_replication)
+        .map_err(classify_sql)?;
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;

@@ -15,7 +15,7 @@ use crate::pg::ConnParams;
 /// the slot; then the checkpoint is the later of itself and `to`.
 pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
     let mut signals = signals()?;
-    let conn = ConnParams::parse(config.dsn()?)?;
+    let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
     let store = config.checkpoint_store();
     let ctx = Ctx {
         config,

@@ -126,9 +126,15 @@ pub(super) async fn take_snapshot(
             }),
         };
         ctx.store.save(&cp)?;
+        // FAILOVER: PostgreSQL 17+, which the session checked.
+        let failover = if config.source.failover {
+            ", FAILOVER"
+        } else {
+            ""
+        };
         let created = exporter
             .simple_query(&format!(
-                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export'{failover})",
                 crate::catalog::ident(slot)
             ))
             .await
@@ -237,7 +243,7 @@ const SNAPSHOT_STOPPED: &str = "stopped before the snapshot finished; the next s
 /// and records the consistent point, where `walbox run` continues.
 pub async fn setup_snapshot(config: &Config) -> Result<()> {
     let mut signals = signals()?;
-    let conn = ConnParams::parse(config.dsn()?)?;
+    let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
     let store = config.checkpoint_store();
     let ctx = Ctx {
         config,

@@ -1,0 +1,193 @@
+//! Whether walbox may resume on a server that took over from the one its
+//! checkpoint was written on (a promoted standby: a later timeline).
+//!
+//! A logical slot survives a promotion only as a failover slot that the standby
+//! synchronized (PostgreSQL 17: `FAILOVER`, `sync_replication_slots`); the
+//! promoted server keeps `synced = true` on it. The standby synchronizes a
+//! slot's position only up to the WAL it has, and walbox saves only positions the
+//! old primary confirmed, so a synced slot is at or before walbox's checkpoint:
+//! streaming from the checkpoint then skips nothing. Where the new timeline
+//! forked off is [`check_timeline`](crate::check_timeline)'s question, asked on
+//! the replication connection; this one is about the slot.
+
+use walbox_pgoutput::Lsn;
+
+/// The slot as a promoted server shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotOnServer {
+    /// Its confirmed position.
+    pub confirmed: Lsn,
+    /// `synced` (PostgreSQL 17 and later; `None` before): the slot was
+    /// synchronized from the old primary.
+    pub synced: Option<bool>,
+}
+
+/// How walbox takes over on the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Takeover {
+    /// The server is on the checkpoint's timeline: no promotion since.
+    SameTimeline,
+    /// A synchronized slot at or before the checkpoint: resume at the checkpoint.
+    Synced,
+    /// A slot this server did not get from the old primary, at or before the
+    /// checkpoint: it has the WAL from there on, so streaming from the
+    /// checkpoint skips nothing either.
+    Local,
+}
+
+/// Why walbox may not resume on the promoted server.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TakeoverProblem {
+    /// The promoted server has no such slot.
+    #[error(
+        "the server was promoted (timeline {from} to {to}) and has no slot {slot:?}: the standby \
+         did not synchronize it (the slot needs failover = true, source.failover; the standby \
+         sync_replication_slots = on, hot_standby_feedback = on, a primary_slot_name and a \
+         dbname in primary_conninfo; see `walbox doctor --standby`). Outbox events committed \
+         from walbox's checkpoint at {checkpoint} on are in no slot"
+    )]
+    SlotMissing {
+        /// The slot's name.
+        slot: String,
+        /// The checkpoint's timeline.
+        from: u32,
+        /// The server's timeline.
+        to: u32,
+        /// The checkpoint's position.
+        checkpoint: Lsn,
+    },
+    /// The slot is ahead of the checkpoint.
+    #[error(
+        "the server was promoted (timeline {from} to {to}) and its slot {slot:?} is at \
+         {confirmed}, {kind}, ahead of walbox's checkpoint at {checkpoint}: outbox events \
+         committed from {checkpoint} to {confirmed} would never be published",
+        kind = if *synced { "synchronized from the old primary" } else {
+            "not synchronized from the old primary (created or advanced on this server)"
+        }
+    )]
+    Ahead {
+        /// The slot's name.
+        slot: String,
+        /// The checkpoint's timeline.
+        from: u32,
+        /// The server's timeline.
+        to: u32,
+        /// The slot's position.
+        confirmed: Lsn,
+        /// Whether it was synchronized.
+        synced: bool,
+        /// The checkpoint's position.
+        checkpoint: Lsn,
+    },
+}
+
+/// Decides whether walbox, with its checkpoint at `checkpoint` on timeline
+/// `checkpoint_timeline`, may resume slot `name` on a server on timeline
+/// `server_timeline` that shows the slot as `slot` (`None`: no such slot).
+///
+/// # Errors
+/// When the slot is missing after a promotion, or ahead of the checkpoint.
+pub fn check_takeover(
+    name: &str,
+    checkpoint_timeline: u32,
+    checkpoint: Lsn,
+    server_timeline: u32,
+    slot: Option<SlotOnServer>,
+) -> Result<Takeover, TakeoverProblem> {
+    if server_timeline == checkpoint_timeline {
+        return Ok(Takeover::SameTimeline);
+    }
+    let (from, to) = (checkpoint_timeline, server_timeline);
+    let Some(slot) = slot else {
+        return Err(TakeoverProblem::SlotMissing {
+            slot: name.to_owned(),
+            from,
+            to,
+            checkpoint,
+        });
+    };
+    let synced = slot.synced == Some(true);
+    if slot.confirmed > checkpoint {
+        return Err(TakeoverProblem::Ahead {
+            slot: name.to_owned(),
+            from,
+            to,
+            confirmed: slot.confirmed,
+            synced,
+            checkpoint,
+        });
+    }
+    Ok(if synced {
+        Takeover::Synced
+    } else {
+        Takeover::Local
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lsn(s: &str) -> Lsn {
+        s.parse().unwrap()
+    }
+
+    fn slot(confirmed: &str, synced: Option<bool>) -> Option<SlotOnServer> {
+        Some(SlotOnServer {
+            confirmed: lsn(confirmed),
+            synced,
+        })
+    }
+
+    #[test]
+    fn without_a_promotion_there_is_nothing_to_check() {
+        assert_eq!(
+            check_takeover("w", 1, lsn("0/5"), 1, None),
+            Ok(Takeover::SameTimeline)
+        );
+    }
+
+    #[test]
+    fn a_synced_slot_at_or_before_the_checkpoint_is_resumed() {
+        for at in ["0/3000000", "0/2FFFF00"] {
+            assert_eq!(
+                check_takeover("w", 1, lsn("0/3000000"), 2, slot(at, Some(true))),
+                Ok(Takeover::Synced)
+            );
+        }
+        assert_eq!(
+            check_takeover("w", 1, lsn("0/3000000"), 2, slot("0/2000000", Some(false))),
+            Ok(Takeover::Local)
+        );
+    }
+
+    #[test]
+    fn a_missing_slot_after_a_promotion_is_refused_with_the_checkpoint() {
+        let e = check_takeover("w", 1, lsn("0/3000000"), 2, None).unwrap_err();
+        assert!(matches!(
+            e,
+            TakeoverProblem::SlotMissing { from: 1, to: 2, .. }
+        ));
+        let text = e.to_string();
+        assert!(text.contains("sync_replication_slots"), "{text}");
+        assert!(
+            text.contains("from walbox's checkpoint at 0/3000000"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_slot_ahead_of_the_checkpoint_is_refused_with_the_range() {
+        for synced in [Some(true), Some(false), None] {
+            let e =
+                check_takeover("w", 1, lsn("0/3000000"), 2, slot("0/3000100", synced)).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains("from 0/3000000 to 0/3000100"), "{text}");
+            assert_eq!(
+                text.contains("not synchronized"),
+                synced != Some(true),
+                "{text}"
+            );
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! Failover slots (PostgreSQL 17 and later): `source.failover` makes walbox's
+//! slot one that a standby with `sync_replication_slots = on` keeps in sync, so
+//! that the slot, and walbox's position in it, survive the standby's promotion.
+//! Here: the server's version, the slot's `failover` and `synced` columns, and
+//! turning `failover` on for an existing slot (`ALTER_REPLICATION_SLOT`, a
+//! replication command).
+
+use anyhow::{Context, Result, bail};
+
+use crate::config::Config;
+use crate::pg::ConnParams;
+
+/// The first major version with failover slots.
+pub const FAILOVER_SINCE: u32 = 17;
+
+/// The server's major version (`server_version_num` / 10000).
+pub async fn server_major(sql: &tokio_postgres::Client) -> Result<u32> {
+    let row = sql
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .context("reading server_version_num")?;
+    let num: i32 = row.get(0);
+    Ok(u32::try_from(num / 10_000).unwrap_or(0))
+}
+
+/// The slot's `failover` and `synced` columns; `None` when the slot does not
+/// exist or the server is older than [`FAILOVER_SINCE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailoverState {
+    /// Whether standbys synchronize the slot.
+    pub failover: bool,
+    /// Whether it was synchronized from a primary (on a standby, or left on a
+    /// promoted one).
+    pub synced: bool,
+}
+
+/// Reads [`FailoverState`] of `slot`.
+pub async fn state(
+    sql: &tokio_postgres::Client,
+    major: u32,
+    slot: &str,
+) -> Result<Option<FailoverState>> {
+    if major < FAILOVER_SINCE {
+        return Ok(None);
+    }
+    let row = sql
+        .query_opt(
+            "SELECT failover, synced FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .context("reading pg_replication_slots")?;
+    Ok(row.map(|r| FailoverState {
+        failover: r.get(0),
+        synced: r.get(1),
+    }))
+}
+
+/// Refuses `source.failover` on a server without failover slots.
+pub fn require_support(major: u32) -> Result<()> {
+    if major < FAILOVER_SINCE {
+        bail!(
+            "source.failover (--failover) needs PostgreSQL {FAILOVER_SINCE} or later: the \
+             server is PostgreSQL {major}, whose logical slots do not survive the promotion of \
+             a standby. Upgrade the server to {FAILOVER_SINCE}+ (and set up a standby with \
+             sync_replication_slots = on), or set source.failover = false"
+        );
+    }
+    Ok(())
+}
+
+/// With `source.failover`: refuses an older server, and turns `failover` on for
+/// the slot when it exists without it. Returns whether it did. The slot must be
+/// free (`ALTER_REPLICATION_SLOT` takes it for a moment).
+pub async fn ensure(
+    conn: &ConnParams,
+    sql: &tokio_postgres::Client,
+    config: &Config,
+) -> Result<bool> {
+    if !config.source.failover {
+        return Ok(false);
+    }
+    let major = server_major(sql).await?;
+    require_support(major)?;
+    let slot = &config.source.slot;
+    match state(sql, major, slot).await? {
+        Some(s) if !s.failover => {
+            enable(conn, config).await?;
+            tracing::info!(slot = %slot, "turned failover on for the slot (standbys with \
+                sync_replication_slots = on now keep it in sync)");
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// `ALTER_REPLICATION_SLOT slot (FAILOVER true)` on a replication connection.
+async fn enable(conn: &ConnParams, config: &Config) -> Result<()> {
+    let slot = &config.source.slot;
+    let cfg = conn
+        .replication(slot, &config.source.publication)?
+        .with_application_name("walbox failover");
+    let mut client = pgwire_replication::ReplicationClient::connect_gated(cfg)
+        .await
+        .with_context(|| format!("replication connection to {}", conn.describe()))?;
+    client
+        .simple_query(&format!(
+            "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
+            crate::catalog::ident(slot)
+        ))
+        .await
+        .with_context(|| {
+            format!(
+                "turning failover on for slot {slot} (ALTER_REPLICATION_SLOT; the slot must \
+                 not be in use)"
+            )
+        })?;
+    Ok(())
+}

@@ -1,0 +1,90 @@
+//! A session on a server that was promoted since walbox's checkpoint (a later
+//! timeline): the slot there against the checkpoint, decided by
+//! [`walbox_core::check_takeover`], before the plan. Whether the new timeline
+//! forked off before the checkpoint is checked on the replication connection
+//! (`connect_identified`).
+
+use anyhow::{Result, bail};
+use walbox_core::{Checkpoint, SlotOnServer, Takeover, TakeoverProblem, check_takeover};
+use walbox_pgoutput::Lsn;
+
+use super::plan::RECOVER;
+use super::{Ctx, RunOptions, classify_sql};
+use crate::slot::SlotInfo;
+
+/// Refuses a promoted server whose slot is missing, or ahead of the checkpoint
+/// (unless `--accept-slot-position`); logs a good takeover.
+pub(super) async fn check(
+    ctx: Ctx<'_>,
+    sql: &tokio_postgres::Client,
+    saved: Option<&Checkpoint>,
+    slot: Option<&SlotInfo>,
+    options: &RunOptions,
+) -> Result<()> {
+    let Some(cp) = saved.filter(|cp| !cp.snapshot_interrupted()) else {
+        return Ok(());
+    };
+    let Some(timeline) = cp.timeline else {
+        return Ok(());
+    };
+    let Some(server) = server_timeline(sql).await.map_err(classify_sql)? else {
+        return Ok(()); // a standby: no promotion to judge
+    };
+    if server == timeline {
+        return Ok(());
+    }
+    let name = &ctx.config.source.slot;
+    let major = crate::failover::server_major(sql)
+        .await
+        .map_err(classify_sql)?;
+    let state = crate::failover::state(sql, major, name)
+        .await
+        .map_err(classify_sql)?;
+    let on_server = slot.map(|s| SlotOnServer {
+        confirmed: s.confirmed.unwrap_or(Lsn(0)),
+        synced: state.map(|s| s.synced),
+    });
+    match check_takeover(name, timeline, cp.lsn, server, on_server) {
+        Ok(Takeover::SameTimeline) => Ok(()),
+        Ok(Takeover::Synced) => {
+            tracing::info!(slot = %name, from_timeline = timeline, to_timeline = server,
+                checkpoint = %cp.lsn,
+                "the server was promoted; its slot was synchronized from the old primary and \
+                 is not past the checkpoint: resuming at the checkpoint");
+            Ok(())
+        }
+        Ok(Takeover::Local) => {
+            tracing::warn!(slot = %name, from_timeline = timeline, to_timeline = server,
+                checkpoint = %cp.lsn,
+                "the server was promoted; its slot was not synchronized from the old primary \
+                 but is not past the checkpoint: resuming at the checkpoint");
+            Ok(())
+        }
+        Err(problem @ TakeoverProblem::SlotMissing { .. }) => bail!(
+            "{problem}. To publish them, move the checkpoint {} aside and create the slot with \
+             a snapshot of the rows not yet published (`walbox setup --snapshot \
+             --snapshot-where \"...\"`, with --failover so that it survives the next \
+             promotion)",
+            ctx.store.path().display()
+        ),
+        Err(TakeoverProblem::Ahead { .. }) if options.accept_slot_position => Ok(()),
+        Err(problem @ TakeoverProblem::Ahead { .. }) => bail!(
+            "{problem} (checkpoint {}). {RECOVER}",
+            ctx.store.path().display()
+        ),
+    }
+}
+
+/// The timeline a primary writes (from its current WAL file's name); `None` on a
+/// server in recovery.
+async fn server_timeline(sql: &tokio_postgres::Client) -> Result<Option<u32>> {
+    let row = sql
+        .query_one(
+            "SELECT CASE WHEN pg_is_in_recovery() THEN NULL
+                    ELSE pg_walfile_name(pg_current_wal_lsn()) END",
+            &[],
+        )
+        .await?;
+    let file: Option<String> = row.get(0);
+    Ok(file.and_then(|f| u32::from_str_radix(f.get(..8)?, 16).ok()))
+}
