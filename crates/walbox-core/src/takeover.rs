@@ -29,10 +29,6 @@ pub enum Takeover {
     SameTimeline,
     /// A synchronized slot at or before the checkpoint: resume at the checkpoint.
     Synced,
-    /// A slot this server did not get from the old primary, at or before the
-    /// checkpoint: it has the WAL from there on, so streaming from the
-    /// checkpoint skips nothing either.
-    Local,
 }
 
 /// Why walbox may not resume on the promoted server.
@@ -53,6 +49,27 @@ pub enum TakeoverProblem {
         from: u32,
         /// The server's timeline.
         to: u32,
+        /// The checkpoint's position.
+        checkpoint: Lsn,
+    },
+    /// The slot is at or before the checkpoint but was not synchronized from the
+    /// old primary: created or kept on this server by someone else, so nothing
+    /// says it holds what walbox needs (its catalog horizon, its decoding start).
+    #[error(
+        "the server was promoted (timeline {from} to {to}) and its slot {slot:?} at \
+         {confirmed} was not synchronized from the old primary (synced is not true): it is \
+         not the slot walbox streamed from, and walbox cannot tell whether it can decode \
+         every outbox event from its checkpoint at {checkpoint} on"
+    )]
+    NotSynced {
+        /// The slot's name.
+        slot: String,
+        /// The checkpoint's timeline.
+        from: u32,
+        /// The server's timeline.
+        to: u32,
+        /// The slot's position.
+        confirmed: Lsn,
         /// The checkpoint's position.
         checkpoint: Lsn,
     },
@@ -86,7 +103,8 @@ pub enum TakeoverProblem {
 /// `server_timeline` that shows the slot as `slot` (`None`: no such slot).
 ///
 /// # Errors
-/// When the slot is missing after a promotion, or ahead of the checkpoint.
+/// When, after a promotion, the slot is missing, was not synchronized from the
+/// old primary, or is ahead of the checkpoint.
 pub fn check_takeover(
     name: &str,
     checkpoint_timeline: u32,
@@ -117,11 +135,16 @@ pub fn check_takeover(
             checkpoint,
         });
     }
-    Ok(if synced {
-        Takeover::Synced
-    } else {
-        Takeover::Local
-    })
+    if !synced {
+        return Err(TakeoverProblem::NotSynced {
+            slot: name.to_owned(),
+            from,
+            to,
+            confirmed: slot.confirmed,
+            checkpoint,
+        });
+    }
+    Ok(Takeover::Synced)
 }
 
 #[cfg(test)]
@@ -155,10 +178,21 @@ mod tests {
                 Ok(Takeover::Synced)
             );
         }
-        assert_eq!(
-            check_takeover("w", 1, lsn("0/3000000"), 2, slot("0/2000000", Some(false))),
-            Ok(Takeover::Local)
-        );
+    }
+
+    #[test]
+    fn a_slot_not_synchronized_from_the_old_primary_is_refused_even_behind_the_checkpoint() {
+        for synced in [Some(false), None] {
+            let e =
+                check_takeover("w", 1, lsn("0/3000000"), 2, slot("0/2000000", synced)).unwrap_err();
+            assert!(matches!(
+                e,
+                TakeoverProblem::NotSynced { from: 1, to: 2, .. }
+            ));
+            let text = e.to_string();
+            assert!(text.contains("not synchronized"), "{text}");
+            assert!(text.contains("checkpoint at 0/3000000"), "{text}");
+        }
     }
 
     #[test]

@@ -12,8 +12,9 @@ use super::plan::RECOVER;
 use super::{Ctx, RunOptions, classify_sql};
 use crate::slot::SlotInfo;
 
-/// Refuses a promoted server whose slot is missing, or ahead of the checkpoint
-/// (unless `--accept-slot-position`); logs a good takeover.
+/// Refuses a promoted server whose slot is missing, was not synchronized from the
+/// old primary or is ahead of the checkpoint (the last two unless
+/// `--accept-slot-position`); logs a good takeover.
 pub(super) async fn check(
     ctx: Ctx<'_>,
     sql: &tokio_postgres::Client,
@@ -53,13 +54,6 @@ pub(super) async fn check(
                  is not past the checkpoint: resuming at the checkpoint");
             Ok(())
         }
-        Ok(Takeover::Local) => {
-            tracing::warn!(slot = %name, from_timeline = timeline, to_timeline = server,
-                checkpoint = %cp.lsn,
-                "the server was promoted; its slot was not synchronized from the old primary \
-                 but is not past the checkpoint: resuming at the checkpoint");
-            Ok(())
-        }
         Err(problem @ TakeoverProblem::SlotMissing { .. }) => bail!(
             "{problem}. To publish them, move the checkpoint {} aside and create the slot with \
              a snapshot of the rows not yet published (`walbox setup --snapshot \
@@ -67,11 +61,20 @@ pub(super) async fn check(
              promotion)",
             ctx.store.path().display()
         ),
-        Err(TakeoverProblem::Ahead { .. }) if options.accept_slot_position => Ok(()),
-        Err(problem @ TakeoverProblem::Ahead { .. }) => bail!(
-            "{problem} (checkpoint {}). {RECOVER}",
-            ctx.store.path().display()
-        ),
+        Err(problem @ (TakeoverProblem::Ahead { .. } | TakeoverProblem::NotSynced { .. }))
+            if options.accept_slot_position =>
+        {
+            tracing::warn!(slot = %name, from_timeline = timeline, to_timeline = server,
+                checkpoint = %cp.lsn, problem = %problem,
+                "--accept-slot-position: resuming on the promoted server as told");
+            Ok(())
+        }
+        Err(problem @ (TakeoverProblem::Ahead { .. } | TakeoverProblem::NotSynced { .. })) => {
+            bail!(
+                "{problem} (checkpoint {}). {RECOVER}",
+                ctx.store.path().display()
+            )
+        }
     }
 }
 
