@@ -1,8 +1,11 @@
 //! PostgreSQL connections: parsing libpq connection strings (key=value or URI),
-//! the SQL connection, and the replication connection's settings. TLS for the
-//! SQL connection lives in [`tls`], which depends on nothing here.
+//! the SQL connection, and the replication connection's settings. TLS for both
+//! connections lives in [`tls`], which depends on nothing here.
 
 mod tls;
+
+#[cfg(test)]
+mod connect_tests;
 
 use std::str::FromStr;
 
@@ -64,13 +67,14 @@ impl ConnParams {
         let pg = tokio_postgres::Config::from_str(&rest)
             .context("invalid PostgreSQL connection string")?;
         let get = |k: &str| tls.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let sslrootcert = get("sslrootcert");
         Ok(ConnParams {
             pg,
-            sslmode: get("sslmode")
-                .map(|m| m.parse())
-                .transpose()?
-                .unwrap_or_default(),
-            sslrootcert: get("sslrootcert"),
+            sslmode: SslMode::resolve(
+                get("sslmode").map(|m| m.parse()).transpose()?,
+                sslrootcert.as_deref(),
+            )?,
+            sslrootcert,
             sslcert: get("sslcert"),
             sslkey: get("sslkey"),
         })
@@ -101,38 +105,52 @@ impl ConnParams {
         )
     }
 
-    /// Opens the SQL connection; its driver runs on the current runtime.
+    /// Opens the SQL connection; its driver runs on the current runtime. TLS as
+    /// `sslmode` says, with the same client configuration as the replication
+    /// connection.
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
+        use tokio_postgres::config::SslMode as Pg;
         let context = || format!("connecting to {}", self.describe());
         let mut pg = self.pg.clone();
         pg.options(session_options(self.pg.get_options()));
-        let client = if self.sslmode == SslMode::Disable {
-            let (client, connection) = pg
-                .connect(tokio_postgres::NoTls)
-                .await
-                .with_context(context)?;
-            drive(connection);
-            client
-        } else {
-            let tls = tls::client_config(
-                self.sslmode,
-                self.sslrootcert.as_deref(),
-                self.sslcert.as_deref(),
-                self.sslkey.as_deref(),
-            )?;
-            pg.ssl_mode(if self.sslmode == SslMode::Prefer {
-                tokio_postgres::config::SslMode::Prefer
-            } else {
-                tokio_postgres::config::SslMode::Require
-            });
-            let (client, connection) = pg
-                .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-                .await
-                .with_context(context)?;
-            drive(connection);
-            client
+        let client = match self.sslmode {
+            SslMode::Disable => Ok(connect_plain(&pg).await?),
+            SslMode::Allow => match connect_plain(&pg).await {
+                // Refused by the server (not a network error): as libpq, once
+                // more over TLS.
+                Err(e) if e.as_db_error().is_some() => self.connect_tls(&mut pg, Pg::Require).await,
+                other => Ok(other?),
+            },
+            SslMode::Prefer => self.connect_tls(&mut pg, Pg::Prefer).await,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                self.connect_tls(&mut pg, Pg::Require).await
+            }
         };
+        client.with_context(context)
+    }
+
+    /// The SQL connection over TLS (`Prefer`: plaintext when the server
+    /// answers the SSLRequest with `N`).
+    async fn connect_tls(
+        &self,
+        pg: &mut tokio_postgres::Config,
+        mode: tokio_postgres::config::SslMode,
+    ) -> Result<tokio_postgres::Client> {
+        pg.ssl_mode(mode);
+        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(self.tls_config()?);
+        let (client, connection) = pg.connect(tls).await?;
+        drive(connection);
         Ok(client)
+    }
+
+    /// The rustls client configuration both connections use.
+    fn tls_config(&self) -> Result<rustls::ClientConfig> {
+        tls::client_config(
+            self.sslmode,
+            self.sslrootcert.as_deref(),
+            self.sslcert.as_deref(),
+            self.sslkey.as_deref(),
+        )
     }
 
     /// Settings of the replication connection for `slot` and `publication`.
@@ -143,8 +161,8 @@ impl ConnParams {
             .map(|p| String::from_utf8_lossy(p).into_owned())
             .unwrap_or_default();
         let host = self.host()?;
-        let mut cfg = ReplicationConfig::new(
-            host.clone(),
+        let cfg = ReplicationConfig::new(
+            host,
             self.pg.get_user().unwrap_or("postgres"),
             password,
             self.pg.get_dbname().unwrap_or("postgres"),
@@ -153,30 +171,29 @@ impl ConnParams {
         )
         .with_port(self.port())
         .with_options(session_options(self.pg.get_options()));
-        let root = self.sslrootcert.as_ref().map(std::path::PathBuf::from);
+        // The client negotiates as the mode says; the certificate checks and the
+        // client certificate are the SQL connection's, from the same
+        // configuration. The server name is the host, so an IP address is
+        // checked against the certificate's IP addresses.
+        let tls = TlsConfig {
+            mode: self.sslmode.replication(),
+            ..TlsConfig::default()
+        };
         let tls = match self.sslmode {
-            SslMode::Disable | SslMode::Prefer => TlsConfig::disabled(),
-            SslMode::Require => TlsConfig::require(),
-            SslMode::VerifyCa => TlsConfig::verify_ca(root),
-            SslMode::VerifyFull => {
-                let tls = TlsConfig::verify_full(root);
-                // The client checks names, not addresses: for an IP host, expect the
-                // name the certificate is commonly issued for.
-                if host.parse::<std::net::IpAddr>().is_ok() {
-                    tls.with_sni_hostname("localhost")
-                } else {
-                    tls
-                }
-            }
+            SslMode::Disable => tls,
+            _ => tls.with_rustls_config(std::sync::Arc::new(self.tls_config()?)),
         };
-        let tls = match (&self.sslcert, &self.sslkey) {
-            (Some(c), Some(k)) => tls.with_client_cert(c.as_str(), k.as_str()),
-            (None, None) => tls,
-            _ => bail!("sslcert and sslkey must be given together"),
-        };
-        cfg = cfg.with_tls(tls);
-        Ok(cfg)
+        Ok(cfg.with_tls(tls))
     }
+}
+
+/// The SQL connection without TLS.
+async fn connect_plain(
+    pg: &tokio_postgres::Config,
+) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = pg.connect(tokio_postgres::NoTls).await?;
+    drive(connection);
+    Ok(client)
 }
 
 /// Runs a connection's I/O on the current runtime until it closes.
