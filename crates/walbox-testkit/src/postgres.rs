@@ -29,6 +29,15 @@ pub struct PgOptions {
     pub wal_sender_timeout: Option<Duration>,
     /// Serve TLS with a generated certificate and accept only TLS connections over TCP.
     pub tls: bool,
+    /// With `tls`: also accept plaintext TCP connections.
+    pub plaintext_too: bool,
+    /// With `tls`: TCP connections must present a client certificate signed by
+    /// the test CA whose common name is the user (`cert` for databases,
+    /// `clientcert=verify-full` for replication).
+    pub client_cert: bool,
+    /// With `tls`: the names and addresses the server certificate is issued
+    /// for; `localhost` and `127.0.0.1` when empty.
+    pub server_cert_names: Vec<String>,
     /// Require SCRAM-SHA-256 passwords over TCP; the superuser gets this password.
     pub password: Option<String>,
     /// Further `name = value` settings for `postgresql.conf`.
@@ -116,7 +125,16 @@ impl PgCluster {
         let tls = if options.tls {
             let certs = dir.path().join("certs");
             std::fs::create_dir(&certs).map_err(TestkitError::io("creating", &certs))?;
-            Some(TlsFiles::generate(&certs, SUPERUSER)?)
+            if options.server_cert_names.is_empty() {
+                Some(TlsFiles::generate(&certs, SUPERUSER)?)
+            } else {
+                let names: Vec<&str> = options
+                    .server_cert_names
+                    .iter()
+                    .map(String::as_str)
+                    .collect();
+                Some(TlsFiles::generate_for(&certs, SUPERUSER, &names)?)
+            }
         } else {
             None
         };
@@ -211,12 +229,26 @@ impl PgCluster {
         } else {
             "trust"
         };
-        let host = if o.tls { "hostssl" } else { "host" };
+        let host = if o.tls && !o.plaintext_too {
+            "hostssl"
+        } else {
+            "host"
+        };
         let mut hba = String::from("local all all trust\nlocal replication all trust\n");
         for db in ["all", "replication"] {
-            let _ = writeln!(hba, "{host} {db} all 127.0.0.1/32 {method}");
+            if o.tls && o.client_cert {
+                // Both spellings of "a verified client certificate for this user".
+                let line = if db == "all" {
+                    "cert".to_owned()
+                } else {
+                    format!("{method} clientcert=verify-full")
+                };
+                let _ = writeln!(hba, "hostssl {db} all 127.0.0.1/32 {line}");
+            } else {
+                let _ = writeln!(hba, "{host} {db} all 127.0.0.1/32 {method}");
+            }
         }
-        if o.tls {
+        if o.tls && !o.plaintext_too {
             for db in ["all", "replication"] {
                 let _ = writeln!(hba, "hostnossl {db} all 127.0.0.1/32 reject");
             }

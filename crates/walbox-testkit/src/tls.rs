@@ -10,7 +10,8 @@ use rcgen::{
 use crate::{Result, TestkitError};
 
 /// PEM files of a throwaway certificate authority, a server certificate it signed
-/// for `localhost` and `127.0.0.1`, and a client certificate for the given user.
+/// (for `localhost` and `127.0.0.1` unless told otherwise), and a client
+/// certificate for the given user.
 #[derive(Debug, Clone)]
 pub struct TlsFiles {
     /// The CA certificate clients trust (`sslrootcert`).
@@ -26,8 +27,15 @@ pub struct TlsFiles {
 }
 
 impl TlsFiles {
-    /// Generates the CA and both certificates into `dir`.
+    /// Generates the CA and both certificates into `dir`, the server's for
+    /// `localhost` and `127.0.0.1`.
     pub fn generate(dir: &Path, client_user: &str) -> Result<Self> {
+        Self::generate_for(dir, client_user, &["localhost", "127.0.0.1"])
+    }
+
+    /// Generates the CA and both certificates into `dir`, the server's for
+    /// `server_names` (DNS names, or IP addresses as IP address entries).
+    pub fn generate_for(dir: &Path, client_user: &str, server_names: &[&str]) -> Result<Self> {
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params
             .distinguished_name
@@ -38,10 +46,12 @@ impl TlsFiles {
         let ca_cert = ca_params.self_signed(&ca_key)?;
         let issuer = Issuer::new(ca_params, ca_key);
 
-        let mut server = CertificateParams::new(vec!["localhost".into(), "127.0.0.1".into()])?;
-        server
-            .distinguished_name
-            .push(DnType::CommonName, "localhost");
+        let names: Vec<String> = server_names.iter().map(|n| (*n).to_owned()).collect();
+        let mut server = CertificateParams::new(names)?;
+        server.distinguished_name.push(
+            DnType::CommonName,
+            server_names.first().copied().unwrap_or("localhost"),
+        );
         server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let server_key = KeyPair::generate()?;
         let server_cert = server.signed_by(&server_key, &issuer)?;

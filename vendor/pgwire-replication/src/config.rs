@@ -19,6 +19,11 @@ pub enum SslMode {
     #[default]
     Disable,
 
+    /// Try unencrypted first; when the server refuses the unencrypted session
+    /// (an error before authentication completes, e.g. `hostssl`-only
+    /// `pg_hba.conf`), connect again over TLS. As libpq's `allow`.
+    Allow,
+
     /// Try TLS first, fall back to unencrypted if server doesn't support it.
     ///
     /// **Warning**: Vulnerable to downgrade attacks. Not recommended for production.
@@ -44,7 +49,7 @@ impl SslMode {
     /// Returns `true` if this mode requires TLS (won't fall back to plain).
     #[inline]
     pub fn requires_tls(&self) -> bool {
-        !matches!(self, SslMode::Disable | SslMode::Prefer)
+        !matches!(self, SslMode::Disable | SslMode::Allow | SslMode::Prefer)
     }
 
     /// Returns `true` if this mode verifies the certificate chain.
@@ -93,7 +98,32 @@ pub struct TlsConfig {
     /// Must be paired with `client_cert_pem_path`.
     /// Supports PKCS#8, PKCS#1 (RSA), and SEC1 (EC) formats.
     pub client_key_pem_path: Option<PathBuf>,
+
+    /// A complete rustls client configuration, used as is for the handshake
+    /// instead of one built from the fields above: the caller decides how the
+    /// server's certificate is verified and which client certificate is sent.
+    /// `mode` still decides whether TLS is tried, required or retried. The
+    /// server name checked is the connection host (or `sni_hostname`): an IP
+    /// address host is checked against the certificate's IP addresses.
+    #[cfg(feature = "tls-rustls")]
+    pub rustls_config: Option<RustlsClientConfig>,
 }
+
+/// A shared rustls client configuration for [`TlsConfig::rustls_config`]. Two
+/// are equal when they are the same configuration.
+#[cfg(feature = "tls-rustls")]
+#[derive(Debug, Clone)]
+pub struct RustlsClientConfig(pub std::sync::Arc<rustls::ClientConfig>);
+
+#[cfg(feature = "tls-rustls")]
+impl PartialEq for RustlsClientConfig {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+#[cfg(feature = "tls-rustls")]
+impl Eq for RustlsClientConfig {}
 
 impl TlsConfig {
     /// Create a configuration with TLS disabled.
@@ -172,6 +202,32 @@ impl TlsConfig {
             ca_pem_path: ca_path,
             ..Default::default()
         }
+    }
+
+    /// Unencrypted first, TLS when the server refuses that (libpq's `allow`).
+    pub fn allow() -> Self {
+        Self {
+            mode: SslMode::Allow,
+            ..Default::default()
+        }
+    }
+
+    /// TLS when the server offers it, unencrypted when it answers the
+    /// SSLRequest with `N` (libpq's `prefer`). A failed handshake or a refused
+    /// certificate is an error, never a reason to fall back.
+    pub fn prefer() -> Self {
+        Self {
+            mode: SslMode::Prefer,
+            ..Default::default()
+        }
+    }
+
+    /// Use this rustls configuration for the handshake (see
+    /// [`TlsConfig::rustls_config`]).
+    #[cfg(feature = "tls-rustls")]
+    pub fn with_rustls_config(mut self, config: std::sync::Arc<rustls::ClientConfig>) -> Self {
+        self.rustls_config = Some(RustlsClientConfig(config));
+        self
     }
 
     /// Set SNI hostname override.

@@ -85,6 +85,8 @@ pub use client::{
     FeedbackObserver, FeedbackSent, IdentifySystem, QueryRow, ReplicationClient, ReplicationEvent,
     ReplicationEventReceiver, ReplicationMetrics, TimelineHistory,
 };
+#[cfg(feature = "tls-rustls")]
+pub use config::RustlsClientConfig;
 pub use config::{Publication, ReplicationConfig, SslMode, TlsConfig};
 pub use error::{PgWireError, Result};
 pub use lsn::Lsn;

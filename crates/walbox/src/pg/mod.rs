@@ -1,8 +1,9 @@
 //! PostgreSQL connections: the settings of a connection as libpq gathers them
 //! (connection string, service file, environment, password file), the SQL
 //! connection, and the replication connection's settings. The string's syntax
-//! lives in [`dsn`], the other sources in [`sources`], TLS for the SQL connection
-//! in [`tls`]; none of them depends on this module.
+//! lives in [`dsn`], the other sources in [`sources`], TLS for both connections
+//! in [`tls`], the choice among several servers in [`resolve`]; none of the first
+//! three depends on this module.
 
 mod dsn;
 #[cfg(test)]
@@ -11,10 +12,13 @@ mod resolve;
 mod sources;
 mod tls;
 
+#[cfg(test)]
+mod connect_tests;
+
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
 pub use resolve::{NoServer, TargetSession};
@@ -172,6 +176,11 @@ impl ConnParams {
             })?,
             None => SslMode::default(),
         };
+        let sslrootcert = get("sslrootcert");
+        let sslmode = SslMode::resolve(
+            settings.contains_key("sslmode").then_some(sslmode),
+            sslrootcert.as_deref(),
+        )?;
         let passfile = match pg.get_password() {
             Some(_) => PassFile::default(),
             None => env
@@ -190,7 +199,7 @@ impl ConnParams {
             target,
             pg,
             sslmode,
-            sslrootcert: get("sslrootcert"),
+            sslrootcert,
             sslcert: get("sslcert"),
             sslkey: get("sslkey"),
             passfile,
@@ -240,41 +249,55 @@ impl ConnParams {
         )
     }
 
-    /// Opens the SQL connection; its driver runs on the current runtime.
+    /// Opens the SQL connection; its driver runs on the current runtime. TLS as
+    /// `sslmode` says, with the same client configuration as the replication
+    /// connection.
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
+        use tokio_postgres::config::SslMode as Pg;
         let context = || format!("connecting to {}", self.describe());
         let mut pg = self.pg.clone();
         if let Some(password) = self.password_for(&self.host()?, self.port()) {
             pg.password(password);
         }
         pg.options(session_options(self.pg.get_options()));
-        let client = if self.sslmode == SslMode::Disable {
-            let (client, connection) = pg
-                .connect(tokio_postgres::NoTls)
-                .await
-                .with_context(context)?;
-            drive(connection);
-            client
-        } else {
-            let tls = tls::client_config(
-                self.sslmode,
-                self.sslrootcert.as_deref(),
-                self.sslcert.as_deref(),
-                self.sslkey.as_deref(),
-            )?;
-            pg.ssl_mode(if self.sslmode == SslMode::Prefer {
-                tokio_postgres::config::SslMode::Prefer
-            } else {
-                tokio_postgres::config::SslMode::Require
-            });
-            let (client, connection) = pg
-                .connect(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-                .await
-                .with_context(context)?;
-            drive(connection);
-            client
+        let client = match self.sslmode {
+            SslMode::Disable => Ok(connect_plain(&pg).await?),
+            SslMode::Allow => match connect_plain(&pg).await {
+                // Refused by the server (not a network error): as libpq, once
+                // more over TLS.
+                Err(e) if e.as_db_error().is_some() => self.connect_tls(&mut pg, Pg::Require).await,
+                other => Ok(other?),
+            },
+            SslMode::Prefer => self.connect_tls(&mut pg, Pg::Prefer).await,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                self.connect_tls(&mut pg, Pg::Require).await
+            }
         };
+        client.with_context(context)
+    }
+
+    /// The SQL connection over TLS (`Prefer`: plaintext when the server
+    /// answers the SSLRequest with `N`).
+    async fn connect_tls(
+        &self,
+        pg: &mut tokio_postgres::Config,
+        mode: tokio_postgres::config::SslMode,
+    ) -> Result<tokio_postgres::Client> {
+        pg.ssl_mode(mode);
+        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(self.tls_config()?);
+        let (client, connection) = pg.connect(tls).await?;
+        drive(connection);
         Ok(client)
+    }
+
+    /// The rustls client configuration both connections use.
+    fn tls_config(&self) -> Result<rustls::ClientConfig> {
+        tls::client_config(
+            self.sslmode,
+            self.sslrootcert.as_deref(),
+            self.sslcert.as_deref(),
+            self.sslkey.as_deref(),
+        )
     }
 
     /// Settings of the replication connection for `slot` and `publication`.
@@ -284,8 +307,8 @@ impl ConnParams {
             .password_for(&host, self.port())
             .map(|p| String::from_utf8_lossy(&p).into_owned())
             .unwrap_or_default();
-        let mut cfg = ReplicationConfig::new(
-            host.clone(),
+        let cfg = ReplicationConfig::new(
+            host,
             self.pg.get_user().unwrap_or("postgres"),
             password,
             self.pg.get_dbname().unwrap_or("postgres"),
@@ -294,30 +317,29 @@ impl ConnParams {
         )
         .with_port(self.port())
         .with_options(session_options(self.pg.get_options()));
-        let root = self.sslrootcert.as_ref().map(std::path::PathBuf::from);
+        // The client negotiates as the mode says; the certificate checks and the
+        // client certificate are the SQL connection's, from the same
+        // configuration. The server name is the host, so an IP address is
+        // checked against the certificate's IP addresses.
+        let tls = TlsConfig {
+            mode: self.sslmode.replication(),
+            ..TlsConfig::default()
+        };
         let tls = match self.sslmode {
-            SslMode::Disable | SslMode::Prefer => TlsConfig::disabled(),
-            SslMode::Require => TlsConfig::require(),
-            SslMode::VerifyCa => TlsConfig::verify_ca(root),
-            SslMode::VerifyFull => {
-                let tls = TlsConfig::verify_full(root);
-                // The client checks names, not addresses: for an IP host, expect the
-                // name the certificate is commonly issued for.
-                if host.parse::<std::net::IpAddr>().is_ok() {
-                    tls.with_sni_hostname("localhost")
-                } else {
-                    tls
-                }
-            }
+            SslMode::Disable => tls,
+            _ => tls.with_rustls_config(std::sync::Arc::new(self.tls_config()?)),
         };
-        let tls = match (&self.sslcert, &self.sslkey) {
-            (Some(c), Some(k)) => tls.with_client_cert(c.as_str(), k.as_str()),
-            (None, None) => tls,
-            _ => bail!("sslcert and sslkey must be given together"),
-        };
-        cfg = cfg.with_tls(tls);
-        Ok(cfg)
+        Ok(cfg.with_tls(tls))
     }
+}
+
+/// The SQL connection without TLS.
+async fn connect_plain(
+    pg: &tokio_postgres::Config,
+) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = pg.connect(tokio_postgres::NoTls).await?;
+    drive(connection);
+    Ok(client)
 }
 
 /// Runs a connection's I/O on the current runtime until it closes.

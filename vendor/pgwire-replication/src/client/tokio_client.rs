@@ -11,7 +11,6 @@ use tokio::task::JoinHandle;
 
 use std::sync::Arc;
 
-#[cfg(not(feature = "tls-rustls"))]
 use crate::config::SslMode;
 
 use super::metrics::ReplicationMetrics;
@@ -141,9 +140,11 @@ impl ReplicationClient {
 
     fn spawn(cfg: ReplicationConfig, gate: Option<mpsc::Receiver<GateCommand>>) -> Result<Self> {
         let (tx, rx) = mpsc::channel(cfg.buffer_events);
-        let bytes = cfg
-            .buffer_bytes
-            .map(|n| Arc::new(tokio::sync::Semaphore::new(n.clamp(1, tokio::sync::Semaphore::MAX_PERMITS))));
+        let bytes = cfg.buffer_bytes.map(|n| {
+            Arc::new(tokio::sync::Semaphore::new(
+                n.clamp(1, tokio::sync::Semaphore::MAX_PERMITS),
+            ))
+        });
         let bytes_for_worker = bytes.clone();
         let cfg_buffer_bytes = cfg.buffer_bytes;
 
@@ -520,11 +521,26 @@ async fn run_worker(worker: &mut WorkerState, cfg: &ReplicationConfig) -> Result
 
     #[cfg(feature = "tls-rustls")]
     {
-        use crate::tls::rustls::{maybe_upgrade_to_tls, MaybeTlsStream};
+        use crate::tls::rustls::{maybe_upgrade_to_tls, upgrade_to_tls, MaybeTlsStream};
         let upgraded = maybe_upgrade_to_tls(tcp, &cfg.tls, &cfg.host).await?;
-        match upgraded {
+        let result = match upgraded {
             MaybeTlsStream::Plain(mut s) => worker.run_on_stream(&mut s).await,
             MaybeTlsStream::Tls(mut s) => worker.run_on_stream(s.as_mut()).await,
+        };
+        // `Allow`: the server refused the plain session before authentication
+        // completed (as libpq, any server error): once more, over TLS.
+        match result {
+            Err(PgWireError::Server(_))
+                if cfg.tls.mode == SslMode::Allow && !worker.authenticated() =>
+            {
+                let tcp = TcpStream::connect((cfg.host.as_str(), cfg.port)).await?;
+                tcp.set_nodelay(true)?;
+                match upgrade_to_tls(tcp, &cfg.tls, &cfg.host).await? {
+                    MaybeTlsStream::Plain(mut s) => worker.run_on_stream(&mut s).await,
+                    MaybeTlsStream::Tls(mut s) => worker.run_on_stream(s.as_mut()).await,
+                }
+            }
+            other => other,
         }
     }
 

@@ -210,6 +210,8 @@ pub struct WorkerState {
     /// Payload bytes the event buffer may still take (`buffer_bytes`); permits
     /// are taken here and given back by the consumer when it receives the event.
     bytes: Option<Arc<tokio::sync::Semaphore>>,
+    /// Set once the server accepted the startup and authentication.
+    authenticated: bool,
 }
 
 /// Payload bytes an event holds against `buffer_bytes`, at most `budget`.
@@ -243,7 +245,14 @@ impl WorkerState {
             gate: None,
             last_sent: None,
             bytes: None,
+            authenticated: false,
         }
+    }
+
+    /// Whether the server accepted the startup and authentication on the
+    /// last stream run.
+    pub(crate) fn authenticated(&self) -> bool {
+        self.authenticated
     }
 
     /// Bound the event buffer by payload bytes (`buffer_bytes`).
@@ -359,6 +368,7 @@ impl WorkerState {
         let mut stream = BufReader::with_capacity(128 * 1024, stream);
         self.startup(&mut stream).await?;
         self.authenticate(&mut stream).await?;
+        self.authenticated = true;
         if let Some(mut gate) = self.gate.take() {
             if !Self::serve_gate(&mut gate, &mut stream, self.cfg.max_message_size).await? {
                 return Ok(());

@@ -13,6 +13,7 @@
 //! | Mode | Chain Verified | Hostname Verified | Falls back to plain |
 //! |------|----------------|-------------------|---------------------|
 //! | `Disable` | - | - | N/A (never uses TLS) |
+//! | `Allow` | No | No | Starts plain; TLS only when the server refuses plain |
 //! | `Prefer` | No | No | Yes |
 //! | `Require` | No | No | No |
 //! | `VerifyCa` | Yes | No | No |
@@ -159,15 +160,35 @@ impl AsyncWrite for MaybeTlsStream {
 /// - Certificate verification failure (for VerifyCa/VerifyFull)
 /// - Invalid certificate/key files
 pub async fn maybe_upgrade_to_tls(
-    mut tcp: TcpStream,
+    tcp: TcpStream,
     tls: &TlsConfig,
     host: &str,
 ) -> Result<MaybeTlsStream> {
     match tls.mode {
-        SslMode::Disable => return Ok(MaybeTlsStream::Plain(tcp)),
-        SslMode::Prefer | SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {}
+        // `Allow` starts without TLS; the caller retries with
+        // [`upgrade_to_tls`] when the server refuses the plain session.
+        SslMode::Disable | SslMode::Allow => Ok(MaybeTlsStream::Plain(tcp)),
+        SslMode::Prefer => negotiate(tcp, tls, host, true).await,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+            negotiate(tcp, tls, host, false).await
+        }
     }
+}
 
+/// Upgrade a TCP connection to TLS whatever `tls.mode` says: an `N` to the
+/// SSLRequest is an error. Used for `Allow`'s second attempt.
+pub async fn upgrade_to_tls(tcp: TcpStream, tls: &TlsConfig, host: &str) -> Result<MaybeTlsStream> {
+    negotiate(tcp, tls, host, false).await
+}
+
+/// SSLRequest, then the handshake; `fallback`: an `N` answer keeps the
+/// connection plain instead of failing.
+async fn negotiate(
+    mut tcp: TcpStream,
+    tls: &TlsConfig,
+    host: &str,
+    fallback: bool,
+) -> Result<MaybeTlsStream> {
     // Install crypto provider (required for rustls 0.23+)
     // This is idempotent - safe to call multiple times
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -181,20 +202,25 @@ pub async fn maybe_upgrade_to_tls(
 
     if resp[0] != b'S' {
         // Server refused TLS
-        return match tls.mode {
-            SslMode::Prefer => Ok(MaybeTlsStream::Plain(tcp)),
-            _ => Err(PgWireError::Tls(
+        return if fallback {
+            Ok(MaybeTlsStream::Plain(tcp))
+        } else {
+            Err(PgWireError::Tls(
                 "server does not support TLS (SSLRequest rejected)".into(),
-            )),
+            ))
         };
     }
 
-    // Determine verification requirements based on SSL mode
-    let verify_chain = matches!(tls.mode, SslMode::VerifyCa | SslMode::VerifyFull);
-    let verify_hostname = matches!(tls.mode, SslMode::VerifyFull);
-
-    let cfg = build_rustls_config(tls, verify_chain, verify_hostname, host)?;
-    let connector = TlsConnector::from(Arc::new(cfg));
+    let connector = match &tls.rustls_config {
+        Some(cfg) => TlsConnector::from(Arc::clone(&cfg.0)),
+        None => {
+            // Determine verification requirements based on SSL mode
+            let verify_chain = matches!(tls.mode, SslMode::VerifyCa | SslMode::VerifyFull);
+            let verify_hostname = matches!(tls.mode, SslMode::VerifyFull);
+            let cfg = build_rustls_config(tls, verify_chain, verify_hostname, host)?;
+            TlsConnector::from(Arc::new(cfg))
+        }
+    };
 
     // SNI hostname: use override if provided, otherwise use connection host
     let sni = tls.sni_hostname.as_deref().unwrap_or(host);
