@@ -509,6 +509,10 @@ impl Config {
         }
         self.sink.kafka_properties()?;
         self.dead_letter.template()?;
+        for t in &self.outbox {
+            // The format's settings, which need no table to check.
+            walbox_outbox::Formatter::new(t, &t.table, &self.producer, Default::default())?;
+        }
         Ok(())
     }
 
