@@ -18,7 +18,16 @@ const CLOUDEVENTS_SDK: &str = "cloudevents==2.2.0";
 
 /// Starts a cluster and a broker, creates `ddl`, runs `walbox setup` and `walbox
 /// run` with the configuration `toml`, and returns what a test needs.
-async fn start(ddl: &str, toml: &str) -> (PgCluster, Broker, tokio_postgres::Client, Walbox) {
+/// The servers, the walbox process and its environment.
+type Started = (
+    PgCluster,
+    Broker,
+    tokio_postgres::Client,
+    Walbox,
+    Vec<(&'static str, String)>,
+);
+
+async fn start(ddl: &str, toml: &str) -> Started {
     let (pg, broker, db) = servers_with(PgOptions::default(), Default::default()).await;
     db.batch_execute(ddl).await.unwrap();
     let env = walbox_env(&pg, &broker);
@@ -26,7 +35,20 @@ async fn start(ddl: &str, toml: &str) -> (PgCluster, Broker, tokio_postgres::Cli
     let (code, _, err) = walbox_cmd(&["setup", "--config", &cfg], &env);
     assert_eq!(code, Some(0), "walbox setup: {err}");
     let walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
-    (pg, broker, db, walbox)
+    (pg, broker, db, walbox, env)
+}
+
+/// `walbox verify --json` with the configuration `toml`: every row of its one
+/// table found by event id, in order.
+fn assert_verified(pg: &PgCluster, env: &[(&str, String)], toml: &str, rows: u64) {
+    let cfg = config_file(pg, "verify.toml", toml);
+    let (code, out, err) = walbox_cmd(&["verify", "--json", "--config", &cfg], env);
+    let report: serde_json::Value =
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+    assert_eq!(code, Some(0), "{report}\n{err}");
+    assert_eq!(report["rows"], rows, "{report}");
+    assert_eq!(report["missing"], 0, "{report}");
+    assert_eq!(report["not_in_table"], 0, "{report}");
 }
 
 fn position_headers_present(r: &Record) {
@@ -38,7 +60,7 @@ fn position_headers_present(r: &Record) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debezium_outbox_records_are_what_the_outbox_event_router_emits() {
     // The router's basic outbox table, the payload as text holding JSON.
-    let (_pg, broker, db, mut walbox) = start(
+    let (pg, broker, db, mut walbox, env) = start(
         "CREATE TABLE outboxevent (
             id uuid PRIMARY KEY,
             aggregatetype varchar(255) NOT NULL,
@@ -93,6 +115,13 @@ async fn debezium_outbox_records_are_what_the_outbox_event_router_emits() {
     let value: serde_json::Value = serde_json::from_str(note.value_str().unwrap()).unwrap();
     assert_eq!(value, serde_json::json!("plain text, not JSON"));
     walbox.stop();
+    // verify finds the topic from the router's column names and the ids in `id`.
+    assert_verified(
+        &pg,
+        &env,
+        "[[outbox]]\ntable = \"public.outboxevent\"\nformat = \"debezium-outbox\"\n",
+        2,
+    );
 }
 
 /// A virtual environment with the CloudEvents SDK, made once per target
@@ -159,7 +188,7 @@ fn parse_with_sdk(records: &[(&str, &Record)]) -> Vec<serde_json::Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cloudevents_records_parse_with_the_official_sdk_in_both_modes() {
-    let (_pg, broker, db, mut walbox) = start(
+    let (pg, broker, db, mut walbox, env) = start(
         "CREATE TABLE outbox_structured (LIKE outbox INCLUDING ALL)",
         "[[outbox]]\n\
          table = \"public.outbox\"\n\
@@ -257,6 +286,20 @@ async fn cloudevents_records_parse_with_the_official_sdk_in_both_modes() {
         ]
     );
     walbox.stop();
+    // verify finds the ids in ce_id headers and in structured values.
+    assert_verified(
+        &pg,
+        &env,
+        "[[outbox]]\ntable = \"public.outbox\"\nformat = \"cloudevents\"\ntopic = \"ce.binary\"\n",
+        2,
+    );
+    assert_verified(
+        &pg,
+        &env,
+        "[[outbox]]\ntable = \"public.outbox_structured\"\nformat = \"cloudevents\"\n\
+         cloudevents_mode = \"structured\"\ntopic = \"ce.structured\"\n",
+        2,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

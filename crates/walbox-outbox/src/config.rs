@@ -121,6 +121,26 @@ impl Format {
         }
     }
 
+    /// The default column names of a role (`aggregate_type`, `aggregate_id`,
+    /// `event_type`) in this format, in order of preference: the first the table
+    /// has plays the role. Other roles and fields: none.
+    #[must_use]
+    pub fn default_columns(self, role: &str) -> &'static [&'static str] {
+        match (self, role) {
+            (Format::Walbox, "aggregate_type") => &["aggregate_type"],
+            (Format::Walbox, "aggregate_id") => &["aggregate_id"],
+            (Format::Walbox, "event_type") => &["event_type"],
+            // The Outbox Event Router's names first.
+            (Format::DebeziumOutbox, "aggregate_type") => &["aggregatetype", "aggregate_type"],
+            (Format::DebeziumOutbox, "aggregate_id") => &["aggregateid", "aggregate_id"],
+            (Format::DebeziumOutbox, "event_type") => &["type", "event_type"],
+            (Format::CloudEvents, "aggregate_type") => &["aggregate_type", "aggregatetype"],
+            (Format::CloudEvents, "aggregate_id") => &["aggregate_id", "aggregateid"],
+            (Format::CloudEvents, "event_type") => &["event_type", "type"],
+            _ => &[],
+        }
+    }
+
     /// The topic template used when none is configured.
     #[must_use]
     pub fn default_topic(self) -> &'static str {

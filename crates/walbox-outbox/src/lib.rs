@@ -26,6 +26,7 @@ pub use config::{
 pub use event::{Event, HeaderName, Position, header};
 pub use format::{
     EventFields, Extra, ExtraKind, FieldNames, Formatter, Payload, PayloadKind, Text,
+    record_event_id,
 };
 pub use mapper::{Mapper, MappingError, RowError, dead_letter_header};
 pub use template::{TemplateError, TopicTemplate, validate_topic};

@@ -23,6 +23,8 @@ use crate::mapper::{RowError, rfc3339};
 
 /// The CloudEvents version walbox emits.
 pub const SPEC_VERSION: &str = "1.0";
+/// Header carrying the event id in binary content mode.
+pub const ID_HEADER: &str = "ce_id";
 /// `datacontenttype` of the payload.
 pub const DATA_CONTENT_TYPE: &str = "application/json";
 /// `content-type` of a structured-mode record.
@@ -58,7 +60,7 @@ impl Formatter {
                     "ce_specversion".into(),
                     Bytes::from_static(SPEC_VERSION.as_bytes()),
                 ));
-                headers.push(("ce_id".into(), f.event_id.bytes().clone()));
+                headers.push((ID_HEADER.into(), f.event_id.bytes().clone()));
                 headers.push(("ce_source".into(), Bytes::from(source)));
                 headers.push(("ce_type".into(), event_type.bytes().clone()));
                 if let Some(t) = time {

@@ -312,6 +312,33 @@ fn classify(e: &serde_json::Error) -> &'static str {
     }
 }
 
+/// The event id a published record carries, whatever its format: walbox's
+/// `event_id` header, Debezium's `id` header, the CloudEvents `ce_id` header, or
+/// the `id` of a structured CloudEvent in the value. `header` gives a header's
+/// value by name.
+pub fn record_event_id<'a>(
+    header: impl Fn(&str) -> Option<&'a str>,
+    value: Option<&[u8]>,
+) -> Option<String> {
+    for name in [
+        header::EVENT_ID,
+        debezium::ID_HEADER,
+        cloudevents::ID_HEADER,
+    ] {
+        if let Some(id) = header(name) {
+            return Some(id.to_owned());
+        }
+    }
+    if header("content-type") != Some(cloudevents::STRUCTURED_CONTENT_TYPE) {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct Id {
+        id: String,
+    }
+    serde_json::from_slice::<Id>(value?).ok().map(|e| e.id)
+}
+
 /// Appends the event id header under `name`.
 fn push_id(headers: &mut Vec<(HeaderName, Bytes)>, name: &'static str, id: &Text) {
     headers.push((name.into(), id.bytes().clone()));

@@ -487,3 +487,43 @@ fn value_columns_belong_to_the_walbox_format() {
     assert!(err.to_string().contains("only format \"walbox\""), "{err}");
     assert_eq!(CloudEventsMode::default(), CloudEventsMode::Binary);
 }
+
+#[test]
+fn the_event_id_is_found_in_every_format() {
+    let m = debezium("", DEBEZIUM_TABLE);
+    let mut records = vec![m.map(&order_row(), pos()).unwrap()];
+    for mode in ["binary", "structured"] {
+        let m = cloudevents(&format!("cloudevents_mode = \"{mode}\""), DEBEZIUM_TABLE).unwrap();
+        records.push(m.map(&order_row(), pos()).unwrap());
+    }
+    let walbox = Mapper::compile(
+        &config("table = \"o\""),
+        "p",
+        &relation(&[
+            ("id", UUID),
+            ("aggregate_type", TEXT),
+            ("aggregate_id", TEXT),
+            ("event_type", TEXT),
+            ("payload", JSONB),
+        ]),
+    )
+    .unwrap();
+    records.push(walbox.map(&order_row(), pos()).unwrap());
+    for e in &records {
+        let header = |name: &str| {
+            e.headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        };
+        assert_eq!(
+            crate::record_event_id(header, Some(&e.value)).as_deref(),
+            Some("406c07f3-26f0-4eea-a50c-109940064b8f"),
+            "{e:?}"
+        );
+    }
+    assert_eq!(
+        crate::record_event_id(|_| None, Some(b"{\"id\":\"x\"}")),
+        None
+    );
+}

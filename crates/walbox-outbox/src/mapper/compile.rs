@@ -293,23 +293,10 @@ struct RoleDefaults {
 
 impl RoleDefaults {
     fn of(format: Format) -> Self {
-        match format {
-            Format::Walbox => RoleDefaults {
-                aggregate_type: &["aggregate_type"],
-                aggregate_id: &["aggregate_id"],
-                event_type: &["event_type"],
-            },
-            // The Outbox Event Router's defaults first.
-            Format::DebeziumOutbox => RoleDefaults {
-                aggregate_type: &["aggregatetype", "aggregate_type"],
-                aggregate_id: &["aggregateid", "aggregate_id"],
-                event_type: &["type", "event_type"],
-            },
-            Format::CloudEvents => RoleDefaults {
-                aggregate_type: &["aggregate_type", "aggregatetype"],
-                aggregate_id: &["aggregate_id", "aggregateid"],
-                event_type: &["event_type", "type"],
-            },
+        RoleDefaults {
+            aggregate_type: format.default_columns("aggregate_type"),
+            aggregate_id: format.default_columns("aggregate_id"),
+            event_type: format.default_columns("event_type"),
         }
     }
 }
