@@ -22,18 +22,40 @@ pub struct TableConfig {
     pub value: ValueFormat,
     /// Which column plays which role.
     pub columns: ColumnNames,
+    /// The record shape and its settings (`format`, `additional_placement`,
+    /// `cloudevents_*` in the table's section).
+    pub formatting: FormatSettings,
+}
+
+/// Which format shapes the records, with its settings; any source of events can
+/// carry these (an outbox table's are keys of its `[[outbox]]` section).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct FormatSettings {
     /// The record shape: walbox's envelope, Debezium's outbox event router, or
     /// CloudEvents.
     pub format: Format,
-    /// Extra columns placed as headers or envelope fields (`debezium-outbox`):
+    /// Extra fields placed as headers or envelope fields (`debezium-outbox`):
     /// `column:header[:alias]`, `column:envelope[:alias]`.
     pub additional_placement: Vec<Placement>,
     /// CloudEvents content mode (`cloudevents`).
     pub cloudevents_mode: CloudEventsMode,
     /// Template of the CloudEvents `source` (`cloudevents`).
     pub cloudevents_source: String,
-    /// Template of the CloudEvents `subject` (`cloudevents`).
+    /// Template of the CloudEvents `subject` (`cloudevents`; empty: none).
     pub cloudevents_subject: String,
+}
+
+impl Default for FormatSettings {
+    fn default() -> Self {
+        FormatSettings {
+            format: Format::Walbox,
+            additional_placement: Vec::new(),
+            cloudevents_mode: CloudEventsMode::Binary,
+            cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.to_owned(),
+            cloudevents_subject: DEFAULT_CLOUDEVENTS_SUBJECT.to_owned(),
+        }
+    }
 }
 
 /// [`TableConfig`] as written: the topic's default depends on the format.
@@ -71,15 +93,17 @@ impl From<RawTableConfig> for TableConfig {
             topic_column: raw.topic_column,
             value: raw.value,
             columns: raw.columns,
-            format: raw.format,
-            additional_placement: raw.additional_placement,
-            cloudevents_mode: raw.cloudevents_mode,
-            cloudevents_source: raw
-                .cloudevents_source
-                .unwrap_or_else(|| DEFAULT_CLOUDEVENTS_SOURCE.to_owned()),
-            cloudevents_subject: raw
-                .cloudevents_subject
-                .unwrap_or_else(|| DEFAULT_CLOUDEVENTS_SUBJECT.to_owned()),
+            formatting: FormatSettings {
+                format: raw.format,
+                additional_placement: raw.additional_placement,
+                cloudevents_mode: raw.cloudevents_mode,
+                cloudevents_source: raw
+                    .cloudevents_source
+                    .unwrap_or_else(|| DEFAULT_CLOUDEVENTS_SOURCE.to_owned()),
+                cloudevents_subject: raw
+                    .cloudevents_subject
+                    .unwrap_or_else(|| DEFAULT_CLOUDEVENTS_SUBJECT.to_owned()),
+            },
         }
     }
 }
@@ -233,11 +257,7 @@ impl TableConfig {
             topic_column: None,
             value: ValueFormat::default(),
             columns: ColumnNames::default(),
-            format: Format::Walbox,
-            additional_placement: Vec::new(),
-            cloudevents_mode: CloudEventsMode::Binary,
-            cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.to_owned(),
-            cloudevents_subject: DEFAULT_CLOUDEVENTS_SUBJECT.to_owned(),
+            formatting: FormatSettings::default(),
         }
     }
 

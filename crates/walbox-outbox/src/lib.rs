@@ -21,7 +21,7 @@ mod template;
 
 pub use config::{
     CloudEventsMode, ColumnNames, DEFAULT_CLOUDEVENTS_SOURCE, DEFAULT_CLOUDEVENTS_SUBJECT, Format,
-    Place, Placement, TableConfig, ValueFormat,
+    FormatSettings, Place, Placement, TableConfig, ValueFormat,
 };
 pub use event::{Event, HeaderName, Position, header};
 pub use format::{

@@ -511,7 +511,12 @@ impl Config {
         self.dead_letter.template()?;
         for t in &self.outbox {
             // The format's settings, which need no table to check.
-            walbox_outbox::Formatter::new(t, &t.table, &self.producer, Default::default())?;
+            walbox_outbox::Formatter::new(
+                &t.formatting,
+                &t.table,
+                &self.producer,
+                Default::default(),
+            )?;
         }
         Ok(())
     }

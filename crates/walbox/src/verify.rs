@@ -82,6 +82,7 @@ fn column_for<'a>(table: &'a TableConfig, field: &'a str, existing: &[String]) -
     configured
         .or_else(|| {
             table
+                .formatting
                 .format
                 .default_columns(field)
                 .iter()

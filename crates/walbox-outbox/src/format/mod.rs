@@ -14,7 +14,7 @@ mod walbox;
 
 use bytes::Bytes;
 
-use crate::config::{CloudEventsMode, Format, Place, Placement, TableConfig};
+use crate::config::{CloudEventsMode, Format, FormatSettings, Place, Placement};
 use crate::event::{Event, HeaderName, Position, header};
 use crate::mapper::{MappingError, RowError};
 use crate::template::TopicTemplate;
@@ -174,13 +174,14 @@ pub struct Formatter {
 
 impl Formatter {
     /// The formatter of `config`'s format for events from `source` (`schema.table`,
-    /// or another source name), `producer` naming this relay in envelopes.
+    /// or another source name, `{table}` in templates), `producer` naming this
+    /// relay in envelopes, `names` the source's field names for errors.
     ///
     /// # Errors
     /// A template that does not parse or names an unknown field, placements with
     /// a format other than `debezium-outbox`.
     pub fn new(
-        config: &TableConfig,
+        config: &FormatSettings,
         source: &str,
         producer: &str,
         names: FieldNames,
@@ -293,7 +294,7 @@ impl Formatter {
 }
 
 /// Why `config`'s placements do not fit its format, if they do not.
-pub(crate) fn placement_problem(config: &TableConfig) -> Option<String> {
+pub(crate) fn placement_problem(config: &FormatSettings) -> Option<String> {
     (!config.additional_placement.is_empty() && config.format != Format::DebeziumOutbox).then(
         || {
             "additional_placement applies to format \"debezium-outbox\" only; remove it or \

@@ -341,7 +341,7 @@ fn cloudevents(extra: &str, columns: &[(&str, Oid)]) -> Result<Mapper, MappingEr
     let cfg = config(&format!(
         "table = \"public.outbox\"\nformat = \"cloudevents\"\n{extra}"
     ));
-    assert_eq!(cfg.format, Format::CloudEvents);
+    assert_eq!(cfg.formatting.format, Format::CloudEvents);
     Mapper::compile(&cfg, "p", &relation(columns))
 }
 

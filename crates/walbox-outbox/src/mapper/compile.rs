@@ -83,7 +83,7 @@ impl Mapper {
         let optional = resolve;
         let type_of = |c: &Col| relation.columns.get(c.index).map_or(0, |c| c.type_oid);
         let c = &config.columns;
-        let format = config.format;
+        let format = config.formatting.format;
         let names = RoleDefaults::of(format);
         let format_problem = |problem: String| MappingError::Format {
             table: table.clone(),
@@ -91,7 +91,7 @@ impl Mapper {
             problem,
         };
 
-        if let Some(p) = placement_problem(config) {
+        if let Some(p) = placement_problem(&config.formatting) {
             return Err(format_problem(p));
         }
         let id = required("event id", &c.id, &["id"])?;
@@ -166,8 +166,8 @@ impl Mapper {
         let aggregate_type = optional("aggregate type", &c.aggregate_type, names.aggregate_type)?;
         let occurred_at = optional("occurrence time", &c.occurred_at, &["occurred_at"])?;
         let schema_version = optional("schema version", &c.schema_version, &["schema_version"])?;
-        let mut placements = Vec::with_capacity(config.additional_placement.len());
-        for p in &config.additional_placement {
+        let mut placements = Vec::with_capacity(config.formatting.additional_placement.len());
+        for p in &config.formatting.additional_placement {
             let col = required("additional placement", &Some(p.column.clone()), &[])?;
             let kind = match type_of(&col) {
                 INT2 | INT4 | INT8 | FLOAT4 | FLOAT8 | OID => ExtraKind::Number,
@@ -178,6 +178,7 @@ impl Mapper {
         }
         if let Some((p, BYTEA)) = payload.as_ref().map(|(p, _)| (p, type_of(p)))
             && config
+                .formatting
                 .additional_placement
                 .iter()
                 .any(|p| p.place == Place::Envelope)
@@ -237,7 +238,7 @@ impl Mapper {
         };
 
         let formatter = Formatter::new(
-            config,
+            &config.formatting,
             &table,
             producer,
             FieldNames {
