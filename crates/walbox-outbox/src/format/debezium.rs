@@ -68,9 +68,14 @@ impl Formatter {
         let value = if envelope.is_empty() {
             payload
         } else {
-            // Refused when the mapping is compiled: a binary payload cannot sit in
-            // a JSON envelope.
-            debug_assert!(json_value);
+            if !json_value {
+                // A table's mapping refuses this when it is compiled; another
+                // source of events meets it here.
+                return Err(RowError::PayloadNotJson {
+                    column: self.names.payload.clone(),
+                    reason: "a binary payload cannot sit in a JSON envelope".into(),
+                });
+            }
             let mut out = BytesMut::with_capacity(payload.len() + 64 * envelope.len() + 16);
             out.put_slice(b"{\"payload\":");
             out.put_slice(&payload);

@@ -14,7 +14,7 @@ mod walbox;
 
 use bytes::Bytes;
 
-use crate::config::{CloudEventsMode, Format, FormatSettings, Place, Placement};
+use crate::config::{CloudEventsMode, Format, FormatSettings, Placement};
 use crate::event::{Event, HeaderName, Position, header};
 use crate::mapper::{MappingError, RowError};
 use crate::template::TopicTemplate;
@@ -164,12 +164,19 @@ struct CloudEventsSettings {
 /// checked.
 #[derive(Debug, Clone)]
 pub struct Formatter {
-    format: Format,
+    shape: Shape,
     source: String,
     producer_json: String,
     names: FieldNames,
     placements: Vec<Placement>,
-    cloudevents: Option<CloudEventsSettings>,
+}
+
+/// The format with what it needs to shape a record.
+#[derive(Debug, Clone)]
+enum Shape {
+    Walbox,
+    DebeziumOutbox,
+    CloudEvents(CloudEventsSettings),
 }
 
 impl Formatter {
@@ -194,52 +201,57 @@ impl Formatter {
         if let Some(p) = placement_problem(config) {
             return Err(problem(p));
         }
-        let cloudevents = if config.format == Format::CloudEvents {
-            let parse = |key: &str, text: &str| -> Result<CeTemplate, MappingError> {
-                let template =
-                    TopicTemplate::parse(text).map_err(|e| problem(format!("{key}: {e}")))?;
-                let fields = template
-                    .fields()
-                    .map(|f| match f {
-                        "table" | "source" => Ok(CeField::Source),
-                        "id" | "event_id" => Ok(CeField::Id),
-                        "aggregate_type" => Ok(CeField::AggregateType),
-                        "aggregate_id" => Ok(CeField::AggregateId),
-                        "event_type" => Ok(CeField::EventType),
-                        other => Err(problem(format!(
-                            "{key}: unknown placeholder {{{other}}}; use {{table}}, {{id}}, \
+        let shape = match config.format {
+            Format::Walbox => Shape::Walbox,
+            Format::DebeziumOutbox => Shape::DebeziumOutbox,
+            Format::CloudEvents => {
+                let parse = |key: &str, text: &str| -> Result<CeTemplate, MappingError> {
+                    let template =
+                        TopicTemplate::parse(text).map_err(|e| problem(format!("{key}: {e}")))?;
+                    let fields = template
+                        .fields()
+                        .map(|f| match f {
+                            "table" | "source" => Ok(CeField::Source),
+                            "id" | "event_id" => Ok(CeField::Id),
+                            "aggregate_type" => Ok(CeField::AggregateType),
+                            "aggregate_id" => Ok(CeField::AggregateId),
+                            "event_type" => Ok(CeField::EventType),
+                            other => Err(problem(format!(
+                                "{key}: unknown placeholder {{{other}}}; use {{table}}, {{id}}, \
                              {{aggregate_type}}, {{aggregate_id}} or {{event_type}}"
-                        ))),
-                    })
-                    .collect::<Result<_, _>>()?;
-                Ok(CeTemplate { template, fields })
-            };
-            Some(CloudEventsSettings {
-                mode: config.cloudevents_mode,
-                source: parse("cloudevents_source", &config.cloudevents_source)?,
-                subject: if config.cloudevents_subject.is_empty() {
-                    None
-                } else {
-                    Some(parse("cloudevents_subject", &config.cloudevents_subject)?)
-                },
-            })
-        } else {
-            None
+                            ))),
+                        })
+                        .collect::<Result<_, _>>()?;
+                    Ok(CeTemplate { template, fields })
+                };
+                Shape::CloudEvents(CloudEventsSettings {
+                    mode: config.cloudevents_mode,
+                    source: parse("cloudevents_source", &config.cloudevents_source)?,
+                    subject: if config.cloudevents_subject.is_empty() {
+                        None
+                    } else {
+                        Some(parse("cloudevents_subject", &config.cloudevents_subject)?)
+                    },
+                })
+            }
         };
         Ok(Formatter {
-            format: config.format,
+            shape,
             source: source.to_owned(),
             producer_json: serde_json::Value::from(producer).to_string(),
             names,
             placements: config.additional_placement.clone(),
-            cloudevents,
         })
     }
 
     /// The format.
     #[must_use]
     pub fn format(&self) -> Format {
-        self.format
+        match self.shape {
+            Shape::Walbox => Format::Walbox,
+            Shape::DebeziumOutbox => Format::DebeziumOutbox,
+            Shape::CloudEvents(_) => Format::CloudEvents,
+        }
     }
 
     /// The configured placements, in the order [`EventFields::extra`] follows.
@@ -248,22 +260,16 @@ impl Formatter {
         &self.placements
     }
 
-    /// Whether any placement puts a field into the value's envelope.
-    #[must_use]
-    pub fn has_envelope_fields(&self) -> bool {
-        self.placements.iter().any(|p| p.place == Place::Envelope)
-    }
-
     /// Shapes `fields` into the record a sink sends.
     ///
     /// # Errors
     /// A payload that must be JSON and is not, a field the format needs that is
     /// absent (named, never its value).
     pub fn render(&self, fields: EventFields) -> Result<Event, RowError> {
-        match (&self.cloudevents, self.format) {
-            (Some(ce), _) => self.cloudevents(ce, fields),
-            (None, Format::DebeziumOutbox) => self.debezium(fields),
-            (None, Format::Walbox | Format::CloudEvents) => self.walbox(fields),
+        match &self.shape {
+            Shape::Walbox => self.walbox(fields),
+            Shape::DebeziumOutbox => self.debezium(fields),
+            Shape::CloudEvents(ce) => self.cloudevents(ce, fields),
         }
     }
 
