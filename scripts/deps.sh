@@ -7,6 +7,8 @@
 #   - the tansu Kafka-protocol broker, pinned
 #   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
 #     check the alert rules and the service file in deploy/
+#   - python3 with venv, in which tests/formats.rs installs the CloudEvents SDK
+#     that parses walbox's CloudEvents records
 #   - the PostgreSQL majors given as arguments (`scripts/deps.sh 15 17`): 15 from
 #     apt, 16/17/18 through scripts/pg-major.sh
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
@@ -53,6 +55,8 @@ command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 if ! $build_only; then
   command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
   command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
+  command -v python3 >/dev/null 2>&1 || apt_packages+=(python3)
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_packages+=(python3-venv)
 fi
 
 if [ ${#apt_packages[@]} -gt 0 ]; then

@@ -70,6 +70,14 @@ impl Failure {
             .iter()
             .map(|(k, v)| (k.clone().into(), bytes::Bytes::from(v.clone())))
             .collect();
+        if header(walbox_outbox::header::EVENT_ID).is_none() && !self.event_id.is_empty() {
+            // A format that names the id otherwise: dead letters carry it as
+            // in every format.
+            headers.push((
+                walbox_outbox::header::EVENT_ID.into(),
+                bytes::Bytes::from(self.event_id.clone()),
+            ));
+        }
         headers.push((
             dl::ERROR_CLASS.into(),
             bytes::Bytes::from_static(self.class.as_bytes()),
@@ -180,5 +188,54 @@ impl CoreError {
                 ..
             }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(headers: &[(&str, &str)]) -> Failure {
+        Failure {
+            event_id: "e-1".into(),
+            topic: "outbox.event.Order".into(),
+            class: "message_too_large",
+            reason: "too large".into(),
+            about_message: true,
+            lasting: false,
+            rejected: Some(Rejected {
+                key: Some(b"1".to_vec()),
+                headers: headers
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+                    .collect(),
+                value_len: 2_000_000,
+            }),
+        }
+    }
+
+    fn event_id_headers(e: &Event) -> Vec<&[u8]> {
+        e.headers
+            .iter()
+            .filter(|(k, _)| k == walbox_outbox::header::EVENT_ID)
+            .map(|(_, v)| v.as_ref())
+            .collect()
+    }
+
+    #[test]
+    fn a_refused_record_of_any_format_dead_letters_with_its_event_id_header() {
+        let template = TopicTemplate::parse("{topic}.dlq").unwrap();
+        // Debezium's format names the id `id`: the dead letter adds `event_id`.
+        let dead = refused(&[("id", "e-1"), ("walbox_index", "4")])
+            .dead_letter(&template)
+            .unwrap();
+        assert_eq!(event_id_headers(&dead), [b"e-1"]);
+        assert_eq!(dead.position.index, 4);
+        assert_eq!(dead.topic, "outbox.event.Order.dlq");
+        // walbox's format has it already: not twice.
+        let dead = refused(&[("event_id", "e-1")])
+            .dead_letter(&template)
+            .unwrap();
+        assert_eq!(event_id_headers(&dead), [b"e-1"]);
     }
 }

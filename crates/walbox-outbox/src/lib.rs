@@ -4,7 +4,9 @@
 //! (event id, aggregate type, aggregate id = key, event type, payload, headers,
 //! occurrence time, schema version), how the topic is named (a template over row
 //! fields, or a column) and whether the value is built as walbox's envelope or taken
-//! as-is from a column. [`Mapper::compile`] checks that against a table's shape from
+//! as-is from a column, and in which format the record is shaped: walbox's own,
+//! Debezium's outbox event router, or CloudEvents (module `format`, a step over
+//! [`EventFields`] that any source of events can use). [`Mapper::compile`] checks that against a table's shape from
 //! a pgoutput Relation message once; [`Mapper::map`] then turns each inserted row into
 //! an [`Event`] or a [`RowError`] that names the column and what is wrong with it
 //! (never the value: rows can hold personal data).
@@ -13,10 +15,18 @@
 
 mod config;
 mod event;
+mod format;
 mod mapper;
 mod template;
 
-pub use config::{ColumnNames, TableConfig, ValueFormat};
+pub use config::{
+    CloudEventsMode, ColumnNames, DEFAULT_CLOUDEVENTS_SOURCE, DEFAULT_CLOUDEVENTS_SUBJECT, Format,
+    FormatSettings, Place, Placement, TableConfig, ValueFormat,
+};
 pub use event::{Event, HeaderName, Position, header};
+pub use format::{
+    EventFields, Extra, ExtraKind, FieldNames, Formatter, Payload, PayloadKind, Text,
+    record_event_id,
+};
 pub use mapper::{Mapper, MappingError, RowError, dead_letter_header};
 pub use template::{TemplateError, TopicTemplate, validate_topic};

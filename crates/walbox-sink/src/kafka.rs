@@ -14,7 +14,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
 use tokio::sync::mpsc;
-use walbox_outbox::{Event, header};
+use walbox_outbox::Event;
 
 use crate::secrets::{AuthFailure, Redacted};
 use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
@@ -123,15 +123,17 @@ impl ProducerContext for Reports {
         let result = match result {
             Ok(_) => Ok(()),
             Err((err, msg)) => {
-                let event_id = msg
-                    .headers()
-                    .and_then(|hs| {
-                        hs.iter()
-                            .find(|h| h.key == header::EVENT_ID)
-                            .and_then(|h| h.value)
-                            .map(|v| String::from_utf8_lossy(v).into_owned())
-                    })
-                    .unwrap_or_default();
+                // Whatever the record's format.
+                let event_id = walbox_outbox::record_event_id(
+                    |name| {
+                        msg.headers()?
+                            .iter()
+                            .find(|h| h.key == name)
+                            .and_then(|h| std::str::from_utf8(h.value?).ok())
+                    },
+                    msg.payload(),
+                )
+                .unwrap_or_default();
                 let mut class = classify(err);
                 // Undelivered because no broker would take the credentials.
                 if matches!(class, DeliveryClass::Timeout | DeliveryClass::BrokerError)

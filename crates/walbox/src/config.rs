@@ -618,6 +618,15 @@ impl Config {
         }
         self.sink.kafka_properties()?;
         self.dead_letter.template()?;
+        for t in &self.outbox {
+            // The format's settings, which need no table to check.
+            walbox_outbox::Formatter::new(
+                &t.formatting,
+                &t.table,
+                &self.producer,
+                Default::default(),
+            )?;
+        }
         Ok(())
     }
 

@@ -66,9 +66,10 @@ impl Report {
     }
 }
 
-/// The column a topic template field reads: a role's configured column, or the
-/// field as a column name.
-fn column_for<'a>(table: &'a TableConfig, field: &'a str) -> &'a str {
+/// The column a topic template field reads: a role's configured column, the
+/// first of the format's default names for the role that the table has
+/// (`existing`), or the field as a column name.
+fn column_for<'a>(table: &'a TableConfig, field: &'a str, existing: &[String]) -> &'a str {
     let c = &table.columns;
     let configured = match field {
         "id" => c.id.as_deref(),
@@ -78,7 +79,17 @@ fn column_for<'a>(table: &'a TableConfig, field: &'a str) -> &'a str {
         "schema_version" => c.schema_version.as_deref(),
         _ => None,
     };
-    configured.unwrap_or(field)
+    configured
+        .or_else(|| {
+            table
+                .formatting
+                .format
+                .default_columns(field)
+                .iter()
+                .copied()
+                .find(|d| existing.iter().any(|e| e == d))
+        })
+        .unwrap_or(field)
 }
 
 fn where_clause(filter: Option<&str>) -> String {
@@ -113,10 +124,20 @@ pub(crate) async fn topics_of(
     if template.is_fixed() {
         return Ok(vec![table.topic.clone()]);
     }
+    let existing: Vec<String> = sql
+        .query(
+            "SELECT attname::text FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+            &[&format!("{}.{}", ident(schema), ident(name))],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     let fields: Vec<&str> = template.fields().collect();
     let cols: Vec<String> = fields
         .iter()
-        .map(|f| format!("{}::text", ident(column_for(table, f))))
+        .map(|f| format!("{}::text", ident(column_for(table, f, &existing))))
         .collect();
     let rows = sql
         .query(
@@ -192,7 +213,8 @@ pub async fn run(args: Args) -> Result<()> {
     for topic in &topics {
         let read = tokio::task::block_in_place(|| {
             walbox_sink::read_topic(&properties, topic, timeout, |r| {
-                let id = r.header(header::EVENT_ID).unwrap_or_default().to_owned();
+                let id =
+                    walbox_outbox::record_event_id(|n| r.header(n), r.value()).unwrap_or_default();
                 let pos = r
                     .header(header::COMMIT_LSN)
                     .and_then(|l| l.parse::<Lsn>().ok())

@@ -506,6 +506,7 @@ impl Core {
                     mapper,
                     &i.new,
                     position,
+                    Some(committed),
                     &self.cfg,
                     &mut self.stats.dead_lettered,
                 )?;
@@ -621,16 +622,17 @@ impl Core {
     }
 }
 
-/// Maps `row`, or builds its dead letter (counting it), or stops under the
-/// stop policy.
+/// Maps `row` (of a transaction committed at `commit_time`, when known), or
+/// builds its dead letter (counting it), or stops under the stop policy.
 pub(super) fn map_row(
     mapper: &Mapper,
     row: &[TupleValue],
     position: Position,
+    commit_time: Option<i64>,
     cfg: &CoreConfig,
     dead_lettered: &mut u64,
 ) -> Result<Event, CoreError> {
-    match mapper.map(row, position) {
+    match mapper.map_at(row, position, commit_time) {
         Ok(event) => Ok(event),
         Err(e) => {
             let dead = mapper.dead_letter(row, position, &e, &cfg.dead_letter_topic);

@@ -39,6 +39,7 @@ impl Core {
             mapper,
             row,
             position,
+            None,
             &self.cfg,
             &mut self.stats.dead_lettered,
         )?;

@@ -48,6 +48,16 @@ pub enum MappingError {
         #[source]
         source: TemplateError,
     },
+    /// The format cannot be applied as configured.
+    #[error("outbox table {table}: format {format:?}: {problem}")]
+    Format {
+        /// The table (or other source of events).
+        table: String,
+        /// The format's configuration name.
+        format: &'static str,
+        /// What is wrong and how to fix it.
+        problem: String,
+    },
     /// A fixed topic name is not a valid Kafka topic.
     #[error("outbox table {table}: topic {topic:?} is invalid: {reason}")]
     InvalidTopic {

@@ -1,12 +1,14 @@
-//! [`Mapper::map`]: an inserted row to an event: its topic, its headers (sharing
-//! the row's buffers), and its value (walbox's envelope or a column as it is).
+//! [`Mapper::map`]: an inserted row to its [`EventFields`] (the topic, the
+//! headers column, sharing the row's buffers), then to an event in the table's
+//! format.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 use walbox_pgoutput::TupleValue;
 
-use super::value::{bytes, json_headers, opt_text, payload_json, rfc3339, text};
+use super::value::{bytes, json_headers, opt_text, payload, text};
 use super::{Col, Mapper, RowError, TopicSource};
-use crate::event::{Event, HeaderName, Position, header};
+use crate::event::{Event, HeaderName, Position};
+use crate::format::{EventFields, Extra, Text};
 use crate::template::validate_topic;
 
 impl Mapper {
@@ -30,45 +32,52 @@ impl Mapper {
         Ok(topic)
     }
 
-    /// Maps an inserted row.
+    /// Maps an inserted row (commit time unknown).
     pub fn map(&self, row: &[TupleValue], position: Position) -> Result<Event, RowError> {
+        self.map_at(row, position, None)
+    }
+
+    /// Maps an inserted row of a transaction committed at `commit_time`
+    /// (PostgreSQL microseconds since 2000-01-01 UTC), which a format can use as
+    /// the event's time when the row has none.
+    pub fn map_at(
+        &self,
+        row: &[TupleValue],
+        position: Position,
+        commit_time: Option<i64>,
+    ) -> Result<Event, RowError> {
+        let fields = self.fields(row, position, commit_time)?;
+        self.formatter.render(fields)
+    }
+
+    /// The event fields of an inserted row, before its format shapes them.
+    pub fn fields(
+        &self,
+        row: &[TupleValue],
+        position: Position,
+        commit_time: Option<i64>,
+    ) -> Result<EventFields, RowError> {
         if row.len() != self.columns {
             return Err(RowError::Shape {
                 expected: self.columns,
                 got: row.len(),
             });
         }
-        let event_id = text(row, &self.id, "event id")?;
-        let key = match &self.key {
+        let event_id = shared_text(row, &self.id, "event id")?;
+        let aggregate_id = match &self.key {
+            Some(c) if self.key_nullable && matches!(row.get(c.index), Some(TupleValue::Null)) => {
+                None
+            }
             Some(c) => Some(bytes(row, c, "aggregate id (key)")?.clone()),
             None => None,
         };
-        let event_type = opt_text(row, self.event_type.as_ref(), "event type")?;
-        let aggregate_type = opt_text(row, self.aggregate_type.as_ref(), "aggregate type")?;
-        let schema_version = opt_text(row, self.schema_version.as_ref(), "schema version")?;
+        let event_type = opt_shared(row, self.event_type.as_ref(), "event type")?;
+        let aggregate_type = opt_shared(row, self.aggregate_type.as_ref(), "aggregate type")?;
+        let schema_version = opt_shared(row, self.schema_version.as_ref(), "schema version")?;
 
         let topic = self.topic(row)?;
 
-        // Header values share the row's buffer: no copy per event.
-        let mut headers: Vec<(HeaderName, Bytes)> = Vec::with_capacity(10);
-        headers.push((header::EVENT_ID.into(), shared(row, &self.id)));
-        for (name, present, col) in [
-            (header::EVENT_TYPE, event_type.is_some(), &self.event_type),
-            (
-                header::SCHEMA_VERSION,
-                schema_version.is_some(),
-                &self.schema_version,
-            ),
-            (
-                header::AGGREGATE_TYPE,
-                aggregate_type.is_some(),
-                &self.aggregate_type,
-            ),
-        ] {
-            if let (true, Some(c)) = (present, col) {
-                headers.push((name.into(), shared(row, c)));
-            }
-        }
+        let mut headers: Vec<(HeaderName, Bytes)> = Vec::new();
         if let Some(c) = &self.headers {
             match row.get(c.index) {
                 Some(TupleValue::Null) | None => {}
@@ -80,97 +89,59 @@ impl Mapper {
                 }
             }
         }
-        push_position(&mut headers, position);
+        let extra = self
+            .placements
+            .iter()
+            .map(|(c, kind)| {
+                Ok(opt_shared(row, Some(c), "additional placement")?
+                    .map(|value| Extra { value, kind: *kind }))
+            })
+            .collect::<Result<Vec<_>, RowError>>()?;
 
-        let (value, json_value) = match (&self.value_column, &self.payload) {
-            (Some(c), _) => (bytes(row, c, "value")?.clone(), false),
-            (None, Some((c, kind))) => {
-                let payload = payload_json(row, c, *kind)?;
-                let occurred_at = opt_text(row, self.occurred_at.as_ref(), "occurrence time")?;
-                let value = envelope(
-                    event_id,
-                    event_type,
-                    schema_version,
-                    occurred_at,
-                    &self.producer_json,
-                    &payload,
-                );
-                (value, true)
-            }
-            (None, None) => (Bytes::new(), false),
+        let (value, payload) = match (&self.value_column, &self.payload) {
+            (Some(c), _) => (Some(bytes(row, c, "value")?.clone()), None),
+            (None, Some((c, kind))) => (None, Some(payload(row, c, *kind)?)),
+            (None, None) => (None, None),
         };
+        let occurred_at = opt_shared(row, self.occurred_at.as_ref(), "occurrence time")?;
 
-        Ok(Event {
-            event_id: event_id.to_owned(),
+        Ok(EventFields {
+            event_id,
             topic,
-            key,
+            aggregate_type,
+            aggregate_id,
+            event_type,
+            schema_version,
+            occurred_at,
+            commit_time,
+            payload,
             value,
-            json_value,
             headers,
+            extra,
             position,
         })
     }
 }
 
-/// The source position headers: commit LSN, index, xid (one buffer for the three).
-pub(super) fn push_position(headers: &mut Vec<(HeaderName, Bytes)>, position: Position) {
-    use std::fmt::Write as _;
-    let mut buf = BytesMut::with_capacity(48);
-    // Writing to a BytesMut cannot fail.
-    let _ = write!(buf, "{}", position.commit_lsn);
-    let lsn = buf.split().freeze();
-    let _ = write!(buf, "{}", position.index);
-    let index = buf.split().freeze();
-    let _ = write!(buf, "{}", position.xid);
-    headers.push((header::COMMIT_LSN.into(), lsn));
-    headers.push((header::INDEX.into(), index));
-    headers.push((header::XID.into(), buf.freeze()));
+/// Column `c`'s text, sharing the row's buffer.
+fn shared_text(row: &[TupleValue], c: &Col, role: &'static str) -> Result<Text, RowError> {
+    Text::new(bytes(row, c, role)?.clone()).map_err(|_| RowError::NotUtf8 {
+        role,
+        column: c.name.clone(),
+    })
 }
 
-/// The value of column `c` (already read and checked), sharing the row's buffer.
-fn shared(row: &[TupleValue], c: &Col) -> Bytes {
-    match row.get(c.index) {
-        Some(TupleValue::Text(b) | TupleValue::Binary(b)) => b.clone(),
-        _ => Bytes::new(),
+/// An optional role's text (absent column or NULL: `None`), sharing the row's
+/// buffer.
+fn opt_shared(
+    row: &[TupleValue],
+    c: Option<&Col>,
+    role: &'static str,
+) -> Result<Option<Text>, RowError> {
+    match c {
+        Some(c) if opt_text(row, Some(c), role)?.is_some() => shared_text(row, c, role).map(Some),
+        _ => Ok(None),
     }
 }
 
-fn json_str(out: &mut BytesMut, s: &str) {
-    // serde_json's string escaping, written straight into the buffer.
-    let _ = serde_json::to_writer(out.writer(), s);
-}
-
-fn envelope(
-    event_id: &str,
-    event_type: Option<&str>,
-    schema_version: Option<&str>,
-    occurred_at: Option<&str>,
-    producer_json: &str,
-    payload: &[u8],
-) -> Bytes {
-    let mut out = BytesMut::with_capacity(payload.len() + 192);
-    out.put_slice(b"{\"event_id\":");
-    json_str(&mut out, event_id);
-    out.put_slice(b",\"event_type\":");
-    match event_type {
-        Some(t) => json_str(&mut out, t),
-        None => out.put_slice(b"null"),
-    }
-    out.put_slice(b",\"schema_version\":");
-    match schema_version {
-        Some(v) if v.parse::<i64>().is_ok() => out.put_slice(v.as_bytes()),
-        Some(v) => json_str(&mut out, v),
-        None => out.put_slice(b"null"),
-    }
-    out.put_slice(b",\"occurred_at\":");
-    match occurred_at {
-        Some(t) => json_str(&mut out, &rfc3339(t)),
-        None => out.put_slice(b"null"),
-    }
-    out.put_slice(b",\"producer\":");
-    out.put_slice(producer_json.as_bytes());
-    out.put_slice(b",\"payload\":");
-    out.put_slice(payload);
-    out.put_slice(b"}");
-    out.freeze()
-}
+pub(super) use crate::format::push_position;

@@ -3,7 +3,8 @@
 //!
 //! - `compile`: the configuration resolved against a Relation message, once
 //!   ([`Mapper::compile`]).
-//! - `map`: an inserted row to an event: topic, headers, envelope ([`Mapper::map`]).
+//! - `map`: an inserted row to its event fields, shaped by the table's format
+//!   ([`Mapper::map`], [`Mapper::fields`]).
 //! - `dead_letter`: the record for a row that cannot be published
 //!   ([`Mapper::dead_letter`], [`dead_letter_header`]).
 //! - `value`: reading column values: text, JSON payloads (json, text, bytea),
@@ -17,10 +18,12 @@ mod error;
 mod map;
 mod value;
 
+use crate::format::{ExtraKind, Formatter};
 use crate::template::TopicTemplate;
 
 pub use dead_letter::dead_letter_header;
 pub use error::{MappingError, RowError};
+pub(crate) use value::rfc3339;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PayloadKind {
@@ -53,7 +56,9 @@ enum TopicSource {
 pub struct Mapper {
     table: String,
     columns: usize,
-    producer_json: String,
+    formatter: Formatter,
+    placements: Vec<(Col, ExtraKind)>,
+    key_nullable: bool,
     id: Col,
     key: Option<Col>,
     aggregate_type: Option<Col>,
@@ -68,6 +73,12 @@ pub struct Mapper {
 }
 
 impl Mapper {
+    /// The format step this mapper ends with.
+    #[must_use]
+    pub fn formatter(&self) -> &Formatter {
+        &self.formatter
+    }
+
     /// The table this mapper belongs to, `schema.name`.
     #[must_use]
     pub fn table(&self) -> &str {
@@ -89,13 +100,14 @@ impl Mapper {
             self.schema_version.as_ref(),
             self.value_column.as_ref(),
         ];
+        let placed = self.placements.iter().map(|(c, _)| c);
         let topic: Vec<&Col> = match &self.topic {
             TopicSource::Fixed(_) => Vec::new(),
             TopicSource::Template(_, cols) => cols.iter().collect(),
             TopicSource::Column(c) => vec![c],
         };
         let mut used: Vec<&str> = Vec::new();
-        for c in roles.into_iter().flatten().chain(topic) {
+        for c in roles.into_iter().flatten().chain(topic).chain(placed) {
             if !used.contains(&c.name.as_str()) {
                 used.push(&c.name);
             }

@@ -492,3 +492,39 @@ fn columns_used_are_the_columns_the_mapping_reads() {
         ]
     );
 }
+
+#[test]
+fn walbox_format_records_are_pinned_byte_for_byte() {
+    let m = Mapper::compile(
+        &TableConfig::new("outbox"),
+        "orders-service",
+        &relation(STANDARD),
+    )
+    .unwrap();
+    let e = m.map(&standard_row(), pos()).unwrap();
+    assert_eq!(
+        std::str::from_utf8(&e.value).unwrap(),
+        r#"{"event_id":"7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11","event_type":"OrderPlaced","schema_version":2,"occurred_at":"2026-11-29T19:40:00.123456+00:00","producer":"orders-service","payload":{"total": 1299, "items": [{"sku": "A-1"}], "note": "Grüße \"quoted\""}}"#
+    );
+    let headers: Vec<(&str, &str)> = e
+        .headers
+        .iter()
+        .map(|(k, v)| (k.as_ref(), std::str::from_utf8(v).unwrap()))
+        .collect();
+    assert_eq!(
+        headers,
+        [
+            ("event_id", "7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11"),
+            ("event_type", "OrderPlaced"),
+            ("schema_version", "2"),
+            ("aggregate_type", "order"),
+            ("tenant", "acme"),
+            ("traceparent", "00-abc-def-01"),
+            ("walbox_commit_lsn", "16/B374D848"),
+            ("walbox_index", "3"),
+            ("walbox_xid", "991"),
+        ]
+    );
+    assert_eq!(e.key.as_deref(), Some(&b"order-42"[..]));
+    assert!(e.json_value);
+}

@@ -9,6 +9,7 @@ use walbox_pgoutput::TupleValue;
 
 use super::{Col, PayloadKind, RowError};
 use crate::event::HeaderName;
+use crate::format::{self, Payload};
 
 pub(super) fn bytes<'a>(
     row: &'a [TupleValue],
@@ -52,16 +53,14 @@ pub(super) fn opt_text<'a>(
     }
 }
 
-/// The payload as JSON bytes; text and bytea are checked to hold JSON.
-pub(super) fn payload_json(
-    row: &[TupleValue],
-    c: &Col,
-    kind: PayloadKind,
-) -> Result<Bytes, RowError> {
+/// The payload's bytes: json and jsonb as they come (the server checked them),
+/// text as it is, bytea decoded; text and bytea are checked to hold JSON by the
+/// format that needs it.
+pub(super) fn payload(row: &[TupleValue], c: &Col, kind: PayloadKind) -> Result<Payload, RowError> {
     let raw = bytes(row, c, "payload")?;
-    let json = match kind {
-        PayloadKind::Json => return Ok(raw.clone()),
-        PayloadKind::Text => raw.clone(),
+    let (bytes, kind) = match kind {
+        PayloadKind::Json => (raw.clone(), format::PayloadKind::Json),
+        PayloadKind::Text => (raw.clone(), format::PayloadKind::Text),
         PayloadKind::Bytea => {
             let decoded = match raw.strip_prefix(b"\\x") {
                 Some(hex) => decode_hex(hex).ok_or("bytea value is not valid hex"),
@@ -69,33 +68,14 @@ pub(super) fn payload_json(
                 // one never does (a backslash is written `\\`).
                 None => decode_bytea_escape(raw).ok_or("bytea value is not valid escape format"),
             };
-            Bytes::from(decoded.map_err(|reason| RowError::PayloadNotJson {
+            let decoded = decoded.map_err(|reason| RowError::PayloadNotJson {
                 column: c.name.clone(),
                 reason: reason.into(),
-            })?)
+            })?;
+            (Bytes::from(decoded), format::PayloadKind::Binary)
         }
     };
-    serde_json::from_slice::<serde::de::IgnoredAny>(&json).map_err(|e| {
-        RowError::PayloadNotJson {
-            column: c.name.clone(),
-            reason: format!(
-                "{} at line {} column {}",
-                classify(&e),
-                e.line(),
-                e.column()
-            ),
-        }
-    })?;
-    Ok(json)
-}
-
-fn classify(e: &serde_json::Error) -> &'static str {
-    match e.classify() {
-        serde_json::error::Category::Io => "I/O error",
-        serde_json::error::Category::Syntax => "syntax error",
-        serde_json::error::Category::Data => "unexpected data",
-        serde_json::error::Category::Eof => "unexpected end",
-    }
+    Ok(Payload { bytes, kind })
 }
 
 fn decode_hex(hex: &[u8]) -> Option<Vec<u8>> {
@@ -144,7 +124,7 @@ fn decode_bytea_escape(text: &[u8]) -> Option<Vec<u8>> {
 
 /// `2026-11-29 19:40:00.123456+00` (PostgreSQL ISO output) to RFC 3339
 /// (`2026-11-29T19:40:00.123456+00:00`); other forms pass through unchanged.
-pub(super) fn rfc3339(pg: &str) -> String {
+pub(crate) fn rfc3339(pg: &str) -> String {
     let b = pg.as_bytes();
     if b.len() < 19 || b.get(10) != Some(&b' ') {
         return pg.to_owned();

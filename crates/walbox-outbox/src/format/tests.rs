@@ -1,0 +1,529 @@
+//! Unit tests of the formats, record by record: Debezium's outbox event router
+//! (the shapes its documentation shows) and CloudEvents (binary and structured).
+
+use bytes::Bytes;
+use walbox_pgoutput::{Lsn, Oid, Relation, RelationColumn, ReplicaIdentity, TupleValue};
+
+use super::cloudevents::pg_micros_rfc3339;
+use crate::config::{CloudEventsMode, Format, Place, Placement, TableConfig};
+use crate::event::{Event, Position};
+use crate::mapper::{Mapper, MappingError};
+
+const UUID: Oid = 2950;
+const VARCHAR: Oid = 1043;
+const TEXT: Oid = 25;
+const JSONB: Oid = 3802;
+const BYTEA: Oid = 17;
+const INT4: Oid = 23;
+const BOOL: Oid = 16;
+const TIMESTAMPTZ: Oid = 1184;
+
+fn relation(columns: &[(&str, Oid)]) -> Relation {
+    Relation {
+        xid: None,
+        oid: 16_400,
+        namespace: "public".into(),
+        name: "outboxevent".into(),
+        replica_identity: ReplicaIdentity::Default,
+        columns: columns
+            .iter()
+            .map(|(n, t)| RelationColumn {
+                flags: 0,
+                name: (*n).into(),
+                type_oid: *t,
+                type_modifier: -1,
+            })
+            .collect(),
+    }
+}
+
+fn t(s: &str) -> TupleValue {
+    TupleValue::Text(Bytes::copy_from_slice(s.as_bytes()))
+}
+
+fn pos() -> Position {
+    Position {
+        commit_lsn: Lsn(0x16_B374_D848),
+        index: 3,
+        xid: 991,
+    }
+}
+
+fn headers(e: &Event) -> Vec<(&str, &str)> {
+    e.headers
+        .iter()
+        .map(|(k, v)| (k.as_ref(), std::str::from_utf8(v).unwrap()))
+        .collect()
+}
+
+fn json(b: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(b).unwrap()
+}
+
+fn config(toml: &str) -> TableConfig {
+    toml::from_str(toml).unwrap()
+}
+
+const POSITION_HEADERS: [(&str, &str); 3] = [
+    ("walbox_commit_lsn", "16/B374D848"),
+    ("walbox_index", "3"),
+    ("walbox_xid", "991"),
+];
+
+// ---- debezium-outbox --------------------------------------------------------
+
+/// The outbox table the router's documentation expects ("Basic outbox table").
+const DEBEZIUM_TABLE: &[(&str, Oid)] = &[
+    ("id", UUID),
+    ("aggregatetype", VARCHAR),
+    ("aggregateid", VARCHAR),
+    ("type", VARCHAR),
+    ("payload", JSONB),
+];
+
+/// The payload of the documentation's example message.
+const ORDER_PAYLOAD: &str = r#"{"id": 1, "lineItems": [{"id": 1, "item": "Debezium in Action", "status": "ENTERED", "quantity": 2, "totalPrice": 39.98}, {"id": 2, "item": "Debezium for Dummies", "status": "ENTERED", "quantity": 1, "totalPrice": 29.99}], "orderDate": "2019-01-31T12:13:01", "customerId": 123}"#;
+
+fn order_row() -> Vec<TupleValue> {
+    vec![
+        t("406c07f3-26f0-4eea-a50c-109940064b8f"),
+        t("Order"),
+        t("1"),
+        t("OrderCreated"),
+        t(ORDER_PAYLOAD),
+    ]
+}
+
+fn debezium(extra: &str, columns: &[(&str, Oid)]) -> Mapper {
+    let cfg = config(&format!(
+        "table = \"public.outboxevent\"\nformat = \"debezium-outbox\"\n{extra}"
+    ));
+    Mapper::compile(&cfg, "p", &relation(columns)).unwrap()
+}
+
+#[test]
+fn debezium_defaults_give_the_documented_example_message() {
+    // The documentation's example: key "1", header id, topic outbox.event.
+    // followed by the aggregatetype value, the value the payload alone.
+    let m = debezium("", DEBEZIUM_TABLE);
+    let e = m.map(&order_row(), pos()).unwrap();
+    assert_eq!(e.topic, "outbox.event.Order");
+    assert_eq!(e.key.as_deref(), Some(&b"1"[..]));
+    assert_eq!(e.event_id, "406c07f3-26f0-4eea-a50c-109940064b8f");
+    let mut expected = vec![("id", "406c07f3-26f0-4eea-a50c-109940064b8f")];
+    expected.extend(POSITION_HEADERS);
+    assert_eq!(headers(&e), expected, "the type column is placed nowhere");
+    assert_eq!(json(&e.value), json(ORDER_PAYLOAD.as_bytes()));
+    assert!(e.json_value);
+}
+
+#[test]
+fn debezium_expands_a_string_payload_holding_json() {
+    // table.expand.json.payload: the documentation's escaped string becomes the
+    // JSON object it holds.
+    let mut cols = DEBEZIUM_TABLE.to_vec();
+    cols[4] = ("payload", VARCHAR);
+    let m = debezium("", &cols);
+    let e = m.map(&order_row(), pos()).unwrap();
+    assert_eq!(json(&e.value), json(ORDER_PAYLOAD.as_bytes()));
+    assert!(
+        json(&e.value).is_object(),
+        "expanded, not an escaped string"
+    );
+
+    // "If no content found or in case of parsing error, the content is kept as
+    // is": the string itself, which the JSON converter writes as a JSON string.
+    let mut row = order_row();
+    row[4] = t("not json: \"quoted\"");
+    let e = m.map(&row, pos()).unwrap();
+    assert_eq!(&e.value[..], br#""not json: \"quoted\"""#);
+    assert_eq!(json(&e.value), serde_json::json!("not json: \"quoted\""));
+    row[4] = t("");
+    let e = m.map(&row, pos()).unwrap();
+    assert_eq!(&e.value[..], b"\"\"");
+}
+
+#[test]
+fn debezium_additional_fields_as_headers_and_envelope() {
+    // The documentation's examples: an eventType column placed as header `type`
+    // (eventType:header:type) and as envelope field `type` (eventType:envelope:type).
+    let mut cols = DEBEZIUM_TABLE.to_vec();
+    cols.push(("eventType", VARCHAR));
+    cols.push(("version", INT4));
+    cols.push(("urgent", BOOL));
+    let mut row = order_row();
+    row[1] = t("purchase-order");
+    row.push(t("order-created"));
+    row.push(t("7"));
+    row.push(t("t"));
+
+    let m = debezium(r#"additional_placement = ["eventType:header:type"]"#, &cols);
+    let e = m.map(&row, pos()).unwrap();
+    assert_eq!(e.topic, "outbox.event.purchase-order");
+    let mut expected = vec![
+        ("id", "406c07f3-26f0-4eea-a50c-109940064b8f"),
+        ("type", "order-created"),
+    ];
+    expected.extend(POSITION_HEADERS);
+    assert_eq!(headers(&e), expected);
+    assert_eq!(
+        json(&e.value),
+        json(ORDER_PAYLOAD.as_bytes()),
+        "no envelope"
+    );
+
+    let m = debezium(
+        r#"additional_placement = ["eventType:envelope:type", "version:envelope", "urgent:envelope", "aggregateid:header"]"#,
+        &cols,
+    );
+    let e = m.map(&row, pos()).unwrap();
+    let mut expected = vec![
+        ("id", "406c07f3-26f0-4eea-a50c-109940064b8f"),
+        ("aggregateid", "1"),
+    ];
+    expected.extend(POSITION_HEADERS);
+    assert_eq!(headers(&e), expected);
+    assert_eq!(
+        json(&e.value),
+        serde_json::json!({
+            "payload": json(ORDER_PAYLOAD.as_bytes()),
+            "type": "order-created",
+            "version": 7,
+            "urgent": true,
+        })
+    );
+
+    // A NULL placed column: no header; null in the envelope.
+    let m = debezium(
+        r#"additional_placement = ["eventType:header:type", "version:envelope"]"#,
+        &cols,
+    );
+    row[5] = TupleValue::Null;
+    row[6] = TupleValue::Null;
+    let e = m.map(&row, pos()).unwrap();
+    assert!(!headers(&e).iter().any(|(k, _)| *k == "type"));
+    assert_eq!(json(&e.value)["version"], serde_json::Value::Null);
+    assert!(m.columns_used().contains(&"eventType"));
+    assert!(m.columns_used().contains(&"version"));
+}
+
+#[test]
+fn debezium_placement_specs_are_parsed_or_refused() {
+    let p: Placement = "eventType:header:type".to_owned().try_into().unwrap();
+    assert_eq!(
+        p,
+        Placement {
+            column: "eventType".into(),
+            place: Place::Header,
+            name: "type".into()
+        }
+    );
+    let p: Placement = "region:envelope".to_owned().try_into().unwrap();
+    assert_eq!((p.place, p.name.as_str()), (Place::Envelope, "region"));
+    for bad in ["region", "region:payload", ":header", "a:header:b:c"] {
+        let err = Placement::try_from(bad.to_owned()).unwrap_err();
+        assert!(
+            err.contains("column:header[:alias]") || err.contains("unknown placement"),
+            "{err}"
+        );
+    }
+    let err = Placement::try_from("p:partition".to_owned()).unwrap_err();
+    assert!(err.contains("partition"), "{err}");
+    let err = toml::from_str::<TableConfig>(
+        "table = \"o\"\nformat = \"debezium-outbox\"\nadditional_placement = [\"x:nowhere\"]",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("x:nowhere"), "{err}");
+
+    // Placements belong to the Debezium format.
+    let cfg = config("table = \"o\"\nadditional_placement = [\"type:header\"]");
+    let err = Mapper::compile(&cfg, "p", &relation(DEBEZIUM_TABLE)).unwrap_err();
+    assert!(err.to_string().contains("debezium-outbox"), "{err}");
+    // A placed column must exist.
+    let cfg = config(
+        "table = \"o\"\nformat = \"debezium-outbox\"\nadditional_placement = [\"region:header\"]",
+    );
+    let err = Mapper::compile(&cfg, "p", &relation(DEBEZIUM_TABLE)).unwrap_err();
+    assert!(matches!(err, MappingError::MissingColumn { .. }), "{err}");
+}
+
+#[test]
+fn debezium_topic_default_and_column_names() {
+    let cfg = config("table = \"o\"\nformat = \"debezium-outbox\"");
+    assert_eq!(cfg.topic, "outbox.event.{aggregate_type}");
+    assert_eq!(config("table = \"o\"").topic, "outbox.{aggregate_type}");
+    assert_eq!(
+        config("table = \"o\"\nformat = \"debezium-outbox\"\ntopic = \"events\"").topic,
+        "events"
+    );
+
+    // A table with walbox's column names works too.
+    let cols = [
+        ("id", UUID),
+        ("aggregate_type", TEXT),
+        ("aggregate_id", TEXT),
+        ("event_type", TEXT),
+        ("payload", JSONB),
+    ];
+    let m = debezium("", &cols);
+    let e = m.map(&order_row(), pos()).unwrap();
+    assert_eq!(e.topic, "outbox.event.Order");
+    assert_eq!(e.key.as_deref(), Some(&b"1"[..]));
+
+    // Renamed columns, as table.field.event.key and friends do.
+    let cols = [
+        ("event_id", UUID),
+        ("kind", TEXT),
+        ("order_id", TEXT),
+        ("body", JSONB),
+    ];
+    let m = debezium(
+        "[columns]\nid = \"event_id\"\naggregate_type = \"kind\"\naggregate_id = \"order_id\"\npayload = \"body\"",
+        &cols,
+    );
+    let row = vec![t("e-1"), t("invoice"), t("inv-9"), t("{}")];
+    let e = m.map(&row, pos()).unwrap();
+    assert_eq!(e.topic, "outbox.event.invoice");
+    assert_eq!(headers(&e)[0], ("id", "e-1"));
+}
+
+#[test]
+fn debezium_key_may_be_null_and_bytea_payloads_pass_as_bytes() {
+    let m = debezium("", DEBEZIUM_TABLE);
+    let mut row = order_row();
+    row[2] = TupleValue::Null;
+    let e = m.map(&row, pos()).unwrap();
+    assert_eq!(e.key, None, "the key is used when the column has a value");
+
+    // A binary payload (Avro, say) is the value as it is.
+    let mut cols = DEBEZIUM_TABLE.to_vec();
+    cols[4] = ("payload", BYTEA);
+    let m = debezium("", &cols);
+    let mut row = order_row();
+    row[4] = t("\\x00ff4f");
+    let e = m.map(&row, pos()).unwrap();
+    assert_eq!(&e.value[..], &[0x00, 0xff, 0x4f]);
+    assert!(!e.json_value);
+
+    // ... and cannot sit in a JSON envelope.
+    let cfg = config(
+        "table = \"o\"\nformat = \"debezium-outbox\"\nadditional_placement = [\"type:envelope\"]",
+    );
+    let err = Mapper::compile(&cfg, "p", &relation(&cols)).unwrap_err();
+    assert!(err.to_string().contains("bytea"), "{err}");
+}
+
+// ---- cloudevents ------------------------------------------------------------
+
+const WALBOX_TABLE: &[(&str, Oid)] = &[
+    ("id", UUID),
+    ("aggregate_type", TEXT),
+    ("aggregate_id", TEXT),
+    ("event_type", TEXT),
+    ("payload", JSONB),
+    ("headers", JSONB),
+    ("occurred_at", TIMESTAMPTZ),
+];
+
+fn walbox_row() -> Vec<TupleValue> {
+    vec![
+        t("7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11"),
+        t("order"),
+        t("order-42"),
+        t("OrderPlaced"),
+        t(r#"{"total": 1299}"#),
+        t(r#"{"traceparent": "00-abc-def-01"}"#),
+        t("2026-11-29 19:40:00.123456+00"),
+    ]
+}
+
+fn cloudevents(extra: &str, columns: &[(&str, Oid)]) -> Result<Mapper, MappingError> {
+    let cfg = config(&format!(
+        "table = \"public.outbox\"\nformat = \"cloudevents\"\n{extra}"
+    ));
+    assert_eq!(cfg.formatting.format, Format::CloudEvents);
+    Mapper::compile(&cfg, "p", &relation(columns))
+}
+
+#[test]
+fn cloudevents_binary_mode_puts_attributes_in_headers() {
+    let m = cloudevents("", WALBOX_TABLE).unwrap();
+    let e = m.map_at(&walbox_row(), pos(), Some(0)).unwrap();
+    assert_eq!(e.topic, "outbox.order");
+    assert_eq!(e.key.as_deref(), Some(&b"order-42"[..]));
+    let mut expected = vec![
+        ("ce_specversion", "1.0"),
+        ("ce_id", "7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11"),
+        ("ce_source", "/walbox/public.outboxevent"),
+        ("ce_type", "OrderPlaced"),
+        ("ce_time", "2026-11-29T19:40:00.123456+00:00"),
+        ("ce_subject", "order-42"),
+        ("content-type", "application/json"),
+        ("traceparent", "00-abc-def-01"),
+    ];
+    expected.extend(POSITION_HEADERS);
+    assert_eq!(headers(&e), expected);
+    assert_eq!(&e.value[..], br#"{"total": 1299}"#);
+}
+
+#[test]
+fn cloudevents_structured_mode_is_one_json_event() {
+    let m = cloudevents(
+        "cloudevents_mode = \"structured\"\ncloudevents_source = \"urn:walbox:{table}\"\ncloudevents_subject = \"{aggregate_type}/{aggregate_id}\"",
+        WALBOX_TABLE,
+    )
+    .unwrap();
+    let e = m.map(&walbox_row(), pos()).unwrap();
+    let mut expected = vec![
+        ("content-type", "application/cloudevents+json"),
+        ("traceparent", "00-abc-def-01"),
+    ];
+    expected.extend(POSITION_HEADERS);
+    assert_eq!(headers(&e), expected);
+    assert_eq!(
+        json(&e.value),
+        serde_json::json!({
+            "specversion": "1.0",
+            "id": "7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11",
+            "source": "urn:walbox:public.outboxevent",
+            "type": "OrderPlaced",
+            "subject": "order/order-42",
+            "time": "2026-11-29T19:40:00.123456+00:00",
+            "datacontenttype": "application/json",
+            "data": {"total": 1299},
+        })
+    );
+    assert!(e.json_value);
+}
+
+#[test]
+fn cloudevents_time_falls_back_to_the_commit_time() {
+    let m = cloudevents("cloudevents_subject = \"\"", &WALBOX_TABLE[..5]).unwrap();
+    let row = &walbox_row()[..5];
+    let e = m.map_at(row, pos(), Some(849_296_400_123_456)).unwrap();
+    let h = headers(&e);
+    assert!(
+        h.contains(&("ce_time", "2026-11-29T19:40:00.123456Z")),
+        "{h:?}"
+    );
+    assert!(
+        !h.iter().any(|(k, _)| *k == "ce_subject"),
+        "empty subject template: none"
+    );
+    // Unknown commit time (a snapshot row) and no occurrence time: no time.
+    let e = m.map_at(row, pos(), None).unwrap();
+    assert!(!headers(&e).iter().any(|(k, _)| *k == "ce_time"));
+
+    // A timestamp without zone is taken as UTC.
+    let mut cols = WALBOX_TABLE.to_vec();
+    cols[6] = ("occurred_at", 1114);
+    let m = cloudevents("", &cols).unwrap();
+    let mut row = walbox_row();
+    row[6] = t("2026-11-29 19:40:00");
+    let e = m.map(&row, pos()).unwrap();
+    assert!(headers(&e).contains(&("ce_time", "2026-11-29T19:40:00Z")));
+}
+
+#[test]
+fn commit_times_format_as_rfc3339() {
+    assert_eq!(pg_micros_rfc3339(0), "2000-01-01T00:00:00.000000Z");
+    assert_eq!(pg_micros_rfc3339(-1), "1999-12-31T23:59:59.999999Z");
+    assert_eq!(
+        pg_micros_rfc3339(762_523_200_000_000),
+        "2024-02-29T12:00:00.000000Z"
+    );
+}
+
+#[test]
+fn cloudevents_needs_an_event_type_and_json() {
+    let cols = [
+        ("id", UUID),
+        ("aggregate_type", TEXT),
+        ("aggregate_id", TEXT),
+        ("payload", JSONB),
+    ];
+    let err = cloudevents("", &cols).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("columns.event_type") && msg.contains("cloudevents"),
+        "{msg}"
+    );
+
+    // Debezium's column names are understood.
+    let m = cloudevents("", DEBEZIUM_TABLE).unwrap();
+    let e = m.map(&order_row(), pos()).unwrap();
+    assert!(headers(&e).contains(&("ce_type", "OrderCreated")));
+    assert!(headers(&e).contains(&("ce_subject", "1")));
+
+    // content-type application/json: a text payload that is not JSON is a poison row.
+    let mut cols = WALBOX_TABLE.to_vec();
+    cols[4] = ("payload", TEXT);
+    let m = cloudevents("", &cols).unwrap();
+    let mut row = walbox_row();
+    row[4] = t("not json");
+    assert_eq!(m.map(&row, pos()).unwrap_err().class(), "payload_not_json");
+    row[3] = TupleValue::Null;
+    row[4] = t("{}");
+    assert_eq!(m.map(&row, pos()).unwrap_err().class(), "null_column");
+
+    let err = cloudevents("cloudevents_source = \"/x/{tenant}\"", WALBOX_TABLE).unwrap_err();
+    assert!(
+        err.to_string().contains("cloudevents_source") && err.to_string().contains("{tenant}"),
+        "{err}"
+    );
+    let err = toml::from_str::<TableConfig>(
+        "table = \"o\"\nformat = \"cloudevents\"\ncloudevents_mode = \"mixed\"",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("structured"), "{err}");
+    let err = toml::from_str::<TableConfig>("table = \"o\"\nformat = \"debezium\"").unwrap_err();
+    assert!(err.to_string().contains("debezium-outbox"), "{err}");
+}
+
+#[test]
+fn value_columns_belong_to_the_walbox_format() {
+    let cfg = config("table = \"o\"\nformat = \"cloudevents\"\nvalue = { column = \"payload\" }");
+    let err = Mapper::compile(&cfg, "p", &relation(WALBOX_TABLE)).unwrap_err();
+    assert!(err.to_string().contains("only format \"walbox\""), "{err}");
+    assert_eq!(CloudEventsMode::default(), CloudEventsMode::Binary);
+}
+
+#[test]
+fn the_event_id_is_found_in_every_format() {
+    let m = debezium("", DEBEZIUM_TABLE);
+    let mut records = vec![m.map(&order_row(), pos()).unwrap()];
+    for mode in ["binary", "structured"] {
+        let m = cloudevents(&format!("cloudevents_mode = \"{mode}\""), DEBEZIUM_TABLE).unwrap();
+        records.push(m.map(&order_row(), pos()).unwrap());
+    }
+    let walbox = Mapper::compile(
+        &config("table = \"o\""),
+        "p",
+        &relation(&[
+            ("id", UUID),
+            ("aggregate_type", TEXT),
+            ("aggregate_id", TEXT),
+            ("event_type", TEXT),
+            ("payload", JSONB),
+        ]),
+    )
+    .unwrap();
+    records.push(walbox.map(&order_row(), pos()).unwrap());
+    for e in &records {
+        let header = |name: &str| {
+            e.headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| std::str::from_utf8(v).ok())
+        };
+        assert_eq!(
+            crate::record_event_id(header, Some(&e.value)).as_deref(),
+            Some("406c07f3-26f0-4eea-a50c-109940064b8f"),
+            "{e:?}"
+        );
+    }
+    assert_eq!(
+        crate::record_event_id(|_| None, Some(b"{\"id\":\"x\"}")),
+        None
+    );
+}
