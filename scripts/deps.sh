@@ -5,6 +5,7 @@
 #   - the C toolchain pieces librdkafka's bundled build uses (with OpenSSL, so
 #     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
+#   - Prometheus, which the metrics tests scrape walbox with
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
 set -euo pipefail
 
@@ -33,6 +34,7 @@ command -v pkg-config >/dev/null 2>&1 || apt_packages+=(pkg-config)
 command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 [ -e /usr/include/zlib.h ] || apt_packages+=(zlib1g-dev)
 [ -e /usr/include/openssl/ssl.h ] || apt_packages+=(libssl-dev)
+command -v prometheus >/dev/null 2>&1 || apt_packages+=(prometheus)
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
   log "installing ${apt_packages[*]}"

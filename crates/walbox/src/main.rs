@@ -25,6 +25,7 @@ mod config;
 mod dlq;
 mod doctor;
 mod inspect;
+mod metrics;
 mod pg;
 mod publication;
 mod relay;
@@ -152,16 +153,53 @@ struct SlotShow {
     json: bool,
 }
 
+impl Cli {
+    /// The configuration file the command names, if any.
+    fn config_file(&self) -> Option<&std::path::Path> {
+        let o = match &self.command {
+            Command::Run(a) => &a.overrides,
+            Command::Setup(a) => &a.overrides,
+            Command::Replay(a) => &a.overrides,
+            Command::Slot { action } => match action {
+                SlotAction::Create(o) | SlotAction::Drop(o) => o,
+                SlotAction::Status(s) | SlotAction::List(s) => &s.overrides,
+            },
+            Command::Doctor(o) => o,
+            Command::Inspect(_) | Command::Verify(_) | Command::Dlq { .. } => return None,
+        };
+        o.config.as_deref()
+    }
+}
+
+/// Log lines to stderr, as text or (`WALBOX_LOG_FORMAT=json`, `[log] format`)
+/// one JSON object per line with the same fields.
+fn init_logging(format: config::LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WALBOX_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        config::LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        config::LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+    }
+}
+
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("WALBOX_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    let format = config::log_format(cli.config_file());
+    init_logging(*format.as_ref().unwrap_or(&config::LogFormat::Text));
+    if let Err(e) = format {
+        tracing::error!("{e:#}");
+        return std::process::ExitCode::FAILURE;
+    }
     // The streaming commands run on one thread: the replication reader, the
     // relay and the SQL connections hand work to each other for every event, and
     // on one thread a hand-off is a queue push instead of a thread wakeup. The
