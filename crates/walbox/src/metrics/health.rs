@@ -66,6 +66,8 @@ pub struct Health {
     last_ack: AtomicU64,
     /// ... of the last message from the server.
     last_server_message: AtomicU64,
+    /// ... of the last change of state.
+    entered: AtomicU64,
     /// Events in flight as last sampled.
     in_flight: AtomicU64,
     /// The slot sampler's finding when the slot is gone or lost.
@@ -81,6 +83,7 @@ impl Health {
             heartbeat: AtomicU64::new(0),
             last_ack: AtomicU64::new(0),
             last_server_message: AtomicU64::new(0),
+            entered: AtomicU64::new(0),
             in_flight: AtomicU64::new(0),
             slot_problem: Mutex::new(None),
             wedged_after: WEDGED_AFTER,
@@ -97,15 +100,20 @@ impl Health {
 
     /// The relay is now in `state`, for `reason`.
     pub fn set(&self, state: State, reason: impl Into<String>) {
+        self.set_at(state, reason, Instant::now());
+    }
+
+    /// The relay entered `state` at `now`.
+    fn set_at(&self, state: State, reason: impl Into<String>, now: Instant) {
         let mut s = self
             .state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         *s = (state, reason.into());
+        self.entered.store(self.ms(now), Ordering::Relaxed);
         if state.looping() {
             // Entering the loop counts as its first turn.
-            self.heartbeat
-                .store(self.ms(Instant::now()), Ordering::Relaxed);
+            self.heartbeat.store(self.ms(now), Ordering::Relaxed);
         }
     }
 
@@ -190,7 +198,8 @@ impl Health {
             return (false, state, why);
         }
         let in_flight = self.in_flight.load(Ordering::Relaxed);
-        let silent = self.since_last_ack(now);
+        // Since the last acknowledgement, or since streaming began.
+        let silent = self.since_last_ack(now).min(self.since(&self.entered, now));
         if in_flight > 0 && silent > BROKER_SILENT_AFTER {
             return (
                 false,
@@ -239,6 +248,22 @@ mod tests {
         h.set_slot_problem(Some("slot lost".into()));
         let (ready, state, _) = h.readiness(Instant::now());
         assert!(!ready && state == State::SlotLost);
+    }
+
+    #[test]
+    fn a_new_session_is_not_blamed_for_the_silence_before_it() {
+        let h = Health::new();
+        // The last acknowledgement long ago (an outage, a backoff); events in
+        // flight right after streaming began again.
+        h.set_in_flight(5);
+        let now = Instant::now() + BROKER_SILENT_AFTER * 3;
+        h.set_at(State::Streaming, "streaming", now);
+        assert!(h.since_last_ack(now) > BROKER_SILENT_AFTER);
+        assert!(h.readiness(now).0);
+        // Still nothing acknowledged long after it began: not ready.
+        let later = now + BROKER_SILENT_AFTER + Duration::from_secs(1);
+        h.beat(later);
+        assert!(!h.readiness(later).0);
     }
 
     #[test]
