@@ -327,28 +327,35 @@ impl Metrics {
     }
 }
 
-/// Counter handles of one event in flight.
+/// The counters an acknowledged event adds to: its family's series and the
+/// bytes of its topic.
 #[derive(Debug)]
-struct InFlight {
+struct Handles {
     done: Counter,
     bytes: Counter,
-    size: u64,
 }
 
-/// The label lookups of the events in flight, by sink token: one lookup when an
-/// event is sent, none when it is acknowledged.
+/// The label lookups of the events in flight, by sink token: one lookup per
+/// (table, topic) when it changes, none when an event is acknowledged.
 #[derive(Debug)]
 pub struct SendCounters {
     metrics: Arc<Metrics>,
-    by_token: Vec<Option<InFlight>>,
-    /// The last (table, topic, dead letter) looked up, with its handles.
-    last: Option<(Arc<str>, String, bool, Counter, Counter, Counter)>,
+    /// Every (table, topic, dead letter) seen, by index into `handles`.
+    known: std::collections::HashMap<(Arc<str>, String, bool), usize>,
+    handles: Vec<Handles>,
+    /// Index into `handles` and size, by token.
+    by_token: Vec<Option<(usize, u64)>>,
+    /// The last (table, topic, dead letter) seen, its index and its table's
+    /// read counter.
+    last: Option<(Arc<str>, String, bool, usize, Counter)>,
 }
 
 impl SendCounters {
     pub fn new(metrics: Arc<Metrics>) -> Self {
         SendCounters {
             metrics,
+            known: std::collections::HashMap::new(),
+            handles: Vec::new(),
             by_token: Vec::new(),
             last: None,
         }
@@ -359,51 +366,65 @@ impl SendCounters {
         let hit = matches!(&self.last, Some((t, topic, dead, ..))
             if Arc::ptr_eq(t, &origin.table) && *topic == event.topic && *dead == origin.dead_letter);
         if !hit {
-            let m = &self.metrics;
-            let table = origin.table.to_string();
-            let pair = vec![("table", table.clone()), ("topic", event.topic.clone())];
-            let done = if origin.dead_letter {
-                m.events_dead_lettered.get_or_create(&pair).clone()
-            } else {
-                m.events_published.get_or_create(&pair).clone()
-            };
-            let bytes = m
-                .published_bytes
-                .get_or_create(&vec![("topic", event.topic.clone())])
-                .clone();
-            let read = m.events_read.get_or_create(&vec![("table", table)]).clone();
-            self.last = Some((
-                Arc::clone(&origin.table),
-                event.topic.clone(),
-                origin.dead_letter,
-                done,
-                bytes,
-                read,
-            ));
+            self.look_up(event, origin);
         }
-        let Some((_, _, _, done, bytes, read)) = &self.last else {
+        let Some((_, _, _, index, read)) = &self.last else {
             return;
         };
         if !origin.replaces {
             read.inc();
         }
         if self.by_token.len() <= token {
-            self.by_token.resize_with(token + 1, || None);
+            self.by_token.resize(token + 1, None);
         }
-        self.by_token[token] = Some(InFlight {
-            done: done.clone(),
-            bytes: bytes.clone(),
-            size: event.size() as u64,
-        });
+        self.by_token[token] = Some((*index, event.size() as u64));
+    }
+
+    fn look_up(&mut self, event: &Event, origin: &Origin) {
+        let m = &self.metrics;
+        let key = (
+            Arc::clone(&origin.table),
+            event.topic.clone(),
+            origin.dead_letter,
+        );
+        let index = match self.known.get(&key) {
+            Some(i) => *i,
+            None => {
+                let pair = vec![
+                    ("table", origin.table.to_string()),
+                    ("topic", event.topic.clone()),
+                ];
+                let family = if origin.dead_letter {
+                    &m.events_dead_lettered
+                } else {
+                    &m.events_published
+                };
+                self.handles.push(Handles {
+                    done: family.get_or_create(&pair).clone(),
+                    bytes: m
+                        .published_bytes
+                        .get_or_create(&vec![("topic", event.topic.clone())])
+                        .clone(),
+                });
+                self.known.insert(key.clone(), self.handles.len() - 1);
+                self.handles.len() - 1
+            }
+        };
+        let read = m
+            .events_read
+            .get_or_create(&vec![("table", origin.table.to_string())])
+            .clone();
+        self.last = Some((key.0, key.1, key.2, index, read));
     }
 
     /// The event of `token` was settled: acknowledged (`acked`) or not.
     pub fn settled(&mut self, token: usize, acked: bool) {
-        if let Some(f) = self.by_token.get_mut(token).and_then(Option::take)
+        if let Some((index, size)) = self.by_token.get_mut(token).and_then(Option::take)
             && acked
+            && let Some(h) = self.handles.get(index)
         {
-            f.done.inc();
-            f.bytes.inc_by(f.size);
+            h.done.inc();
+            h.bytes.inc_by(size);
         }
     }
 }
