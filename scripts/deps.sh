@@ -54,6 +54,7 @@ command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 [ -e /usr/include/openssl/ssl.h ] || apt_packages+=(libssl-dev)
 if ! $build_only; then
   command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
+  command -v prometheus >/dev/null 2>&1 || apt_packages+=(prometheus)
   command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
   command -v python3 >/dev/null 2>&1 || apt_packages+=(python3)
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_packages+=(python3-venv)

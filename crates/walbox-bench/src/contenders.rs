@@ -19,14 +19,20 @@ pub enum Contender {
     WalboxStdout,
     /// `walbox run` to the broker.
     WalboxKafka,
+    /// `walbox run` to the broker with its metrics endpoint scraped every 100 ms.
+    WalboxKafkaMetrics,
 }
+
+/// How often the metrics contender's endpoint is scraped.
+const SCRAPE_EVERY: Duration = Duration::from_millis(100);
 
 impl Contender {
     /// All of them; the ceiling first (the report relies on it).
-    pub const ALL: [Contender; 3] = [
+    pub const ALL: [Contender; 4] = [
         Contender::Ceiling,
         Contender::WalboxStdout,
         Contender::WalboxKafka,
+        Contender::WalboxKafkaMetrics,
     ];
 
     /// The name in the report's tables.
@@ -35,6 +41,7 @@ impl Contender {
             Contender::Ceiling => "pg_recvlogical (ceiling)",
             Contender::WalboxStdout => "walbox, stdout sink to /dev/null",
             Contender::WalboxKafka => "walbox to the broker",
+            Contender::WalboxKafkaMetrics => "walbox to the broker, metrics on",
         }
     }
 
@@ -44,6 +51,7 @@ impl Contender {
             Contender::Ceiling => "ceiling",
             Contender::WalboxStdout => "walbox-stdout",
             Contender::WalboxKafka => "walbox-broker",
+            Contender::WalboxKafkaMetrics => "walbox-broker-metrics",
         }
     }
 
@@ -53,6 +61,7 @@ impl Contender {
             Contender::Ceiling => "ceiling",
             Contender::WalboxStdout => "walbox_stdout",
             Contender::WalboxKafka => "walbox_kafka",
+            Contender::WalboxKafkaMetrics => "walbox_kafka_metrics",
         };
         format!("{prefix}_r{}", round + 1)
     }
@@ -81,9 +90,17 @@ impl Contender {
                     .spawn()?);
             }
             Contender::WalboxStdout => "stdout",
-            Contender::WalboxKafka => "kafka",
+            Contender::WalboxKafka | Contender::WalboxKafkaMetrics => "kafka",
         };
-        Ok(Command::new(walbox)
+        let mut cmd = Command::new(walbox);
+        let metrics = if self == Contender::WalboxKafkaMetrics {
+            let addr = format!("127.0.0.1:{}", free_port()?);
+            cmd.env("WALBOX_METRICS_LISTEN", &addr);
+            Some(addr)
+        } else {
+            None
+        };
+        let child = cmd
             .arg("run")
             .env("WALBOX_DSN", pg.conninfo("postgres"))
             .env("WALBOX_SLOT", slot)
@@ -94,8 +111,31 @@ impl Contender {
             .env("WALBOX_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
-            .spawn()?)
+            .spawn()?;
+        if let Some(addr) = metrics {
+            scrape_while_running(child.id(), format!("http://{addr}/metrics"));
+        }
+        Ok(child)
     }
+}
+
+/// A port on 127.0.0.1 that was free a moment ago.
+fn free_port() -> Result<u16, Error> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Scrapes `url` every [`SCRAPE_EVERY`] on a thread of its own, as Prometheus
+/// would, for as long as process `pid` exists.
+fn scrape_while_running(pid: u32, url: String) {
+    std::thread::spawn(move || {
+        let alive = format!("/proc/{pid}");
+        while Path::new(&alive).exists() {
+            let _ = walbox_testkit::prometheus::get(&url);
+            std::thread::sleep(SCRAPE_EVERY);
+        }
+    });
 }
 
 /// Where walbox keeps its checkpoint for `slot`.

@@ -4,12 +4,14 @@
 //!
 //! One machine. Rows like a real service writes them (uuid id, aggregate type, one
 //! of 1,000 aggregate ids, event type, a ~300-byte jsonb payload, a headers jsonb
-//! with a traceparent). The slot scenarios have three contenders
+//! with a traceparent). The slot scenarios have four contenders
 //! (`contenders.rs`):
 //!
 //! - `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling;
 //! - `walbox run --sink stdout` to /dev/null: walbox without a broker;
-//! - `walbox run` to the broker.
+//! - `walbox run` to the broker;
+//! - `walbox run` to the broker with `--metrics-listen`, its `/metrics` scraped
+//!   every 100 ms: what the metrics cost, beside the line above.
 //!
 //! Each runs `--repeat` times (default 3) in rounds, the order rotating from round
 //! to round, each run on its own slot created before the one load, so every run

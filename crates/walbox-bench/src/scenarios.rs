@@ -39,8 +39,8 @@ pub struct Bench {
 }
 
 /// The order of the slot contenders in `round` (0-based): the list rotated by one
-/// place per round, so no contender always runs first or last (with three
-/// rounds each runs once in each place).
+/// place per round, so no contender always runs first or last (with as many
+/// rounds as contenders each runs once in each place).
 pub fn order(round: usize) -> Vec<Contender> {
     let mut order = Contender::ALL.to_vec();
     order.rotate_left(round % Contender::ALL.len());
@@ -189,13 +189,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn three_rounds_put_each_contender_once_in_each_place() {
-        let rounds: Vec<Vec<Contender>> = (0..3).map(order).collect();
-        for place in 0..3 {
+    fn as_many_rounds_as_contenders_put_each_once_in_each_place() {
+        let n = Contender::ALL.len();
+        let rounds: Vec<Vec<Contender>> = (0..n).map(order).collect();
+        for place in 0..n {
             let mut at: Vec<Contender> = rounds.iter().map(|r| r[place]).collect();
             at.sort_by_key(|&c| index(c));
             at.dedup();
-            assert_eq!(at.len(), 3, "place {place}: {rounds:?}");
+            assert_eq!(at.len(), n, "place {place}: {rounds:?}");
         }
         for r in &rounds {
             let mut sorted = r.clone();

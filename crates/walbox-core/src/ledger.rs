@@ -2,6 +2,8 @@
 //! the token the sink reports it with, with its size, so the relay's bounds hold
 //! by count and by bytes.
 
+use std::sync::Arc;
+
 use crate::ack::Ticket;
 
 /// One event in flight.
@@ -12,6 +14,8 @@ struct Entry {
     /// Commit time of the event's transaction (Postgres microseconds), 0 when
     /// unknown (a snapshot row).
     committed: i64,
+    /// The outbox table of its row.
+    table: Arc<str>,
 }
 
 /// Sink tokens of in-flight events, reusing freed slots.
@@ -24,14 +28,21 @@ pub(crate) struct Ledger {
 }
 
 impl Ledger {
-    /// Records an event of `size` bytes; returns its token.
-    pub(crate) fn insert(&mut self, ticket: Ticket, size: usize, committed: i64) -> usize {
+    /// Records an event of `size` bytes from `table`; returns its token.
+    pub(crate) fn insert(
+        &mut self,
+        ticket: Ticket,
+        size: usize,
+        committed: i64,
+        table: Arc<str>,
+    ) -> usize {
         self.bytes += size;
         self.count += 1;
         let entry = Some(Entry {
             ticket,
             size,
             committed,
+            table,
         });
         if let Some(token) = self.free.pop()
             && let Some(slot) = self.entries.get_mut(token)
@@ -43,13 +54,13 @@ impl Ledger {
         self.entries.len() - 1
     }
 
-    /// Settles the event of `token`: its ticket and commit time.
-    pub(crate) fn remove(&mut self, token: usize) -> Option<(Ticket, i64)> {
+    /// Settles the event of `token`: its ticket, commit time and table.
+    pub(crate) fn remove(&mut self, token: usize) -> Option<(Ticket, i64, Arc<str>)> {
         let entry = self.entries.get_mut(token)?.take()?;
         self.free.push(token);
         self.bytes -= entry.size;
         self.count -= 1;
-        Some((entry.ticket, entry.committed))
+        Some((entry.ticket, entry.committed, entry.table))
     }
 
     /// Bytes in flight.

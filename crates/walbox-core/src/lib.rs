@@ -38,7 +38,7 @@ pub use ack::{AckTracker, Ticket, TxnId};
 pub use checkpoint::{
     CHECKPOINT_VERSION, Checkpoint, CheckpointError, CheckpointFile, Partial, SnapshotState,
 };
-pub use core::{Core, CoreConfig, Outcome, Stats, WalMessage};
+pub use core::{Core, CoreConfig, Origin, Outcome, Stats, WalMessage};
 pub use error::{CoreError, Failure, Rejected};
 pub use holdback::{Holdback, MAX_SAMPLES, ReplayWindow};
 pub use takeover::{SlotOnServer, Takeover, TakeoverProblem, check_takeover};

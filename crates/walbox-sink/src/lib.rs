@@ -113,3 +113,9 @@ pub trait Sink {
     /// Waits up to `timeout` for everything sent to be delivered or failed.
     async fn flush(&mut self, timeout: std::time::Duration) -> Result<(), SinkError>;
 }
+
+/// The version of the librdkafka walbox runs with (`2.10.0`).
+#[must_use]
+pub fn librdkafka_version() -> String {
+    rdkafka::util::get_rdkafka_version().1
+}

@@ -70,6 +70,9 @@ pub enum TestkitError {
     /// A PostgreSQL query or connection failed.
     #[error("postgres: {0}")]
     Postgres(#[from] tokio_postgres::Error),
+    /// An HTTP request of a test failed.
+    #[error("http: {0}")]
+    Http(String),
     /// A Kafka client call failed.
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),

@@ -12,6 +12,8 @@
 //!   `WALBOX_TEST_KAFKA` is set, that bootstrap address (a real Kafka) instead.
 //! - [`kafka`]: topic administration and a reader that drains a topic into
 //!   [`kafka::Record`]s (key, headers, value, partition, offset) for assertions.
+//! - [`Prometheus`]: a real Prometheus on a free port scraping given targets,
+//!   queried through its HTTP API; [`prometheus::get_status`] for plain GETs.
 //! - [`wait_until`]: polls a condition with a deadline, so tests wait on conditions,
 //!   never on fixed sleeps.
 
@@ -20,12 +22,14 @@ mod error;
 pub mod kafka;
 mod postgres;
 mod process;
+pub mod prometheus;
 mod tls;
 mod wait;
 
 pub use broker::{Broker, BrokerOptions, BrokerStorage, BrokerUser, Scram};
 pub use error::TestkitError;
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
+pub use prometheus::Prometheus;
 pub use tls::TlsFiles;
 pub use wait::{wait_until, wait_until_async};
 

@@ -76,6 +76,73 @@ pub struct Config {
     /// Publishing the rows that exist when the slot is created.
     #[serde(default)]
     pub snapshot: SnapshotConfig,
+    /// The Prometheus endpoint with `/healthz` and `/readyz`.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    /// Log lines; read by [`log_format`] before logging starts (and here so
+    /// the section is checked with the rest).
+    #[serde(default)]
+    #[allow(dead_code)]
+    pub log: LogConfig,
+}
+
+/// The metrics endpoint.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address and port serving `/metrics`, `/healthz` and `/readyz`, e.g.
+    /// `127.0.0.1:9187`; none when unset.
+    pub listen: Option<String>,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line, with the same fields.
+    Json,
+}
+
+impl LogFormat {
+    /// Parses `text` or `json` (`WALBOX_LOG_FORMAT`).
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "text" | "" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            other => bail!("WALBOX_LOG_FORMAT={other:?}: unknown log format; use text or json"),
+        }
+    }
+}
+
+/// Log lines.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` (default) or `json`; `WALBOX_LOG_FORMAT` overrides it.
+    #[serde(default)]
+    pub format: LogFormat,
+}
+
+/// The log format for a run with configuration file `file` (if any):
+/// `WALBOX_LOG_FORMAT`, else the file's `[log] format`, else text. Read before
+/// logging starts, so an unreadable file is left to [`Config::load`] to report.
+pub fn log_format(file: Option<&Path>) -> Result<LogFormat> {
+    if let Ok(v) = std::env::var("WALBOX_LOG_FORMAT") {
+        return LogFormat::parse(&v);
+    }
+    let Some(text) = file.and_then(|p| std::fs::read_to_string(p).ok()) else {
+        return Ok(LogFormat::Text);
+    };
+    #[derive(Deserialize)]
+    struct Only {
+        #[serde(default)]
+        log: LogConfig,
+    }
+    // A file that does not parse is reported by Config::load, with the key.
+    Ok(toml::from_str::<Only>(&text).map_or(LogFormat::Text, |o| o.log.format))
 }
 
 /// The checkpoint store.
@@ -482,6 +549,10 @@ pub struct Overrides {
     /// Make the slot a failover slot, kept in sync on standbys (PostgreSQL 17+).
     #[arg(long, env = "WALBOX_FAILOVER", num_args = 0..=1, default_missing_value = "true")]
     pub failover: Option<bool>,
+    /// Serve /metrics, /healthz and /readyz on this address:port (relaying
+    /// commands only), e.g. 127.0.0.1:9187.
+    #[arg(long, env = "WALBOX_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
 }
 
 impl Config {
@@ -562,6 +633,9 @@ impl Config {
         }
         if let Some(v) = o.failover {
             c.source.failover = v;
+        }
+        if let Some(v) = &o.metrics_listen {
+            c.metrics.listen = Some(v.clone()).filter(|l| !l.is_empty());
         }
         if c.outbox.is_empty() {
             c.outbox.push(TableConfig::new(

@@ -26,6 +26,7 @@ mod dlq;
 mod doctor;
 mod failover;
 mod inspect;
+mod metrics;
 mod pg;
 mod privileges;
 mod publication;
@@ -135,7 +136,7 @@ struct DoctorArgs {
         env = "WALBOX_STANDBY_DSN",
         hide_env_values = true
     )]
-    standby: Option<String>,
+    standby: Option<config::Secret>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -179,19 +180,70 @@ fn command_line() -> clap::Command {
     hide(Cli::command())
 }
 
+impl Cli {
+    /// The configuration file the command names, if any.
+    fn config_file(&self) -> Option<&std::path::Path> {
+        let o = match &self.command {
+            Command::Run(a) => &a.overrides,
+            Command::Setup(a) => &a.overrides,
+            Command::Replay(a) => &a.overrides,
+            Command::Slot { action } => match action {
+                SlotAction::Create(o) | SlotAction::Drop(o) => o,
+                SlotAction::Status(s) | SlotAction::List(s) => &s.overrides,
+            },
+            Command::Doctor(d) => &d.overrides,
+            Command::Inspect(_) | Command::Verify(_) | Command::Dlq { .. } => return None,
+        };
+        o.config.as_deref()
+    }
+}
+
+/// Log lines to stderr, as text or (`WALBOX_LOG_FORMAT=json`, `[log] format`)
+/// one JSON object per line with the same fields.
+fn init_logging(format: config::LogFormat) {
+    let filter = log_filter(std::env::var("WALBOX_LOG").ok().as_deref());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        config::LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        config::LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+    }
+}
+
+/// The log filter `WALBOX_LOG` asks for (`info` when unset or invalid), with
+/// tokio-postgres held at `info` unless the filter names it: at `debug` it logs
+/// every statement's parameters, which are row values (the snapshot's keyset
+/// bounds, for one).
+fn log_filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
+    let spec = spec.unwrap_or("info");
+    let filter = tracing_subscriber::EnvFilter::try_new(spec)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if spec.contains("tokio_postgres") {
+        filter
+    } else {
+        filter.add_directive("tokio_postgres=info".parse().expect("a valid directive"))
+    }
+}
+
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("WALBOX_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = match Cli::from_arg_matches(&command_line().get_matches()) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    let format = config::log_format(cli.config_file());
+    init_logging(*format.as_ref().unwrap_or(&config::LogFormat::Text));
+    if let Err(e) = format {
+        tracing::error!("{e:#}");
+        return std::process::ExitCode::FAILURE;
+    }
     // The streaming commands run on one thread: the replication reader, the
     // relay and the SQL connections hand work to each other for every event, and
     // on one thread a hand-off is a queue push instead of a thread wakeup. The
@@ -250,7 +302,7 @@ fn main() -> std::process::ExitCode {
                 }
             },
             Command::Doctor(a) => {
-                doctor::run(&config::Config::load(&a.overrides)?, a.standby.as_deref()).await
+                doctor::run(&config::Config::load(&a.overrides)?, a.standby.as_ref().map(config::Secret::expose)).await
             }
             Command::Inspect(args) => inspect::run(args).await,
             Command::Verify(args) => verify::run(args).await,
@@ -277,6 +329,16 @@ mod tests {
         for sub in cmd.get_subcommands() {
             every_command(sub, out);
         }
+    }
+
+    #[test]
+    fn tokio_postgres_stays_at_info_unless_named() {
+        for spec in [None, Some("debug"), Some("trace"), Some("walbox=debug,debug")] {
+            let f = log_filter(spec).to_string();
+            assert!(f.contains("tokio_postgres=info"), "{spec:?}: {f}");
+        }
+        let f = log_filter(Some("debug,tokio_postgres=debug")).to_string();
+        assert!(!f.contains("tokio_postgres=info"), "{f}");
     }
 
     #[test]

@@ -72,13 +72,16 @@ pub struct SlotStatus {
     pub retained_wal_bytes: Option<i64>,
     /// How far the confirmed position is behind the server's WAL end.
     pub lag_bytes: Option<i64>,
+    /// WAL that can still be written before the slot is lost (`safe_wal_size`;
+    /// none without `max_slot_wal_keep_size`).
+    pub safe_wal_size: Option<i64>,
 }
 
 const STATUS_QUERY: &str = "
     SELECT slot_name::text, plugin::text, database::text, active_pid,
            confirmed_flush_lsn::text, restart_lsn::text, wal_status,
            (pg_current_wal_lsn() - restart_lsn)::bigint,
-           (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+           (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, safe_wal_size
     FROM pg_replication_slots WHERE slot_type = 'logical'";
 
 fn status_row(r: &tokio_postgres::Row) -> SlotStatus {
@@ -92,6 +95,7 @@ fn status_row(r: &tokio_postgres::Row) -> SlotStatus {
         wal_status: r.get(6),
         retained_wal_bytes: r.get(7),
         lag_bytes: r.get(8),
+        safe_wal_size: r.get(9),
     }
 }
 

@@ -8,6 +8,7 @@
 //! history.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -102,6 +103,19 @@ pub enum Outcome {
     Failed(Failure),
 }
 
+/// Where an event handed to the sink comes from, for counts by table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Origin {
+    /// The outbox table (`schema.name`) of its row.
+    pub table: Arc<str>,
+    /// A dead letter: the row could not become an event, or the broker refused
+    /// the event for what it is.
+    pub dead_letter: bool,
+    /// It takes the place of an event already handed to the sink (a dead letter
+    /// for an event the broker refused), so it is no new row.
+    pub replaces: bool,
+}
+
 /// Counters for the log.
 #[derive(Debug, Default, Clone)]
 pub struct Stats {
@@ -150,7 +164,8 @@ pub struct Core {
     tables: Vec<String>,
     tracker: AckTracker,
     decoder: Decoder,
-    mappers: HashMap<Oid, Mapper>,
+    /// Outbox relations by oid, with their names for [`Origin`].
+    mappers: HashMap<Oid, (Mapper, Arc<str>)>,
     /// Published relations that are not outboxes, by oid: their names, and
     /// whether a change of theirs was logged.
     unmapped: HashMap<Oid, (String, bool)>,
@@ -158,7 +173,7 @@ pub struct Core {
     ignored: HashMap<Oid, String>,
     txn: Option<OpenTxn>,
     ledger: Ledger,
-    sends: VecDeque<(Event, usize)>,
+    sends: VecDeque<(Event, usize, Origin)>,
     stats: Stats,
     /// The newest checkpoint state (`None` until the cluster's identity is known).
     checkpoint: Option<Checkpoint>,
@@ -166,6 +181,8 @@ pub struct Core {
     submitted_at: Option<Instant>,
     /// The snapshot's transaction and row count, until every row is acknowledged.
     pending_snapshot: Option<(TxnId, u64)>,
+    /// The table of the snapshot's rows, named once.
+    snapshot_table: Option<Arc<str>>,
     /// The snapshot being published: its transaction, position and next index.
     snapshot: Option<(TxnId, Lsn, u32)>,
     /// Replay: stop before the first transaction that commits at or after it.
@@ -208,6 +225,7 @@ impl Core {
             flushed: None,
             submitted_at: None,
             pending_snapshot: None,
+            snapshot_table: None,
             snapshot: None,
             stop_at: None,
             reached_end: false,
@@ -359,6 +377,13 @@ impl Core {
 
     /// The next event to hand to the sink, with its token.
     pub fn next_send(&mut self) -> Option<(Event, usize)> {
+        self.sends
+            .pop_front()
+            .map(|(event, token, _)| (event, token))
+    }
+
+    /// The next event to hand to the sink, with its token and where it comes from.
+    pub fn next_send_with_origin(&mut self) -> Option<(Event, usize, Origin)> {
         self.sends.pop_front()
     }
 
@@ -446,9 +471,10 @@ impl Core {
                         "outbox table"
                     );
                     self.unmapped.remove(&r.oid);
-                    self.mappers.insert(r.oid, mapper);
+                    let name = Arc::from(mapper.table());
+                    self.mappers.insert(r.oid, (mapper, name));
                 } else {
-                    if let Some(old) = self.mappers.remove(&r.oid) {
+                    if let Some((old, _)) = self.mappers.remove(&r.oid) {
                         self.renamed = true;
                         tracing::warn!(
                             oid = r.oid,
@@ -473,7 +499,7 @@ impl Core {
                 self.stats.ignored_unmapped += 1;
             }
             LogicalMessage::Insert(i) => {
-                let Some(mapper) = self.mappers.get(&i.relation_oid) else {
+                let Some((mapper, table)) = self.mappers.get(&i.relation_oid) else {
                     let table = self
                         .unmapped
                         .get(&i.relation_oid)
@@ -502,7 +528,7 @@ impl Core {
                 };
                 txn.index += 1;
                 let (id, committed) = (txn.id, txn.committed);
-                let event = map_row(
+                let (event, dead_letter) = map_row(
                     mapper,
                     &i.new,
                     position,
@@ -510,7 +536,12 @@ impl Core {
                     &self.cfg,
                     &mut self.stats.dead_lettered,
                 )?;
-                self.queue(event, id, committed);
+                let origin = Origin {
+                    table: Arc::clone(table),
+                    dead_letter,
+                    replaces: false,
+                };
+                self.queue(event, id, committed, origin);
             }
             LogicalMessage::Update(u) => {
                 if self.mappers.contains_key(&u.relation_oid) {
@@ -553,9 +584,11 @@ impl Core {
         }
     }
 
-    fn queue(&mut self, event: Event, txn: TxnId, committed: i64) {
+    fn queue(&mut self, event: Event, txn: TxnId, committed: i64, origin: Origin) {
         let ticket = self.tracker.event(txn);
-        let token = self.ledger.insert(ticket, event.size(), committed);
+        let token = self
+            .ledger
+            .insert(ticket, event.size(), committed, Arc::clone(&origin.table));
         self.stats.events += 1;
         tracing::debug!(
             event_id = %event.event_id,
@@ -563,7 +596,7 @@ impl Core {
             position = %format_args!("{}#{}", event.position.commit_lsn, event.position.index),
             "sent to the sink"
         );
-        self.sends.push_back((event, token));
+        self.sends.push_back((event, token, origin));
     }
 
     // ---- input: the sink ----------------------------------------------------
@@ -579,7 +612,7 @@ impl Core {
         token: usize,
         outcome: Outcome,
     ) -> Result<Option<i64>, CoreError> {
-        let (ticket, committed) = self
+        let (ticket, committed, table) = self
             .ledger
             .remove(token)
             .ok_or(CoreError::UnknownToken(token))?;
@@ -604,8 +637,15 @@ impl Core {
                         "dead-lettered"
                     );
                     self.stats.dead_lettered += 1;
-                    let token = self.ledger.insert(ticket, dead.size(), committed);
-                    self.sends.push_back((dead, token));
+                    let token =
+                        self.ledger
+                            .insert(ticket, dead.size(), committed, Arc::clone(&table));
+                    let origin = Origin {
+                        table,
+                        dead_letter: true,
+                        replaces: true,
+                    };
+                    self.sends.push_back((dead, token, origin));
                     return Ok(None);
                 }
                 self.tracker.fail(ticket);
@@ -623,7 +663,8 @@ impl Core {
 }
 
 /// Maps `row` (of a transaction committed at `commit_time`, when known), or
-/// builds its dead letter (counting it), or stops under the stop policy.
+/// builds its dead letter (counting it; then `true`), or stops under the stop
+/// policy.
 pub(super) fn map_row(
     mapper: &Mapper,
     row: &[TupleValue],
@@ -631,9 +672,9 @@ pub(super) fn map_row(
     commit_time: Option<i64>,
     cfg: &CoreConfig,
     dead_lettered: &mut u64,
-) -> Result<Event, CoreError> {
+) -> Result<(Event, bool), CoreError> {
     match mapper.map_at(row, position, commit_time) {
-        Ok(event) => Ok(event),
+        Ok(event) => Ok((event, false)),
         Err(e) => {
             let dead = mapper.dead_letter(row, position, &e, &cfg.dead_letter_topic);
             if cfg.stop_on_poison {
@@ -655,7 +696,7 @@ pub(super) fn map_row(
                 "dead-lettered"
             );
             *dead_lettered += 1;
-            Ok(dead)
+            Ok((dead, true))
         }
     }
 }

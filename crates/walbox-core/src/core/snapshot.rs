@@ -5,7 +5,9 @@
 use walbox_outbox::{Mapper, Position};
 use walbox_pgoutput::{Lsn, TupleValue};
 
-use super::{Core, map_row};
+use std::sync::Arc;
+
+use super::{Core, Origin, map_row};
 use crate::ack::AckTracker;
 use crate::error::CoreError;
 
@@ -35,7 +37,7 @@ impl Core {
         };
         *index = index.saturating_add(1);
         let txn = *txn;
-        let event = map_row(
+        let (event, dead_letter) = map_row(
             mapper,
             row,
             position,
@@ -43,7 +45,20 @@ impl Core {
             &self.cfg,
             &mut self.stats.dead_lettered,
         )?;
-        self.queue(event, txn, 0);
+        let table = match &self.snapshot_table {
+            Some(t) if **t == *mapper.table() => Arc::clone(t),
+            _ => {
+                let t: Arc<str> = Arc::from(mapper.table());
+                self.snapshot_table = Some(Arc::clone(&t));
+                t
+            }
+        };
+        let origin = Origin {
+            table,
+            dead_letter,
+            replaces: false,
+        };
+        self.queue(event, txn, 0, origin);
         Ok(())
     }
 

@@ -54,22 +54,27 @@ impl Latency {
             .max(1)
     }
 
-    /// An event of a transaction committed at `committed` was acknowledged now.
-    pub(super) fn record(&mut self, committed: i64) {
+    /// An event of a transaction committed at `committed` was acknowledged
+    /// now; returns the latency in microseconds (none for snapshot rows).
+    pub(super) fn record(&mut self, committed: i64) -> Option<u64> {
         if committed == 0 {
-            return; // snapshot rows have no commit time
+            return None; // snapshot rows have no commit time
         }
         let micros = self.since(committed);
         self.window.saturating_record(micros);
         self.total.saturating_record(micros);
+        Some(micros)
     }
 
-    /// A transaction committed at `committed` was read now.
-    pub(super) fn record_read(&mut self, committed: i64) {
-        if committed != 0 {
-            let micros = self.since(committed);
-            self.read.saturating_record(micros);
+    /// A transaction committed at `committed` was read now; returns the
+    /// latency in microseconds.
+    pub(super) fn record_read(&mut self, committed: i64) -> Option<u64> {
+        if committed == 0 {
+            return None;
         }
+        let micros = self.since(committed);
+        self.read.saturating_record(micros);
+        Some(micros)
     }
 
     pub(super) fn summary(h: &hdrhistogram::Histogram<u64>) -> String {

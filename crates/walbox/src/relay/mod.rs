@@ -23,6 +23,7 @@ use anyhow::{Result, anyhow};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
+use crate::metrics::{Metrics, State};
 use crate::pg::ConnParams;
 use crate::publication::PublicationWatch;
 use walbox_core::CheckpointFile;
@@ -54,6 +55,70 @@ impl std::error::Error for Transient {}
 
 fn transient(e: impl Into<anyhow::Error>) -> anyhow::Error {
     anyhow::Error::new(Transient(e.into()))
+}
+
+/// The replication connection stalled (inside a [`Transient`]). Displays as
+/// its message.
+#[derive(Debug)]
+struct Stalled(String);
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Stalled {}
+
+/// The slot is gone or invalidated: walbox cannot go on without an operator.
+/// Displays as the error it wraps.
+#[derive(Debug)]
+struct SlotLost(anyhow::Error);
+
+impl std::fmt::Display for SlotLost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for SlotLost {}
+
+/// Why a session ended, for `walbox_sessions_ended_total{reason}`.
+fn end_reason(result: &Result<()>) -> &'static str {
+    use pgwire_replication::PgWireError;
+    let Err(e) = result else {
+        return "stopped";
+    };
+    if e.downcast_ref::<SlotLost>().is_some() {
+        return "slot_lost";
+    }
+    let Some(Transient(inner)) = e.downcast_ref::<Transient>() else {
+        return "error";
+    };
+    if inner.downcast_ref::<Stalled>().is_some() {
+        return "stall";
+    }
+    for cause in inner.chain() {
+        if let Some(walbox_core::CoreError::Delivery { .. }) = cause.downcast_ref() {
+            return "broker_timeout";
+        }
+        if cause.downcast_ref::<walbox_sink::SinkError>().is_some() {
+            return "broker_error";
+        }
+        match cause.downcast_ref::<PgWireError>() {
+            Some(PgWireError::Server(_)) => return "server_restart",
+            Some(PgWireError::Io(_)) => return "connection_lost",
+            _ => {}
+        }
+        if let Some(pg) = cause.downcast_ref::<tokio_postgres::Error>() {
+            return if pg.as_db_error().is_some() {
+                "server_restart"
+            } else {
+                "connection_lost"
+            };
+        }
+    }
+    "connection_lost"
 }
 
 /// A failed SQL connection is transient when the server may answer later (refused,
@@ -154,6 +219,34 @@ pub(crate) struct Ctx<'a> {
     pub(crate) config: &'a Config,
     pub(crate) conn: &'a ConnParams,
     pub(crate) store: &'a CheckpointFile,
+    /// The metrics, when `metrics.listen` is set.
+    pub(crate) metrics: Option<&'a Arc<Metrics>>,
+}
+
+impl Ctx<'_> {
+    /// Tells `/readyz` what the relay does now.
+    pub(crate) fn state(&self, state: State, reason: impl Into<String>) {
+        if let Some(m) = self.metrics {
+            m.health.set(state, reason);
+        }
+    }
+}
+
+/// Starts the metrics endpoint and the slot sampler when `metrics.listen` is set.
+pub(crate) fn start_metrics(config: &Config, conn: &ConnParams) -> Result<Option<Arc<Metrics>>> {
+    let Some(listen) = config.metrics.listen.as_deref() else {
+        return Ok(None);
+    };
+    let m = Metrics::new();
+    let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+    m.in_flight_events_limit.set(n(config.sink.max_in_flight));
+    m.in_flight_bytes_limit
+        .set(n(config.sink.max_in_flight_bytes));
+    let (sampled, conn, slot) = (Arc::clone(&m), conn.clone(), config.source.slot.clone());
+    crate::metrics::server::start(listen, Arc::clone(&m), move || {
+        crate::metrics::slot_sampler::run(sampled, conn, slot)
+    })?;
+    Ok(Some(m))
 }
 
 /// Runs the relay until a signal stops it or a fatal error does. Transient errors
@@ -164,15 +257,28 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
     let mut signals = signals()?;
     let conn = ConnParams::parse(config.dsn()?)?;
     let store = config.checkpoint_store();
+    let metrics = start_metrics(&config, &conn)?;
     let ctx = Ctx {
         config: &config,
         conn: &conn,
         store: &store,
+        metrics: metrics.as_ref(),
     };
     let mut attempt = 0u32;
     loop {
         let began = Instant::now();
+        ctx.state(
+            State::Connecting,
+            format!("connecting to {}", conn.describe()),
+        );
+        if let Some(m) = ctx.metrics {
+            m.sessions_started.inc();
+        }
         let result = session(ctx, &options, attempt, &mut signals).await;
+        let reason = end_reason(&result);
+        if let Some(m) = ctx.metrics {
+            m.session_ended(reason);
+        }
         // An explicit start position applies once; later sessions resume from
         // the checkpoint, which then reflects it.
         options.from_lsn = None;
@@ -180,11 +286,34 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
         options.accept_wal_behind = false;
         options.accept_skip = false;
         let Err(e) = result else {
+            ctx.state(State::Stopping, "stopped");
             return Ok(());
         };
         if !is_transient(&e) {
+            let state = if reason == "slot_lost" {
+                State::SlotLost
+            } else {
+                State::Failed
+            };
+            ctx.state(state, format!("{e:#}"));
+            if ctx.metrics.is_some() {
+                // The endpoints stay up so /readyz can say why; a restart
+                // would fail the same way.
+                tracing::error!("{e:#}");
+                tracing::warn!("walbox stopped relaying; /readyz says why until walbox is stopped");
+                let _ = signals.recv().await;
+                return Err(anyhow!("stopped after an error: {e:#}"));
+            }
             return Err(e);
         }
+        ctx.state(
+            if reason == "stall" {
+                State::Stalled
+            } else {
+                State::BackingOff
+            },
+            format!("{e:#}"),
+        );
         if began.elapsed() >= HEALTHY_SESSION {
             attempt = 0;
         }

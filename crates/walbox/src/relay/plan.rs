@@ -3,12 +3,17 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use tokio::sync::mpsc;
 use walbox_core::{Checkpoint, CheckpointFile};
 use walbox_pgoutput::Lsn;
 
-use super::{RunOptions, classify_sql};
+use super::{RunOptions, SlotLost, classify_sql};
+
+/// An error that says the slot is gone or invalidated.
+fn slot_lost(e: anyhow::Error) -> anyhow::Error {
+    anyhow::Error::new(SlotLost(e))
+}
 use crate::config::{Config, SnapshotMode};
 use crate::slot::SlotInfo;
 
@@ -46,13 +51,13 @@ pub(super) fn plan(
             return snapshot_without_its_slot(name, store, cp, options);
         }
         if let Some(cp) = saved {
-            bail!(
+            return Err(slot_lost(anyhow!(
                 "replication slot {name:?} does not exist, but the checkpoint {} says walbox \
                  published up to {}: the slot was dropped, and outbox events committed while \
                  it was gone are not in any slot. {RECOVER}",
                 store.path().display(),
                 cp.lsn
-            );
+            )));
         }
         if config.snapshot.mode == SnapshotMode::Initial {
             return Ok(Plan::Snapshot { resume: None });
@@ -76,11 +81,11 @@ pub(super) fn plan(
             || "its confirmed position".to_owned(),
             |cp| format!("{} (walbox's checkpoint)", cp.lsn),
         );
-        bail!(
+        return Err(slot_lost(anyhow!(
             "slot {name:?} is invalidated (wal_status = lost): the server removed WAL it still \
              needed (max_slot_wal_keep_size), so outbox events committed after {since} may be \
              missing. {RECOVER}"
-        );
+        )));
     }
     let confirmed = slot
         .confirmed

@@ -17,10 +17,12 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
     let mut signals = signals()?;
     let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
     let store = config.checkpoint_store();
+    let metrics = super::start_metrics(config, &conn)?;
     let ctx = Ctx {
         config,
         conn: &conn,
         store: &store,
+        metrics: metrics.as_ref(),
     };
     let name = &config.source.slot;
     let sql = conn.connect().await?;

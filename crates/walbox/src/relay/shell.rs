@@ -16,6 +16,7 @@ use super::latency::Latency;
 use super::sink::{AnySink, failure, sink_error};
 use super::{Ctx, classify_replication, transient};
 use crate::config::{Config, DeadLetterPolicy};
+use crate::metrics::SendCounters;
 use crate::publication::PublicationWatch;
 
 /// How often the checkpoint is written while the position moves.
@@ -68,7 +69,16 @@ pub(super) struct Relay<'a> {
     /// `run` only: the publication checked while streaming; positions beyond
     /// what it verified are neither saved nor reported.
     pub(super) publication: Option<PublicationWatch>,
+    /// The counters of the events in flight, when metrics are on.
+    counters: Option<SendCounters>,
+    /// When the gauges were last set from the core.
+    sampled: Instant,
+    /// Events acknowledged since the gauges were last set.
+    acked: u64,
 }
+
+/// How often the gauges are set from the core.
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
 impl<'a> Relay<'a> {
     pub(super) fn new(ctx: Ctx<'a>, sink: AnySink) -> Result<Self> {
@@ -79,7 +89,31 @@ impl<'a> Relay<'a> {
             writer: CheckpointWriter::new(ctx.store.clone()),
             latency: Latency::new(),
             publication: None,
+            counters: ctx
+                .metrics
+                .map(|m| SendCounters::new(std::sync::Arc::clone(m))),
+            sampled: Instant::now(),
+            acked: 0,
         })
+    }
+
+    /// A turn of the relay loop: the heartbeat, and a few times a second the
+    /// gauges from the core.
+    pub(super) fn observe_turn(&mut self) {
+        let Some(m) = self.ctx.metrics else {
+            return;
+        };
+        let now = Instant::now();
+        m.health.beat(now);
+        if now.duration_since(self.sampled) < SAMPLE_EVERY {
+            return;
+        }
+        self.sampled = now;
+        if std::mem::take(&mut self.acked) > 0 {
+            m.health.acked(now);
+        }
+        m.health.set_in_flight(self.core.in_flight());
+        m.sample_core(&self.core);
     }
 
     /// Takes a checkpoint that is already on disk as the current one.
@@ -92,6 +126,13 @@ impl<'a> Relay<'a> {
 
     /// Hands every event the core has queued to the sink.
     pub(super) async fn pump(&mut self) -> Result<()> {
+        if let Some(counters) = &mut self.counters {
+            while let Some((event, token, origin)) = self.core.next_send_with_origin() {
+                counters.sent(token, &event, &origin);
+                self.sink.send(event, token).await.map_err(sink_error)?;
+            }
+            return Ok(());
+        }
         while let Some((event, token)) = self.core.next_send() {
             self.sink.send(event, token).await.map_err(sink_error)?;
         }
@@ -106,7 +147,11 @@ impl<'a> Relay<'a> {
                 xid,
                 commit_time_micros,
             } => {
-                self.latency.record_read(commit_time_micros);
+                if let Some(micros) = self.latency.record_read(commit_time_micros)
+                    && let Some(m) = self.ctx.metrics
+                {
+                    m.commit_to_read.observe(micros as f64 / 1e6);
+                }
                 WalMessage::Begin {
                     final_lsn: Lsn(final_lsn.0),
                     xid,
@@ -116,9 +161,15 @@ impl<'a> Relay<'a> {
             ReplicationEvent::Commit { end_lsn, .. } => WalMessage::Commit {
                 end_lsn: Lsn(end_lsn.0),
             },
-            ReplicationEvent::KeepAlive { wal_end, .. } => WalMessage::KeepAlive {
-                wal_end: Lsn(wal_end.0),
-            },
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                if let Some(m) = self.ctx.metrics {
+                    m.server_wal_end_lsn
+                        .set(i64::try_from(wal_end.0).unwrap_or(i64::MAX));
+                }
+                WalMessage::KeepAlive {
+                    wal_end: Lsn(wal_end.0),
+                }
+            }
             ReplicationEvent::XLogData { data, .. } => WalMessage::Data(data),
             ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {
                 return Ok(());
@@ -139,9 +190,18 @@ impl<'a> Relay<'a> {
             Ok(()) => Outcome::Acked,
             Err(e) => Outcome::Failed(failure(e)),
         };
+        if let Some(counters) = &mut self.counters {
+            let acked = matches!(outcome, Outcome::Acked);
+            counters.settled(d.token, acked);
+            self.acked += u64::from(acked);
+        }
         match self.core.on_delivery(d.token, outcome) {
             Ok(Some(committed)) => {
-                self.latency.record(committed);
+                if let Some(micros) = self.latency.record(committed)
+                    && let Some(m) = self.ctx.metrics
+                {
+                    m.commit_to_ack.observe(micros as f64 / 1e6);
+                }
                 Ok(())
             }
             Ok(None) => self.pump().await,

@@ -164,6 +164,14 @@ pub(super) async fn take_snapshot(
             .with_context(|| format!("outbox table {schema}.{name} does not exist"))?;
         let mapper = Mapper::compile(table_cfg, &config.producer, &table.relation)?;
         let total = snapshot::count(&sql, &table, &config.snapshot).await?;
+        ctx.state(
+            crate::metrics::State::Snapshot,
+            format!("initial snapshot of {schema}.{name}"),
+        );
+        if let Some(m) = ctx.metrics {
+            m.snapshot_rows_total
+                .inc_by(i64::try_from(total).unwrap_or(i64::MAX));
+        }
         let mut progress = snapshot::Progress::new(mapper.table().to_owned(), total);
         snapshot::declare(&sql, &table, table_cfg, &config.snapshot).await?;
         let fetch_sql = format!(
@@ -216,6 +224,11 @@ pub(super) async fn take_snapshot(
             }
             rows_total += n;
             progress.add(n);
+            relay.observe_turn();
+            if let Some(m) = ctx.metrics {
+                m.snapshot_rows_done
+                    .inc_by(i64::try_from(n).unwrap_or(i64::MAX));
+            }
         }
         sql.batch_execute(&format!("CLOSE {}", snapshot::CURSOR))
             .await
@@ -245,10 +258,12 @@ pub async fn setup_snapshot(config: &Config) -> Result<()> {
     let mut signals = signals()?;
     let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
     let store = config.checkpoint_store();
+    let metrics = super::start_metrics(config, &conn)?;
     let ctx = Ctx {
         config,
         conn: &conn,
         store: &store,
+        metrics: metrics.as_ref(),
     };
     let sql = conn.connect().await?;
     let saved = store.load()?;

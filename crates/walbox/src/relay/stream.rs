@@ -112,6 +112,13 @@ pub(super) async fn stream(
         })
         .map_err(classify_replication)?;
     let tables: Vec<&str> = config.outbox.iter().map(|t| t.table.as_str()).collect();
+    ctx.state(
+        crate::metrics::State::Streaming,
+        format!(
+            "streaming from slot {:?} at {}",
+            config.source.slot, spec.start
+        ),
+    );
     tracing::info!(slot = %config.source.slot, publication = %config.source.publication,
         start = %spec.start, stop_at = ?spec.stop_at.map(|l| l.to_string()), tables = ?tables,
         "streaming");
@@ -161,6 +168,7 @@ pub(super) async fn stream(
             // 1. A stop signal: stop reading, drain acknowledgements.
             Some(()) = signals.recv() => {
                 tracing::info!(in_flight = relay.core.in_flight(), "stopping: waiting for in-flight events");
+                ctx.state(crate::metrics::State::Stopping, "stopping: waiting for in-flight events");
                 let deadline = Instant::now() + Duration::from_millis(config.shutdown.timeout_ms);
                 stopping = Some(deadline);
                 shutdown.as_mut().reset(deadline.into());
@@ -201,12 +209,16 @@ pub(super) async fn stream(
             }
             Err(e) => Err(e),
         };
+        relay.observe_turn();
         if ticked {
             if let Err(e) = relay.publication_ok() {
                 break Err(e);
             }
             if fresh {
                 heard = Instant::now();
+                if let Some(m) = ctx.metrics {
+                    m.health.heard(heard);
+                }
                 fresh = false;
             } else if !stall_timeout.is_zero() && heard.elapsed() >= stall_timeout {
                 if let Err(e) = check_stall(ctx, stall_timeout).await {
@@ -345,10 +357,13 @@ async fn check_stall(ctx: Ctx<'_>, timeout: Duration) -> Result<()> {
     let slot = &ctx.config.source.slot;
     let secs = timeout.as_secs_f64();
     let stalled = |why: String| {
-        transient(anyhow!(
+        transient(super::Stalled(format!(
             "replication connection stalled: nothing from the server for {secs:.0} s and {why}"
-        ))
+        )))
     };
+    if let Some(m) = ctx.metrics {
+        m.stall_probes.inc();
+    }
     let probe = async {
         let sql = ctx.conn.connect().await?;
         let reader = crate::slot::reader(&sql, slot).await?;
