@@ -302,7 +302,11 @@ fn main() -> std::process::ExitCode {
                 }
             },
             Command::Doctor(a) => {
-                doctor::run(&config::Config::load(&a.overrides)?, a.standby.as_ref().map(config::Secret::expose)).await
+                doctor::run(
+                    &config::Config::load(&a.overrides)?,
+                    a.standby.as_ref().map(config::Secret::expose),
+                )
+                .await
             }
             Command::Inspect(args) => inspect::run(args).await,
             Command::Verify(args) => verify::run(args).await,
@@ -333,7 +337,12 @@ mod tests {
 
     #[test]
     fn tokio_postgres_stays_at_info_unless_named() {
-        for spec in [None, Some("debug"), Some("trace"), Some("walbox=debug,debug")] {
+        for spec in [
+            None,
+            Some("debug"),
+            Some("trace"),
+            Some("walbox=debug,debug"),
+        ] {
             let f = log_filter(spec).to_string();
             assert!(f.contains("tokio_postgres=info"), "{spec:?}: {f}");
         }

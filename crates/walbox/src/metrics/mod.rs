@@ -33,6 +33,18 @@ const LATENCY_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
+/// The reasons `walbox_sessions_ended_total` counts sessions by.
+pub const END_REASONS: &[&str] = &[
+    "stopped",
+    "server_restart",
+    "connection_lost",
+    "broker_timeout",
+    "broker_error",
+    "stall",
+    "slot_lost",
+    "error",
+];
+
 /// Every metric walbox exports, with its registry.
 #[derive(Debug)]
 pub struct Metrics {
@@ -105,6 +117,13 @@ impl Metrics {
             postgres_version: std::sync::Mutex::new(String::new()),
         };
         let mut m = m;
+        // Every reason from the start at 0, so that a rule's increase() sees the
+        // first end of each kind and the family is there before any session ends.
+        for reason in END_REASONS {
+            let _ = m
+                .sessions_ended
+                .get_or_create(&vec![("reason", (*reason).to_owned())]);
+        }
         m.register_all();
         m.set_build_info("");
         Arc::new(m)
@@ -282,8 +301,9 @@ impl Metrics {
             .set(1);
     }
 
-    /// A session ended for `reason`.
+    /// A session ended for `reason` (one of [`END_REASONS`]).
     pub fn session_ended(&self, reason: &str) {
+        debug_assert!(END_REASONS.contains(&reason), "{reason}");
         self.sessions_ended
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
