@@ -272,6 +272,14 @@ async fn a_lost_slot_stops_walbox_at_once_with_the_recovery_steps() {
         err.contains("walbox's checkpoint") && err.contains("--snapshot"),
         "{err}"
     );
+    // 17+ names the reason; before, the cause is inferred.
+    let major = pg.major().unwrap();
+    assert_eq!(
+        err.contains("invalidation_reason = wal_removed"),
+        major >= 17,
+        "PostgreSQL {major}: {err}"
+    );
+    assert!(err.contains("max_slot_wal_keep_size"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -211,6 +211,27 @@ fn print_slots(slots: &[SlotReport], json: bool) -> Result<()> {
             or_dash(s.retained_wal_bytes)
         );
         println!("  lag behind server  {} bytes", or_dash(s.lag_bytes));
+        // The columns of later majors, where the server has them.
+        let bools = [
+            ("conflicting", s.conflicting),
+            ("failover", s.failover),
+            ("synced", s.synced),
+        ];
+        for (name, value) in bools {
+            if let Some(v) = value {
+                println!("  {name:<18} {}", or_dash(v));
+            }
+        }
+        let texts = [
+            ("inactive_since", &s.inactive_since),
+            ("invalidation_reason", &s.invalidation_reason),
+            ("two_phase_at", &s.two_phase_at),
+        ];
+        for (name, value) in texts {
+            if let Some(v) = value {
+                println!("  {name:<18} {}", or_dash(v.as_ref()));
+            }
+        }
         if let Some(tables) = &report.publication_tables {
             println!("  publication tables {}", tables.join(", "));
         }

@@ -74,16 +74,18 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
     match &slot_row {
         Some(info) => {
             let plugin = info.plugin.clone();
-            let wal_status = info.wal_status.clone();
             if plugin.as_deref() != Some("pgoutput") {
                 r.add(Verdict::Fail, format!("slot {slot} uses plugin {plugin:?}, not pgoutput"));
-            } else if wal_status.as_deref() == Some("lost") {
+            } else if let Some(why) = info.invalidation() {
                 r.add(
                     Verdict::Fail,
-                    format!("slot {slot} is invalidated (wal_status = lost): drop it and set up again"),
+                    format!(
+                        "slot {slot} is invalidated ({why}): drop it and set up again \
+                         (`walbox slot drop`, then `walbox setup --snapshot`)"
+                    ),
                 );
             } else {
-                r.add(Verdict::Ok, format!("slot {slot} exists (pgoutput, wal_status {})", wal_status.unwrap_or_default()));
+                r.add(Verdict::Ok, format!("slot {slot} exists ({})", slot_columns(info)));
             }
         }
         None => r.check(
@@ -124,6 +126,28 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
         );
     } else {
         r.add(Verdict::Ok, format!("max_slot_wal_keep_size = {keep}"));
+    }
+
+    // PostgreSQL 18+: a slot nobody reads for this long is invalidated.
+    let idle: Option<String> = sql
+        .query_one(
+            "SELECT current_setting('idle_replication_slot_timeout', true)",
+            &[],
+        )
+        .await?
+        .get(0);
+    match idle.as_deref() {
+        None => {}
+        Some("0") => r.add(Verdict::Ok, "idle_replication_slot_timeout = 0 (disabled)"),
+        Some(timeout) => r.add(
+            Verdict::Warn,
+            format!(
+                "idle_replication_slot_timeout = {timeout}: when walbox is stopped longer, the \
+                 server invalidates the slot at a checkpoint and the events committed meanwhile \
+                 can only be recovered with a snapshot; set it to 0, or longer than walbox may \
+                 ever be stopped"
+            ),
+        ),
     }
 
     let publication = &config.source.publication;
@@ -206,6 +230,30 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
         bail!("{failed} check(s) failed");
     }
     Ok(())
+}
+
+/// The slot's columns as the server has them: plugin and `wal_status`, then
+/// those of 16+ (`conflicting`) and 17+ (`failover`, `synced`,
+/// `inactive_since`) where present.
+fn slot_columns(info: &crate::slot::SlotInfo) -> String {
+    let mut text = format!(
+        "{}, wal_status {}",
+        info.plugin.as_deref().unwrap_or_default(),
+        info.wal_status.as_deref().unwrap_or("-")
+    );
+    for (name, value) in [
+        ("conflicting", info.conflicting),
+        ("failover", info.failover),
+        ("synced", info.synced),
+    ] {
+        if let Some(v) = value {
+            text.push_str(&format!(", {name} {v}"));
+        }
+    }
+    if let Some(since) = &info.inactive_since {
+        text.push_str(&format!(", inactive since {since}"));
+    }
+    text
 }
 
 #[allow(clippy::print_stdout)] // command output

@@ -4,13 +4,70 @@
 //! decisions of `run`, `replay`, `setup` and `doctor`, [`SlotStatus`] for
 //! `walbox slot status | list`, [`SlotReader`] for the stall probe. A column
 //! that some PostgreSQL versions add or change is read here, in one place, and
-//! given a field of these structs.
+//! given a field of these structs: [`Columns`] says which the server has.
 
 use anyhow::{Context, Result};
 use walbox_pgoutput::Lsn;
 
+/// The columns of `pg_replication_slots` that depend on the server's major
+/// version, from its `server_version_num`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Columns {
+    /// `server_version_num`, e.g. 170004.
+    pub version_num: i32,
+}
+
+impl Columns {
+    /// Asks the server for its version.
+    pub async fn of(sql: &tokio_postgres::Client) -> Result<Self> {
+        let version_num = sql
+            .query_one("SELECT current_setting('server_version_num')::int", &[])
+            .await
+            .context("reading server_version_num")?
+            .get(0);
+        Ok(Columns { version_num })
+    }
+
+    /// `conflicting` (16+).
+    pub fn conflicting(self) -> bool {
+        self.version_num >= 160_000
+    }
+
+    /// `failover`, `synced`, `inactive_since` and `invalidation_reason` (17+).
+    pub fn failover(self) -> bool {
+        self.version_num >= 170_000
+    }
+
+    /// `two_phase_at` (18+).
+    pub fn two_phase_at(self) -> bool {
+        self.version_num >= 180_000
+    }
+
+    /// The select list of the version-dependent columns, in this order:
+    /// `conflicting`, `failover`, `synced`, `inactive_since`,
+    /// `invalidation_reason`, `two_phase_at`; NULL where the server has none.
+    fn select(self) -> String {
+        let col = |present: bool, name: &str, ty: &str| {
+            if present {
+                format!("{name}{}", if ty == "text" { "::text" } else { "" })
+            } else {
+                format!("NULL::{ty}")
+            }
+        };
+        [
+            col(self.conflicting(), "conflicting", "bool"),
+            col(self.failover(), "failover", "bool"),
+            col(self.failover(), "synced", "bool"),
+            col(self.failover(), "inactive_since", "text"),
+            col(self.failover(), "invalidation_reason", "text"),
+            col(self.two_phase_at(), "two_phase_at", "text"),
+        ]
+        .join(", ")
+    }
+}
+
 /// The slot as walbox's decisions need it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct SlotInfo {
     /// Output plugin (walbox needs `pgoutput`).
     pub plugin: Option<String>,
@@ -22,15 +79,75 @@ pub struct SlotInfo {
     pub confirmed: Option<Lsn>,
     /// `reserved`, `extended`, `unreserved` or `lost` (invalidated).
     pub wal_status: Option<String>,
+    /// Invalidated by a conflict with recovery (16+; `None` before).
+    pub conflicting: Option<bool>,
+    /// Why the server invalidated the slot (17+): `wal_removed`,
+    /// `rows_removed`, `wal_level_insufficient`, `idle_timeout` (18+).
+    pub invalidation_reason: Option<String>,
+    /// Whether the slot is synchronized to standbys (17+).
+    pub failover: Option<bool>,
+    /// Whether this is a standby's copy synchronized from the primary (17+).
+    pub synced: Option<bool>,
+    /// Since when nobody has read the slot (17+), as the server writes it.
+    pub inactive_since: Option<String>,
+}
+
+impl SlotInfo {
+    /// Why the slot can no longer be read, when the server invalidated it: the
+    /// reason as the server names it and what caused it; `None` for a usable
+    /// slot.
+    pub fn invalidation(&self) -> Option<String> {
+        let lost = self.wal_status.as_deref() == Some("lost");
+        if !lost && self.invalidation_reason.is_none() {
+            return None;
+        }
+        let status = self
+            .wal_status
+            .as_deref()
+            .map_or_else(String::new, |s| format!("wal_status = {s}, "));
+        Some(match self.invalidation_reason.as_deref() {
+            Some("wal_removed") => format!(
+                "{status}invalidation_reason = wal_removed: the server removed WAL the slot still \
+                 needed (max_slot_wal_keep_size)"
+            ),
+            Some("rows_removed") => format!(
+                "{status}invalidation_reason = rows_removed: the server removed catalog rows the \
+                 slot still needed (on a standby: turn on hot_standby_feedback and stream \
+                 through a physical slot on the primary)"
+            ),
+            Some("wal_level_insufficient") => format!(
+                "{status}invalidation_reason = wal_level_insufficient: wal_level on the primary \
+                 was set below logical; set wal_level = logical there"
+            ),
+            Some("idle_timeout") => format!(
+                "{status}invalidation_reason = idle_timeout: nobody read the slot for longer \
+                 than idle_replication_slot_timeout and a checkpoint invalidated it; before \
+                 creating the slot again, set idle_replication_slot_timeout = 0 or longer than \
+                 walbox may ever be stopped"
+            ),
+            Some(other) => format!("{status}invalidation_reason = {other}"),
+            None if self.conflicting == Some(true) => format!(
+                "{status}conflicting = true: the server removed catalog rows the slot still \
+                 needed, or wal_level on the primary was set below logical"
+            ),
+            None => format!(
+                "{status}the server removed WAL the slot still needed (max_slot_wal_keep_size)"
+            ),
+        })
+    }
 }
 
 /// Reads slot `slot`; `None` when it does not exist.
 pub async fn info(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<SlotInfo>> {
+    let columns = Columns::of(sql).await?;
     let row = sql
         .query_opt(
-            "SELECT plugin::text, database = current_database(), active_pid,
-                    confirmed_flush_lsn::text, wal_status
-             FROM pg_replication_slots WHERE slot_name = $1",
+            &format!(
+                "SELECT plugin::text, database = current_database(), active_pid,
+                        confirmed_flush_lsn::text, wal_status, {}
+                 FROM pg_replication_slots WHERE slot_name = $1",
+                columns.select()
+            ),
             &[&slot],
         )
         .await
@@ -46,10 +163,19 @@ pub async fn info(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<Slo
                 .transpose()
                 .context("slot position")?,
             wal_status: r.get(4),
+            conflicting: r.get(5),
+            failover: r.get(6),
+            synced: r.get(7),
+            inactive_since: r.get(8),
+            invalidation_reason: r.get(9),
         })
     })
     .transpose()
 }
+
+/// A column some PostgreSQL versions do not have: `None` when the server has
+/// no such column (left out of `--json`), `Some(None)` when its value is NULL.
+pub type Column<T> = Option<Option<T>>;
 
 /// One logical slot as `walbox slot status` / `list` show it.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -75,16 +201,39 @@ pub struct SlotStatus {
     /// WAL that can still be written before the slot is lost (`safe_wal_size`;
     /// none without `max_slot_wal_keep_size`).
     pub safe_wal_size: Option<i64>,
+    /// Invalidated by a conflict with recovery (16+).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conflicting: Column<bool>,
+    /// Synchronized to standbys (17+).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failover: Column<bool>,
+    /// A standby's copy synchronized from the primary (17+).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub synced: Column<bool>,
+    /// Since when nobody has read it (17+).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inactive_since: Column<String>,
+    /// Why the server invalidated it (17+).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub invalidation_reason: Column<String>,
+    /// Where two-phase decoding was enabled (18+).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub two_phase_at: Column<String>,
 }
 
-const STATUS_QUERY: &str = "
-    SELECT slot_name::text, plugin::text, database::text, active_pid,
-           confirmed_flush_lsn::text, restart_lsn::text, wal_status,
-           (pg_current_wal_lsn() - restart_lsn)::bigint,
-           (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, safe_wal_size
-    FROM pg_replication_slots WHERE slot_type = 'logical'";
+fn status_query(columns: Columns) -> String {
+    format!(
+        "SELECT slot_name::text, plugin::text, database::text, active_pid,
+                confirmed_flush_lsn::text, restart_lsn::text, wal_status,
+                (pg_current_wal_lsn() - restart_lsn)::bigint,
+                (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint, safe_wal_size, {}
+         FROM pg_replication_slots WHERE slot_type = 'logical'",
+        columns.select()
+    )
+}
 
-fn status_row(r: &tokio_postgres::Row) -> SlotStatus {
+fn status_row(columns: Columns, r: &tokio_postgres::Row) -> SlotStatus {
+    let when = |present: bool| present.then_some(());
     SlotStatus {
         slot: r.get(0),
         plugin: r.get(1),
@@ -96,26 +245,39 @@ fn status_row(r: &tokio_postgres::Row) -> SlotStatus {
         retained_wal_bytes: r.get(7),
         lag_bytes: r.get(8),
         safe_wal_size: r.get(9),
+        conflicting: when(columns.conflicting()).map(|()| r.get(10)),
+        failover: when(columns.failover()).map(|()| r.get(11)),
+        synced: when(columns.failover()).map(|()| r.get(12)),
+        inactive_since: when(columns.failover()).map(|()| r.get(13)),
+        invalidation_reason: when(columns.failover()).map(|()| r.get(14)),
+        two_phase_at: when(columns.two_phase_at()).map(|()| r.get(15)),
     }
 }
 
 /// The logical slot `slot`; `None` when it does not exist.
 pub async fn status(sql: &tokio_postgres::Client, slot: &str) -> Result<Option<SlotStatus>> {
+    let columns = Columns::of(sql).await?;
     Ok(sql
-        .query_opt(&format!("{STATUS_QUERY} AND slot_name = $1"), &[&slot])
+        .query_opt(
+            &format!("{} AND slot_name = $1", status_query(columns)),
+            &[&slot],
+        )
         .await
         .context("reading pg_replication_slots")?
-        .as_ref()
-        .map(status_row))
+        .map(|r| status_row(columns, &r)))
 }
 
 /// Every logical slot of the server, by name.
 pub async fn list(sql: &tokio_postgres::Client) -> Result<Vec<SlotStatus>> {
+    let columns = Columns::of(sql).await?;
     let rows = sql
-        .query(&format!("{STATUS_QUERY} ORDER BY slot_name"), &[])
+        .query(
+            &format!("{} ORDER BY slot_name", status_query(columns)),
+            &[],
+        )
         .await
         .context("reading pg_replication_slots")?;
-    Ok(rows.iter().map(status_row).collect())
+    Ok(rows.iter().map(|r| status_row(columns, r)).collect())
 }
 
 /// Creates logical slot `slot` with pgoutput; returns its position as the

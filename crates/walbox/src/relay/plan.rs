@@ -76,15 +76,14 @@ pub(super) fn plan(
     if !slot.same_database {
         bail!("slot {name:?} belongs to another database");
     }
-    if slot.wal_status.as_deref() == Some("lost") {
+    if let Some(why) = slot.invalidation() {
         let since = saved.map_or_else(
             || "its confirmed position".to_owned(),
             |cp| format!("{} (walbox's checkpoint)", cp.lsn),
         );
         return Err(slot_lost(anyhow!(
-            "slot {name:?} is invalidated (wal_status = lost): the server removed WAL it still \
-             needed (max_slot_wal_keep_size), so outbox events committed after {since} may be \
-             missing. {RECOVER}"
+            "slot {name:?} is invalidated ({why}), so the slot can never be read again and \
+             outbox events committed after {since} may be missing. {RECOVER}"
         )));
     }
     let confirmed = slot
@@ -355,6 +354,7 @@ mod tests {
             active_pid: None,
             confirmed: Some(lsn(at)),
             wal_status: Some("reserved".into()),
+            ..SlotInfo::default()
         }
     }
 
@@ -428,6 +428,43 @@ mod tests {
             e.contains("wal_status = lost") && e.contains("0/500 (walbox's checkpoint)"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn every_invalidation_reason_is_refused_with_its_cause_and_the_recovery() {
+        let none = RunOptions::default();
+        let refused = |wal_status: &str, reason: Option<&str>, conflicting: Option<bool>| {
+            let mut s = slot("0/500");
+            s.wal_status = Some(wal_status.into());
+            s.invalidation_reason = reason.map(Into::into);
+            s.conflicting = conflicting;
+            planned(Some(&cp("0/500", None)), Some(&s), &none)
+                .unwrap_err()
+                .to_string()
+        };
+        for (reason, cause) in [
+            ("wal_removed", "max_slot_wal_keep_size"),
+            ("rows_removed", "hot_standby_feedback"),
+            ("wal_level_insufficient", "wal_level = logical"),
+            ("idle_timeout", "idle_replication_slot_timeout = 0"),
+        ] {
+            let e = refused("lost", Some(reason), Some(reason != "wal_removed"));
+            assert!(
+                e.contains(&format!("invalidation_reason = {reason}"))
+                    && e.contains(cause)
+                    && e.contains("0/500 (walbox's checkpoint)")
+                    && e.contains("--snapshot"),
+                "{e}"
+            );
+        }
+        // 16 names no reason, only the conflict.
+        let e = refused("lost", None, Some(true));
+        assert!(e.contains("conflicting = true"), "{e}");
+        // A reason without wal_status = lost is still refused.
+        let e = refused("reserved", Some("idle_timeout"), None);
+        assert!(e.contains("idle_timeout"), "{e}");
+        // A usable slot has no invalidation.
+        assert!(slot("0/500").invalidation().is_none());
     }
 
     #[test]
