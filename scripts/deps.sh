@@ -5,6 +5,7 @@
 #   - the C toolchain pieces librdkafka's bundled build uses (with OpenSSL, so
 #     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
+#   - nats-server (Debian's package), the JetStream server the NATS sink's tests run
 #   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
 #     check the alert rules and the service file in deploy/
 #   - the PostgreSQL majors given as arguments (`scripts/deps.sh 15 17`): 15 from
@@ -53,6 +54,7 @@ command -v perl >/dev/null 2>&1 || apt_packages+=(perl)
 if ! $build_only; then
   command -v promtool >/dev/null 2>&1 || apt_packages+=(prometheus)
   command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
+  command -v nats-server >/dev/null 2>&1 || apt_packages+=(nats-server)
 fi
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
@@ -90,4 +92,4 @@ for major in "${majors[@]}"; do
   "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
 done
 
-log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, tansu $TANSU_VERSION"
+log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, tansu $TANSU_VERSION"
