@@ -2,7 +2,7 @@
 //! once in per-key order with `Nats-Msg-Id` = its event id; kill -9 rounds under
 //! load leave no duplicate message in the stream; a record the stream refuses
 //! goes to `{subject}.dlq`; `walbox verify` audits the stream; a missing stream
-//! stops walbox with what to do.
+//! stops walbox with what to do, and so do refused credentials.
 
 mod common;
 
@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::*;
 use walbox_sink::NatsSinkConfig;
-use walbox_testkit::{NatsServer, OUTBOX_DDL, PgCluster};
+use walbox_testkit::{NatsOptions, NatsServer, OUTBOX_DDL, PgCluster};
 
 const SUBJECT: &str = "outbox.order";
 
@@ -320,4 +320,47 @@ async fn a_missing_stream_stops_walbox_with_what_to_do() {
     assert!(log.contains("no JetStream stream holds"), "{log}");
     assert!(log.contains("create_stream = true"), "{log}");
     drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_stop_walbox_without_printing_the_password() {
+    let pg = PgCluster::start().unwrap();
+    let nats = NatsServer::start_with(NatsOptions {
+        user: Some(("walbox".into(), "right-7c1e".into())),
+        token: None,
+    })
+    .unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    let toml = format!(
+        "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\n{CREATE}\nuser = \"walbox\"\npassword = \"wrong-93d2\"\n",
+        nats.url()
+    );
+    let env = vec![
+        ("WALBOX_DSN", pg.conninfo("postgres")),
+        ("WALBOX_SLOT", "walbox".into()),
+        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
+        (
+            "WALBOX_CHECKPOINT",
+            checkpoint_path(&pg).display().to_string(),
+        ),
+        ("WALBOX_CONFIG", config_file(&pg, "walbox-nats.toml", &toml)),
+    ];
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'k', 'E', '{}')",
+    )
+    .await
+    .unwrap();
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(status.code(), Some(0), "{log}");
+    assert!(log.contains("refused walbox's credentials"), "{log}");
+    assert!(log.contains("user \"walbox\""), "{log}");
+    assert!(
+        !log.contains("wrong-93d2") && !log.contains("right-7c1e"),
+        "{log}"
+    );
 }
