@@ -19,7 +19,7 @@
 mod broker;
 mod error;
 pub mod kafka;
-mod nats;
+pub mod nats;
 mod postgres;
 mod process;
 mod tls;

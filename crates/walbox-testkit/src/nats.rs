@@ -1,6 +1,7 @@
 //! A throwaway `nats-server -js` (Debian's `nats-server` package) on a free
 //! port with a temporary store directory: stopped, killed with SIGKILL and
-//! started again on the same port and store; killed when dropped.
+//! started again on the same port and store; killed when dropped. And a reader
+//! of a subject's messages for the demo and assertions.
 
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -158,6 +159,72 @@ impl Drop for NatsServer {
     fn drop(&mut self) {
         let _ = self.end(Signal::SIGKILL);
     }
+}
+
+/// Reads at least `wanted` messages of `subject` from the stream that holds
+/// it (an ephemeral consumer from its start), as [`crate::kafka::Record`]s:
+/// partition 0, the stream sequence as offset, the key from the `walbox_key`
+/// header.
+pub async fn read_at_least(
+    url: &str,
+    subject: &str,
+    wanted: usize,
+    timeout: Duration,
+) -> std::result::Result<Vec<crate::kafka::Record>, async_nats::Error> {
+    use async_nats::jetstream::consumer;
+    use futures_util::StreamExt;
+    let js = async_nats::jetstream::new(async_nats::connect(url).await?);
+    let deadline = tokio::time::Instant::now() + timeout;
+    let name = loop {
+        match js.stream_by_subject(subject).await {
+            Ok(n) => break n,
+            Err(e) if tokio::time::Instant::now() > deadline => return Err(e.into()),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    let stream = js.get_stream(&name).await?;
+    let reader = stream
+        .create_consumer(consumer::pull::Config {
+            filter_subject: subject.to_owned(),
+            ack_policy: consumer::AckPolicy::None,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = reader.messages().await?;
+    let mut out = Vec::new();
+    while out.len() < wanted {
+        let m = tokio::time::timeout_at(deadline, messages.next())
+            .await
+            .map_err(|_| format!("{} of {wanted} messages of {subject} read", out.len()))?
+            .ok_or("the reader ended")??;
+        let offset = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+        let headers: Vec<(String, Option<Vec<u8>>)> = m
+            .headers
+            .iter()
+            .flat_map(|h| h.iter())
+            .flat_map(|(k, vs)| {
+                vs.iter().map(move |v| {
+                    (
+                        AsRef::<str>::as_ref(k).to_owned(),
+                        Some(v.as_str().as_bytes().to_vec()),
+                    )
+                })
+            })
+            .collect();
+        let key = headers
+            .iter()
+            .find(|(k, _)| k == "walbox_key")
+            .and_then(|(_, v)| v.clone());
+        out.push(crate::kafka::Record {
+            topic: subject.to_owned(),
+            partition: 0,
+            offset: i64::try_from(offset).unwrap_or(i64::MAX),
+            key,
+            headers,
+            value: Some(m.payload.to_vec()),
+        });
+    }
+    Ok(out)
 }
 
 /// The nats-server executable: `WALBOX_NATS_SERVER`, else `nats-server` on
