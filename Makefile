@@ -33,7 +33,7 @@ deps:
 ## The main job end to end on throwaway infrastructure.
 demo: deps
 	$(CARGO) build --release -p walbox -p walbox-testkit --bins
-	./target/release/walbox-demo --walbox ./target/release/walbox
+	./target/release/walbox-demo --walbox ./target/release/walbox --sink $(or $(SINK),kafka)
 
 ## Everything CI checks: formatting, lints, unit, property and end-to-end tests.
 test: deps fmt-check clippy

@@ -5,6 +5,7 @@
 #   - the C toolchain pieces librdkafka's bundled build uses (with OpenSSL, so
 #     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
+#   - nats-server (Debian's package), the JetStream server the NATS sink's tests run
 #   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
 #     check the alert rules and the service file in deploy/
 #   - python3 with venv, in which tests/formats.rs installs the CloudEvents SDK
@@ -58,6 +59,7 @@ if ! $build_only; then
   command -v systemd-analyze >/dev/null 2>&1 || apt_packages+=(systemd)
   command -v python3 >/dev/null 2>&1 || apt_packages+=(python3)
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_packages+=(python3-venv)
+  command -v nats-server >/dev/null 2>&1 || apt_packages+=(nats-server)
 fi
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
@@ -95,4 +97,4 @@ for major in "${majors[@]}"; do
   "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
 done
 
-log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, tansu $TANSU_VERSION"
+log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, tansu $TANSU_VERSION"

@@ -155,7 +155,10 @@ async fn a_config_change_inside_a_partly_acknowledged_transaction_sends_it_whole
             break;
         }
     }
-    assert!(caught, "no partly acknowledged transaction seen in five tries");
+    assert!(
+        caught,
+        "no partly acknowledged transaction seen in five tries"
+    );
     walbox.kill9();
     let partial = checkpoint(&pg).unwrap().partial.unwrap();
     assert!(partial.events < 20_000);

@@ -8,14 +8,19 @@
 //!
 //! - [`KafkaSink`]: an idempotent rdkafka producer (`acks=all`), keys partitioned
 //!   with murmur2 as the Java client does, topics checked or created on first use.
+//! - [`NatsSink`]: NATS JetStream, each event with `Nats-Msg-Id` = its event id,
+//!   acknowledged on the server's PubAck; the stream checked or created.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed to the pipe or file (not once read); a closed pipe
 //!   fails deliveries for good.
 //!
-//! [`read_topic`] reads back what a topic holds, for audits.
+//! [`read_topic`] reads back what a topic holds, [`read_subject`] what a
+//! JetStream stream holds of a subject, for audits.
 
 mod delivery;
 mod kafka;
+mod nats;
+mod nats_reader;
 mod reader;
 mod secrets;
 mod stdout;
@@ -25,6 +30,8 @@ use walbox_outbox::Event;
 
 pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};
+pub use nats::{KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage};
+pub use nats_reader::read_subject;
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;
@@ -64,6 +71,34 @@ pub enum SinkError {
         mechanism: String,
         /// What the client reported (it never holds the password).
         reason: String,
+    },
+    /// The NATS server could not be reached or did not answer; a new session
+    /// may succeed.
+    #[error("nats: {0}")]
+    Nats(String),
+    /// The NATS server refused the credentials. Trying again would only
+    /// repeat it.
+    #[error(
+        "nats: the server refused walbox's credentials ({who}): {reason}; check user, \
+         password, token, nkey_seed or creds_file in [sink.nats]"
+    )]
+    NatsAuthentication {
+        /// Which credentials (never their secret part).
+        who: String,
+        /// What the server said.
+        reason: String,
+    },
+    /// No JetStream stream holds a subject walbox publishes to.
+    #[error(
+        "no JetStream stream holds subject {subject:?}: add it to the subjects of stream \
+         {stream:?} (nats stream edit), or set create_stream = true in [sink.nats] with \
+         subjects covering it"
+    )]
+    MissingStream {
+        /// The subject (or the configured subjects).
+        subject: String,
+        /// The configured stream.
+        stream: String,
     },
     /// Writing to standard output failed.
     #[error("writing to stdout: {0}")]

@@ -1,5 +1,6 @@
 //! Reading back what a topic holds, for audits (`walbox verify`): every
 //! partition from its start to its end, without a consumer group's offsets.
+//! [`RecordView`] is also what the JetStream reader hands over.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -14,46 +15,78 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use crate::SinkError;
 
-/// One record as the reader hands it over.
+/// One record as a reader hands it over: a Kafka record, or a JetStream
+/// message (partition 0, its stream sequence as offset, its key from the
+/// `walbox_key` header).
 #[derive(Debug)]
 pub struct RecordView<'a> {
-    msg: &'a BorrowedMessage<'a>,
+    inner: Inner<'a>,
 }
 
-impl RecordView<'_> {
-    /// Partition.
-    #[must_use]
-    pub fn partition(&self) -> i32 {
-        self.msg.partition()
+#[derive(Debug)]
+enum Inner<'a> {
+    Kafka(&'a BorrowedMessage<'a>),
+    Nats {
+        msg: &'a async_nats::Message,
+        sequence: u64,
+    },
+}
+
+impl<'a> RecordView<'a> {
+    pub(crate) fn nats(msg: &'a async_nats::Message, sequence: u64) -> Self {
+        RecordView {
+            inner: Inner::Nats { msg, sequence },
+        }
     }
 
-    /// Offset.
+    /// Partition (0 for a JetStream message).
+    #[must_use]
+    pub fn partition(&self) -> i32 {
+        match &self.inner {
+            Inner::Kafka(m) => m.partition(),
+            Inner::Nats { .. } => 0,
+        }
+    }
+
+    /// Offset (a JetStream message's stream sequence).
     #[must_use]
     pub fn offset(&self) -> i64 {
-        self.msg.offset()
+        match &self.inner {
+            Inner::Kafka(m) => m.offset(),
+            Inner::Nats { sequence, .. } => i64::try_from(*sequence).unwrap_or(i64::MAX),
+        }
     }
 
     /// Key bytes.
     #[must_use]
     pub fn key(&self) -> Option<&[u8]> {
-        self.msg.key()
+        match &self.inner {
+            Inner::Kafka(m) => m.key(),
+            Inner::Nats { .. } => self.header(crate::KEY_HEADER).map(str::as_bytes),
+        }
     }
 
     /// Value bytes.
     #[must_use]
     pub fn value(&self) -> Option<&[u8]> {
-        self.msg.payload()
+        match &self.inner {
+            Inner::Kafka(m) => m.payload(),
+            Inner::Nats { msg, .. } => Some(msg.payload.as_ref()),
+        }
     }
 
     /// The first header called `name`, as UTF-8 text.
     #[must_use]
     pub fn header(&self, name: &str) -> Option<&str> {
-        let headers = self.msg.headers()?;
-        headers
-            .iter()
-            .find(|h| h.key == name)
-            .and_then(|h| h.value)
-            .and_then(|v| std::str::from_utf8(v).ok())
+        match &self.inner {
+            Inner::Kafka(m) => m
+                .headers()?
+                .iter()
+                .find(|h| h.key == name)
+                .and_then(|h| h.value)
+                .and_then(|v| std::str::from_utf8(v).ok()),
+            Inner::Nats { msg, .. } => msg.headers.as_ref()?.get(name).map(|v| v.as_str()),
+        }
     }
 }
 
@@ -203,7 +236,9 @@ fn read(
                 last_progress = Instant::now();
                 at_end.remove(&m.partition());
                 read += 1;
-                each(RecordView { msg: &m });
+                each(RecordView {
+                    inner: Inner::Kafka(&m),
+                });
             }
             Some(Err(KafkaError::PartitionEOF(p))) => {
                 last_progress = Instant::now();

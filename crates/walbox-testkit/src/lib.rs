@@ -10,6 +10,9 @@
 //! - [`Broker`]: a Kafka-protocol broker. By default a `tansu` process on a free port
 //!   with in-memory or SQLite storage (stop, restart, SIGKILL); when
 //!   `WALBOX_TEST_KAFKA` is set, that bootstrap address (a real Kafka) instead.
+//! - [`NatsServer`]: a `nats-server -js` on a free port with a temporary store
+//!   (stop, restart on the same store, SIGKILL), optionally requiring a user and
+//!   password or a token.
 //! - [`kafka`]: topic administration and a reader that drains a topic into
 //!   [`kafka::Record`]s (key, headers, value, partition, offset) for assertions.
 //! - [`Prometheus`]: a real Prometheus on a free port scraping given targets,
@@ -20,6 +23,7 @@
 mod broker;
 mod error;
 pub mod kafka;
+pub mod nats;
 mod postgres;
 mod process;
 pub mod prometheus;
@@ -28,6 +32,7 @@ mod wait;
 
 pub use broker::{Broker, BrokerOptions, BrokerStorage, BrokerUser, Scram};
 pub use error::TestkitError;
+pub use nats::{NatsOptions, NatsServer};
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use prometheus::Prometheus;
 pub use tls::TlsFiles;

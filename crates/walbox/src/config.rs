@@ -372,13 +372,15 @@ pub enum SinkKind {
     Kafka,
     /// JSON lines on standard output.
     Stdout,
+    /// NATS JetStream (`[sink.nats]`).
+    Nats,
 }
 
 /// The destination. Its `Debug` form hides secret Kafka properties.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka` or `stdout`.
+    /// `kafka`, `nats` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -399,6 +401,9 @@ pub struct SinkConfig {
     /// librdkafka properties, passed through (`"bootstrap.servers" = "..."`).
     #[serde(default)]
     pub kafka: BTreeMap<String, toml::Value>,
+    /// The NATS JetStream sink's settings (`type = "nats"`).
+    #[serde(default)]
+    pub nats: walbox_sink::NatsSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -424,6 +429,7 @@ impl Default for SinkConfig {
             max_in_flight: default_max_in_flight(),
             max_in_flight_bytes: default_max_in_flight_bytes(),
             kafka: BTreeMap::new(),
+            nats: walbox_sink::NatsSinkConfig::default(),
         }
     }
 }
@@ -450,6 +456,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("max_in_flight", &self.max_in_flight)
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("kafka", &kafka)
+            .field("nats", &self.nats)
             .finish()
     }
 }
@@ -482,6 +489,14 @@ impl SinkConfig {
             topic_replication: self.topic_replication,
             max_in_flight: self.max_in_flight,
         })
+    }
+
+    /// The NATS sink's settings, with the in-flight bound.
+    pub fn nats_sink(&self) -> Result<walbox_sink::NatsSinkConfig> {
+        let mut c = self.nats.clone();
+        c.max_in_flight = self.max_in_flight;
+        c.validate()?;
+        Ok(c)
     }
 }
 
@@ -691,6 +706,9 @@ impl Config {
             bail!("source.status_interval_ms: must be at least 1");
         }
         self.sink.kafka_properties()?;
+        if self.sink.kind == SinkKind::Nats {
+            self.sink.nats_sink()?;
+        }
         self.dead_letter.template()?;
         for t in &self.outbox {
             // The format's settings, which need no table to check.
@@ -781,8 +799,8 @@ mod tests {
         let err =
             Config::parse("[sink]\nmax_in_flight = \"many\"", Path::new("t.toml")).unwrap_err();
         assert!(format!("{err:#}").contains("max_in_flight"), "{err:#}");
-        let err = Config::parse("[sink]\ntype = \"nats\"", Path::new("t.toml")).unwrap_err();
-        assert!(format!("{err:#}").contains("nats"), "{err:#}");
+        let err = Config::parse("[sink]\ntype = \"pulsar\"", Path::new("t.toml")).unwrap_err();
+        assert!(format!("{err:#}").contains("pulsar"), "{err:#}");
         let c = Config::parse(
             "[dead_letter]\ntopic = \"{table}.dlq\"",
             Path::new("t.toml"),

@@ -1,4 +1,5 @@
-//! `walbox verify`: audits the outbox table against what the topics hold, so an
+//! `walbox verify`: audits the outbox table against what the topics (or, with
+//! the NATS sink, the JetStream stream's subjects) hold, so an
 //! operator can check a live system: events missing from the topics, events
 //! published more than once (and whether as a replay of the same source
 //! position), and events of one key out of commit order.
@@ -11,7 +12,7 @@ use walbox_outbox::{TableConfig, TopicTemplate, header, validate_topic};
 use walbox_pgoutput::Lsn;
 
 use crate::catalog::ident;
-use crate::config::{Config, Overrides};
+use crate::config::{Config, Overrides, SinkKind};
 use crate::pg::ConnParams;
 
 /// `walbox verify` arguments.
@@ -160,6 +161,23 @@ pub(crate) async fn topics_of(
     Ok(topics)
 }
 
+/// Reads what `topic` holds: a Kafka topic, or with the NATS sink the subject
+/// in its JetStream stream.
+async fn read_records(
+    config: &Config,
+    properties: &[(String, String)],
+    topic: &str,
+    timeout: Duration,
+    each: impl FnMut(walbox_sink::RecordView<'_>),
+) -> Result<u64, walbox_sink::SinkError> {
+    match config.sink.kind {
+        SinkKind::Nats => walbox_sink::read_subject(&config.sink.nats, topic, timeout, each).await,
+        SinkKind::Kafka | SinkKind::Stdout => tokio::task::block_in_place(|| {
+            walbox_sink::read_topic(properties, topic, timeout, each)
+        }),
+    }
+}
+
 /// Runs the audit; fails when events are missing or out of order.
 pub async fn run(args: Args) -> Result<()> {
     let config = Config::load(&args.overrides)?;
@@ -211,26 +229,24 @@ pub async fn run(args: Args) -> Result<()> {
     let mut out_of_order: Vec<String> = Vec::new();
     let mut dead_letter_topics: Vec<String> = Vec::new();
     for topic in &topics {
-        let read = tokio::task::block_in_place(|| {
-            walbox_sink::read_topic(&properties, topic, timeout, |r| {
-                let id =
-                    walbox_outbox::record_event_id(|n| r.header(n), r.value()).unwrap_or_default();
-                let pos = r
-                    .header(header::COMMIT_LSN)
-                    .and_then(|l| l.parse::<Lsn>().ok())
-                    .zip(r.header(header::INDEX).and_then(|i| i.parse::<u64>().ok()))
-                    .unwrap_or((Lsn(0), 0));
-                let replay = positions.contains_key(&id);
-                if let Some(key) = r.key() {
-                    let slot = latest.entry((topic.clone(), key.to_vec())).or_insert(pos);
-                    if pos < *slot && !replay {
-                        out_of_order.push(id.clone());
-                    }
-                    *slot = (*slot).max(pos);
+        let read = read_records(&config, &properties, topic, timeout, |r| {
+            let id = walbox_outbox::record_event_id(|n| r.header(n), r.value()).unwrap_or_default();
+            let pos = r
+                .header(header::COMMIT_LSN)
+                .and_then(|l| l.parse::<Lsn>().ok())
+                .zip(r.header(header::INDEX).and_then(|i| i.parse::<u64>().ok()))
+                .unwrap_or((Lsn(0), 0));
+            let replay = positions.contains_key(&id);
+            if let Some(key) = r.key() {
+                let slot = latest.entry((topic.clone(), key.to_vec())).or_insert(pos);
+                if pos < *slot && !replay {
+                    out_of_order.push(id.clone());
                 }
-                positions.entry(id).or_default().push(pos);
-            })
+                *slot = (*slot).max(pos);
+            }
+            positions.entry(id).or_default().push(pos);
         })
+        .await
         .with_context(|| format!("reading topic {topic}"))?;
         report.records += read;
         dead_letter_topics.push(dead_letter.dead_letter_topic(topic));
@@ -240,13 +256,12 @@ pub async fn run(args: Args) -> Result<()> {
     dead_letter_topics.sort();
     dead_letter_topics.dedup();
     for dlq in dead_letter_topics.iter().filter(|t| !topics.contains(t)) {
-        let ids = tokio::task::block_in_place(|| {
-            let mut ids = Vec::new();
-            let r = walbox_sink::read_topic(&properties, dlq, timeout, |r| {
-                ids.push(r.header(header::EVENT_ID).unwrap_or_default().to_owned());
-            });
-            r.map(|_| ids)
-        });
+        let mut ids = Vec::new();
+        let ids = read_records(&config, &properties, dlq, timeout, |r| {
+            ids.push(r.header(header::EVENT_ID).unwrap_or_default().to_owned());
+        })
+        .await
+        .map(|_| ids);
         // A missing dead-letter topic means nothing was dead-lettered.
         if let Ok(ids) = ids {
             dead.extend(ids);

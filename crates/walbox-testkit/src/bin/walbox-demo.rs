@@ -1,6 +1,7 @@
 //! `make demo`: walbox end to end on throwaway infrastructure.
 //!
-//! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker,
+//! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker
+//! (or, with `--sink nats`, a JetStream server),
 //! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
 //! concurrent writers commit a few hundred outbox events, reads them back from the
 //! topic and prints them with a summary: events, keys, per-key order, and the slot's
@@ -13,7 +14,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions, kafka, wait_until_async};
+use walbox_testkit::{
+    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, kafka, wait_until_async,
+};
 
 const WRITERS: usize = 4;
 const EVENTS_PER_WRITER: usize = 75;
@@ -22,14 +25,41 @@ const TOPIC: &str = "outbox.order";
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
-fn walbox_binary() -> PathBuf {
+/// The value of `--name` on the command line.
+fn arg(name: &str) -> Option<String> {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        if a == "--walbox"
-            && let Some(p) = args.next()
-        {
-            return PathBuf::from(p);
+        if a == name {
+            return args.next();
         }
+    }
+    None
+}
+
+/// The broker the demo publishes to, kept running until the end.
+#[derive(Debug)]
+enum Destination {
+    Kafka(Broker),
+    Nats(NatsServer),
+}
+
+impl Destination {
+    fn is_nats(&self) -> bool {
+        matches!(self, Destination::Nats(_))
+    }
+
+    /// The broker's log so far, for a failed demo.
+    fn log_tail(&self) -> String {
+        match self {
+            Destination::Kafka(b) => b.log_tail(),
+            Destination::Nats(n) => n.log_tail(),
+        }
+    }
+}
+
+fn walbox_binary() -> PathBuf {
+    if let Some(p) = arg("--walbox") {
+        return PathBuf::from(p);
     }
     std::env::current_exe()
         .ok()
@@ -44,20 +74,44 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
-    println!("== starting a throwaway PostgreSQL (wal_level=logical) and a Kafka-protocol broker");
+    let nats = match arg("--sink").as_deref() {
+        None | Some("kafka") => false,
+        Some("nats") => true,
+        Some(other) => return Err(format!("--sink {other}: use kafka or nats").into()),
+    };
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
-    let broker = Broker::start()?;
-    println!(
-        "   postgres {}:{}   broker {}",
-        pg.host(),
-        pg.port(),
-        broker.bootstrap()
-    );
+    let (destination, address) = if nats {
+        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a JetStream server");
+        let server = NatsServer::start()?;
+        let url = server.url();
+        (Destination::Nats(server), url)
+    } else {
+        println!(
+            "== starting a throwaway PostgreSQL (wal_level=logical) and a Kafka-protocol broker"
+        );
+        let broker = Broker::start()?;
+        let bootstrap = broker.bootstrap();
+        (Destination::Kafka(broker), bootstrap)
+    };
+    println!("   postgres {}:{}   broker {address}", pg.host(), pg.port());
     let db = pg.connect("postgres").await?;
     db.batch_execute(OUTBOX_DDL).await?;
+    let config = pg.client_dir().join("walbox-demo.toml");
+    std::fs::write(
+        &config,
+        if nats {
+            format!(
+                "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{address}\"]\n\
+                 create_stream = true\nsubjects = [\"outbox.>\"]\n"
+            )
+        } else {
+            String::new()
+        },
+    )?;
     let env = [
         ("WALBOX_DSN", pg.conninfo("postgres")),
-        ("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap()),
+        ("WALBOX_CONFIG", config.display().to_string()),
+        ("WALBOX_BOOTSTRAP_SERVERS", address.clone()),
         ("WALBOX_CREATE_TOPICS", "true".into()),
         ("WALBOX_PRODUCER", "walbox-demo".into()),
         (
@@ -132,11 +186,17 @@ async fn main() -> Result<(), Error> {
     );
 
     let wanted = usize::try_from(rows)?;
-    let bootstrap = broker.bootstrap();
-    let records = tokio::task::spawn_blocking(move || {
-        kafka::read_at_least(&bootstrap, TOPIC, wanted, Duration::from_secs(120))
-    })
-    .await??;
+    let records = if destination.is_nats() {
+        walbox_testkit::nats::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
+            .await
+            .map_err(|e| e.to_string())?
+    } else {
+        let bootstrap = address.clone();
+        tokio::task::spawn_blocking(move || {
+            kafka::read_at_least(&bootstrap, TOPIC, wanted, Duration::from_secs(120))
+        })
+        .await??
+    };
     wait_until_async("the slot to confirm the last commit", Duration::from_secs(60), || async {
         let row = db
             .query_one(
@@ -208,6 +268,7 @@ async fn main() -> Result<(), Error> {
     println!("  slot confirmed_flush_lsn: {confirmed} (last commit at or before {last_commit})");
     println!("  walbox stopped on SIGTERM: {status}");
     if records.len() != wanted || ids.len() != wanted || !in_order || !status.success() {
+        println!("== broker log\n{}", destination.log_tail());
         return Err("the demo's checks failed".into());
     }
     Ok(())

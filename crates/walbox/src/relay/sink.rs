@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use walbox_outbox::Event;
-use walbox_sink::{Deliveries, DeliveryError, KafkaSink, Sink, SinkError, StdoutSink};
+use walbox_sink::{Deliveries, DeliveryError, KafkaSink, NatsSink, Sink, SinkError, StdoutSink};
 
 use super::transient;
 use crate::config::{Config, SinkKind};
@@ -12,6 +12,7 @@ use crate::config::{Config, SinkKind};
 /// The configured sink.
 pub(super) enum AnySink {
     Kafka(KafkaSink),
+    Nats(Box<NatsSink>),
     Stdout(StdoutSink),
 }
 
@@ -19,6 +20,7 @@ impl Sink for AnySink {
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
         match self {
             AnySink::Kafka(s) => s.send(event, token).await,
+            AnySink::Nats(s) => s.send(event, token).await,
             AnySink::Stdout(s) => s.send(event, token).await,
         }
     }
@@ -26,6 +28,7 @@ impl Sink for AnySink {
     fn end_batch(&mut self) {
         match self {
             AnySink::Kafka(s) => s.end_batch(),
+            AnySink::Nats(s) => s.end_batch(),
             AnySink::Stdout(s) => s.end_batch(),
         }
     }
@@ -33,6 +36,7 @@ impl Sink for AnySink {
     fn abort(&mut self) {
         match self {
             AnySink::Kafka(s) => s.abort(),
+            AnySink::Nats(s) => s.abort(),
             AnySink::Stdout(s) => s.abort(),
         }
     }
@@ -40,6 +44,7 @@ impl Sink for AnySink {
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
         match self {
             AnySink::Kafka(s) => s.flush(timeout).await,
+            AnySink::Nats(s) => s.flush(timeout).await,
             AnySink::Stdout(s) => s.flush(timeout).await,
         }
     }
@@ -51,6 +56,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
             let (sink, deliveries) = KafkaSink::new(config.sink.kafka_sink()?)?;
             (AnySink::Kafka(sink), deliveries)
         }
+        SinkKind::Nats => {
+            let (sink, deliveries) = NatsSink::new(config.sink.nats_sink()?)?;
+            (AnySink::Nats(Box::new(sink)), deliveries)
+        }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
             (AnySink::Stdout(sink), deliveries)
@@ -58,11 +67,12 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
     })
 }
 
-/// A sink that could not take an event: a Kafka client error may pass (a new
-/// session retries), anything else (a missing topic, configuration) would repeat.
+/// A sink that could not take an event: a Kafka client error or an unreachable
+/// NATS server may pass (a new session retries), anything else (a missing topic
+/// or stream, refused credentials, configuration) would repeat.
 pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
     match e {
-        SinkError::Kafka(_) => transient(e),
+        SinkError::Kafka(_) | SinkError::Nats(_) => transient(e),
         other => anyhow!(other),
     }
 }
