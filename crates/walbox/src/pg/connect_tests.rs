@@ -196,3 +196,61 @@ async fn client_certificates_on_both_connections() {
         assert!(e.contains("certificate"), "{e}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_with_a_ca_at_hand_checks_the_chain_as_verify_ca() {
+    // The server's certificate is issued for "localhost" by its own CA; another
+    // CA is at hand.
+    let pg = PgCluster::start_with(PgOptions {
+        tls: true,
+        plaintext_too: true,
+        server_cert_names: vec!["localhost".into()],
+        ..PgOptions::default()
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let other = walbox_testkit::TlsFiles::generate(dir.path(), "postgres").unwrap();
+    let other_ca = other.ca_cert.display().to_string();
+    for mode in ["require", "prefer"] {
+        let conn = dsn(
+            &pg,
+            "127.0.0.1",
+            &format!("sslmode={mode} sslrootcert={other_ca}"),
+        );
+        let (sql, repl) = both(&conn).await;
+        for e in [sql.unwrap_err(), repl.unwrap_err()] {
+            assert!(e.contains("invalid peer certificate"), "{mode}: {e}");
+        }
+        // The server's own CA: accepted, and the name (an address the
+        // certificate does not hold) is not checked.
+        let conn = dsn(
+            &pg,
+            "127.0.0.1",
+            &format!("sslmode={mode} sslrootcert={}", ca(&pg)),
+        );
+        assert_eq!(both(&conn).await, (Ok(true), Ok(true)), "{mode}");
+    }
+
+    // libpq's default file, ~/.postgresql/root.crt, counts as given.
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir(home.path().join(".postgresql")).unwrap();
+    let root = home.path().join(".postgresql/root.crt");
+    let env = super::Env::empty().with("HOME", home.path().display().to_string());
+    let with_home = || {
+        ConnParams::parse_with(
+            &format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=require",
+                pg.port()
+            ),
+            &env,
+        )
+        .unwrap()
+    };
+    std::fs::copy(&other.ca_cert, &root).unwrap();
+    let (sql, repl) = both(&with_home()).await;
+    for e in [sql.unwrap_err(), repl.unwrap_err()] {
+        assert!(e.contains("invalid peer certificate"), "{e}");
+    }
+    std::fs::copy(&pg.tls().unwrap().ca_cert, &root).unwrap();
+    assert_eq!(both(&with_home()).await, (Ok(true), Ok(true)));
+}

@@ -56,6 +56,8 @@ pub struct ConnParams {
     pub sslcert: Option<String>,
     /// `sslkey`: client key file.
     pub sslkey: Option<String>,
+    /// The home directory, where libpq's default certificate files are.
+    home: Option<std::path::PathBuf>,
     /// The password file's entries, read when no password was given.
     passfile: PassFile,
     /// `target_session_attrs`: which of several servers a session uses (see
@@ -202,6 +204,7 @@ impl ConnParams {
             sslrootcert,
             sslcert: get("sslcert"),
             sslkey: get("sslkey"),
+            home: env.var("HOME").map(std::path::PathBuf::from),
             passfile,
         })
     }
@@ -294,9 +297,12 @@ impl ConnParams {
     fn tls_config(&self) -> Result<rustls::ClientConfig> {
         tls::client_config(
             self.sslmode,
-            self.sslrootcert.as_deref(),
-            self.sslcert.as_deref(),
-            self.sslkey.as_deref(),
+            &tls::CertFiles {
+                rootcert: self.sslrootcert.clone(),
+                cert: self.sslcert.clone(),
+                key: self.sslkey.clone(),
+                home: self.home.clone(),
+            },
         )
     }
 
