@@ -18,7 +18,7 @@ mod connect_tests;
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
 pub use resolve::{NoServer, TargetSession};
@@ -147,6 +147,16 @@ impl ConnParams {
             settings.insert("application_name", name);
         }
 
+        if settings.get("channel_binding").map(String::as_str) == Some("require") {
+            bail!(
+                "channel_binding=require (in the connection string, the service file or \
+                 PGCHANNELBINDING) cannot be honoured: the replication connection does not \
+                 authenticate with SCRAM-SHA-256-PLUS yet, so it would not be bound to its TLS \
+                 session. To make sure walbox talks to the real server, use \
+                 sslmode=verify-full with sslrootcert set to the server's CA, and set \
+                 channel_binding to prefer or disable"
+            );
+        }
         let mut rest = Vec::new();
         for (&key, value) in &settings {
             if OWN_KEYS.contains(&key) {
@@ -430,6 +440,31 @@ mod tests {
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
         let err = ConnParams::parse("host=a bogus_key=1 password=hunter2").unwrap_err();
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
+    }
+
+    #[test]
+    fn channel_binding_require_is_refused_from_the_string_and_the_environment() {
+        for (dsn, env) in [
+            ("host=a channel_binding=require", Env::empty()),
+            ("postgresql://u@a/app?channel_binding=require", Env::empty()),
+            ("host=a", Env::empty().with("PGCHANNELBINDING", "require")),
+        ] {
+            let err = ConnParams::parse_with(dsn, &env).unwrap_err().to_string();
+            assert!(
+                err.contains("channel_binding=require")
+                    && err.contains("replication connection")
+                    && err.contains("SCRAM-SHA-256-PLUS")
+                    && err.contains("verify-full"),
+                "{dsn}: {err}"
+            );
+        }
+        // prefer and disable stay accepted; the string wins over the environment.
+        for value in ["prefer", "disable"] {
+            ConnParams::parse_with(&format!("host=a channel_binding={value}"), &Env::empty())
+                .unwrap();
+        }
+        let env = Env::empty().with("PGCHANNELBINDING", "require");
+        ConnParams::parse_with("host=a channel_binding=prefer", &env).unwrap();
     }
 
     #[test]
