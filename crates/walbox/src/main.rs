@@ -32,6 +32,7 @@ mod publication;
 mod relay;
 mod slot;
 mod snapshot;
+mod usage_error;
 mod verify;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -179,6 +180,13 @@ fn command_line() -> clap::Command {
     hide(Cli::command())
 }
 
+/// The arguments as text, for finding an argument's position.
+fn lossy(argv: &[std::ffi::OsString]) -> Vec<String> {
+    argv.iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -188,9 +196,24 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = match Cli::from_arg_matches(&command_line().get_matches()) {
+    let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cmd = command_line();
+    let parsed = cmd
+        .clone()
+        .try_get_matches_from(&argv_os)
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(cli) => cli,
-        Err(e) => e.exit(),
+        // clap's message would quote the argument, which may be a password.
+        Err(e) => match usage_error::message(&cmd, &e, &lossy(&argv_os)) {
+            Some(message) => {
+                use std::io::Write as _;
+                // Nothing to do when stderr is gone; the exit code tells.
+                let _ = writeln!(std::io::stderr(), "{message}");
+                return std::process::ExitCode::from(2);
+            }
+            None => e.exit(),
+        },
     };
     // The streaming commands run on one thread: the replication reader, the
     // relay and the SQL connections hand work to each other for every event, and
