@@ -195,6 +195,22 @@ async fn client_certificates_on_both_connections() {
     for e in [sql.unwrap_err(), repl.unwrap_err()] {
         assert!(e.contains("certificate"), "{e}");
     }
+    // libpq's default files, ~/.postgresql/postgresql.{crt,key}.
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join(".postgresql");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(&files.client_cert, dir.join("postgresql.crt")).unwrap();
+    std::fs::copy(&files.client_key, dir.join("postgresql.key")).unwrap();
+    let env = super::Env::empty().with("HOME", home.path().display().to_string());
+    let conn = ConnParams::parse_with(
+        &format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres {root}",
+            pg.port()
+        ),
+        &env,
+    )
+    .unwrap();
+    assert_eq!(both(&conn).await, (Ok(true), Ok(true)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

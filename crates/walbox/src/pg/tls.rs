@@ -210,21 +210,49 @@ pub fn client_config(mode: SslMode, files: &CertFiles) -> Result<ClientConfig> {
         .context("TLS protocol versions")?
         .dangerous()
         .with_custom_certificate_verifier(verifier);
-    let config = match (files.cert.as_deref(), files.key.as_deref()) {
-        (Some(c), Some(k)) => {
-            let chain = CertificateDer::pem_file_iter(c)
+    let config = match client_files(files)? {
+        Some((c, k)) => {
+            let chain = CertificateDer::pem_file_iter(&c)
                 .and_then(|i| i.collect::<Result<Vec<_>, _>>())
-                .with_context(|| format!("reading sslcert {c}"))?;
-            let key =
-                PrivateKeyDer::from_pem_file(k).with_context(|| format!("reading sslkey {k}"))?;
+                .with_context(|| format!("reading sslcert {}", c.display()))?;
+            let key = PrivateKeyDer::from_pem_file(&k)
+                .with_context(|| format!("reading sslkey {}", k.display()))?;
             builder
                 .with_client_auth_cert(chain, key)
                 .context("client certificate")?
         }
-        (None, None) => builder.with_no_client_auth(),
-        _ => bail!("sslcert and sslkey must be given together"),
+        None => builder.with_no_client_auth(),
     };
     Ok(config)
+}
+
+/// The client certificate and key, as libpq finds them: `sslcert`, else
+/// `~/.postgresql/postgresql.crt` when it exists; `sslkey`, else
+/// `~/.postgresql/postgresql.key` when there is a certificate.
+fn client_files(files: &CertFiles) -> Result<Option<(PathBuf, PathBuf)>> {
+    let cert = match &files.cert {
+        Some(c) => Some(PathBuf::from(c)),
+        None => files.default_file("postgresql.crt").filter(|p| p.exists()),
+    };
+    let key = match &files.key {
+        Some(k) => Some(PathBuf::from(k)),
+        None => cert
+            .as_ref()
+            .and_then(|_| files.default_file("postgresql.key")),
+    };
+    match (cert, key) {
+        (Some(c), Some(k)) => Ok(Some((c, k))),
+        (None, None) => Ok(None),
+        (Some(c), None) => bail!(
+            "sslcert {} has no key: set sslkey (there is no home directory for libpq's default \
+             ~/.postgresql/postgresql.key)",
+            c.display()
+        ),
+        (None, Some(_)) => bail!(
+            "sslkey is set but there is no client certificate: set sslcert too (sslcert and \
+             sslkey must be given together), or put it at ~/.postgresql/postgresql.crt"
+        ),
+    }
 }
 
 /// The certificates of the PEM file `path`.
@@ -431,12 +459,58 @@ mod tests {
         let err = client_config(
             SslMode::Require,
             &CertFiles {
-                cert: Some("/c.crt".into()),
+                key: Some("/c.key".into()),
                 ..CertFiles::default()
             },
         )
         .unwrap_err();
         assert!(err.to_string().contains("together"), "{err}");
+        let err = client_config(
+            SslMode::Require,
+            &CertFiles {
+                cert: Some("/c.crt".into()),
+                ..CertFiles::default()
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("set sslkey"), "{err}");
+    }
+
+    #[test]
+    fn the_client_certificate_defaults_to_the_files_under_the_home_directory() {
+        let home = tempfile::tempdir().unwrap();
+        let generated = tempfile::tempdir().unwrap();
+        let tls = walbox_testkit::TlsFiles::generate(generated.path(), "walbox").unwrap();
+        let files = CertFiles {
+            home: Some(home.path().to_owned()),
+            ..CertFiles::default()
+        };
+        let has_cert = |files: &CertFiles| {
+            client_config(SslMode::Require, files)
+                .unwrap()
+                .client_auth_cert_resolver
+                .has_certs()
+        };
+        // No file: no client certificate.
+        assert!(!has_cert(&files));
+        let dir = home.path().join(".postgresql");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::copy(&tls.client_cert, dir.join("postgresql.crt")).unwrap();
+        // A certificate without its key is an error naming the key's file.
+        let err = client_config(SslMode::Require, &files).unwrap_err();
+        assert!(
+            format!("{err:#}").contains(".postgresql/postgresql.key"),
+            "{err:#}"
+        );
+        std::fs::copy(&tls.client_key, dir.join("postgresql.key")).unwrap();
+        assert!(has_cert(&files));
+        // sslcert given alone: the key defaults to the home directory's.
+        std::fs::remove_file(dir.join("postgresql.crt")).unwrap();
+        let only_cert = CertFiles {
+            cert: Some(tls.client_cert.display().to_string()),
+            ..files.clone()
+        };
+        assert!(has_cert(&only_cert));
     }
 
     #[test]
