@@ -108,6 +108,7 @@ impl ConnParams {
     /// `localhost` over TCP, not to a Unix socket, because the replication
     /// connection speaks TCP only.
     pub fn parse_with(dsn: &str, env: &Env) -> Result<Self> {
+        env.refuse_unsupported()?;
         let mut settings: BTreeMap<&'static str, String> = BTreeMap::new();
         for (key, value) in dsn::parse(dsn)? {
             // An empty value counts as not given, so the next source applies.
@@ -471,6 +472,13 @@ mod tests {
         }
         let env = Env::empty().with("PGCHANNELBINDING", "require");
         ConnParams::parse_with("host=a channel_binding=prefer", &env).unwrap();
+    }
+
+    #[test]
+    fn an_unsupported_security_variable_stops_the_parse() {
+        let env = Env::empty().with("PGSSLCRL", "/etc/crl.pem");
+        let err = ConnParams::parse_with("host=a", &env).unwrap_err();
+        assert!(err.to_string().contains("PGSSLCRL"), "{err}");
     }
 
     #[test]
