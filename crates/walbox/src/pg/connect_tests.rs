@@ -270,3 +270,42 @@ async fn require_with_a_ca_at_hand_checks_the_chain_as_verify_ca() {
     std::fs::copy(&pg.tls().unwrap().ca_cert, &root).unwrap();
     assert_eq!(both(&with_home()).await, (Ok(true), Ok(true)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_connection_falls_back_under_prefer_only_on_n() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // A listener that answers the SSLRequest with `answer`, then closes.
+    for (answer, plain) in [(b'N', true), (b'E', false), (0u8, false)] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 8];
+            s.read_exact(&mut request).await.unwrap();
+            s.write_all(&[answer]).await.unwrap();
+            // What follows in plaintext: the startup message's length.
+            let mut next = [0u8; 4];
+            s.read_exact(&mut next).await.is_ok()
+        });
+        let conn = ConnParams::parse(&format!(
+            "host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=prefer"
+        ))
+        .unwrap();
+        let cfg = conn.replication("unused", "unused").unwrap();
+        let session = async {
+            let mut client = pgwire_replication::ReplicationClient::connect_gated(cfg).await?;
+            client.simple_query("SELECT 1").await?;
+            anyhow::Ok(())
+        };
+        let err = tokio::time::timeout(std::time::Duration::from_secs(30), session)
+            .await
+            .expect("the replication connection answers in time")
+            .expect_err("the listener is no server");
+        let err = format!("{err:#}");
+        let went_on_in_plaintext = server.await.unwrap();
+        assert_eq!(went_on_in_plaintext, plain, "answer {answer:#04x}: {err}");
+        if !plain {
+            assert!(err.to_string().contains("neither 'S' nor 'N'"), "{err}");
+        }
+    }
+}

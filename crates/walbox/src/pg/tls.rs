@@ -4,8 +4,10 @@
 //!
 //! - `disable`: never TLS.
 //! - `allow`: plaintext first; TLS when the server refuses the plaintext session.
-//! - `prefer` (the default): TLS when the server offers it, plaintext only when it
-//!   answers the SSLRequest with `N`; a failed handshake is an error.
+//! - `prefer` (the default): TLS when the server offers it; plaintext when it
+//!   refuses (the replication connection: only an `N` to the SSLRequest; the SQL
+//!   connection, tokio-postgres: any answer but `S`); a failed handshake is an
+//!   error.
 //! - `require`: TLS; the certificate is checked only when a CA is at hand (see
 //!   below).
 //! - `verify-ca`: the certificate must chain to the trusted CA; any host name.
