@@ -89,6 +89,33 @@ fn help_of_every_command_shows_no_environment_value() {
     }
 }
 
+#[test]
+fn a_command_line_error_never_quotes_the_argument() {
+    // An unquoted connection string: its second word is an unexpected argument.
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["doctor", "--dsn", "host=x", "password=hunter2"],
+            "quoted as one argument",
+        ),
+        (
+            &["run", "--dsn", "host=x", &format!("password={PG_PASSWORD}")],
+            "quoted as one argument",
+        ),
+        // A value where a flag wants another type.
+        (&["verify", "--timeout-s", PG_PASSWORD], "--timeout-s"),
+        // A flag's value mistaken for a flag.
+        (&[&format!("--{PG_PASSWORD}")], "unexpected argument"),
+    ];
+    for (args, names) in cases {
+        let (code, out, err) = walbox_cmd(args, &[]);
+        let what = format!("walbox {}", args.join(" "));
+        assert_eq!(code, Some(2), "{what}: {err}");
+        assert!(err.contains(names), "{what}: {err}");
+        assert!(!format!("{out}{err}").contains("hunter2"), "{what}: {err}");
+        assert_no_secret(&what, &format!("{out}{err}"));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_command_prints_a_secret_on_success_or_failure() {
     let pg = PgCluster::start_with(PgOptions {

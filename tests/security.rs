@@ -193,3 +193,63 @@ async fn the_readme_roles_set_up_and_stream_and_doctor_names_what_a_superuser_do
         "{out}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_level_security_fails_a_snapshot_loudly_instead_of_hiding_rows() {
+    let (pg, broker, db) = servers().await;
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', g::text, 'OrderPlaced', jsonb_build_object('seq', g) FROM generate_series(1, 5) g;
+         ALTER TABLE public.outbox ENABLE ROW LEVEL SECURITY;
+         CREATE PUBLICATION walbox_outbox FOR TABLE public.outbox WITH (publish_via_partition_root = true);
+         CREATE ROLE walbox LOGIN REPLICATION;
+         GRANT SELECT ON public.outbox TO walbox;",
+    )
+    .await
+    .unwrap();
+    let env = walbox_env(&pg, &broker);
+    let mut stream_env = env.clone();
+    for (k, v) in &mut stream_env {
+        if *k == "WALBOX_DSN" {
+            *v = format!(
+                "host={} port={} user=walbox dbname=postgres",
+                pg.host(),
+                pg.port()
+            );
+        }
+    }
+
+    // No policy, no BYPASSRLS: the role sees no row. The snapshot fails naming
+    // row-level security instead of publishing none.
+    let (code, out, err) = walbox_cmd(&["setup", "--snapshot"], &stream_env);
+    assert_ne!(code, Some(0), "{out}{err}");
+    assert!(err.contains("row-level security"), "{out}{err}");
+
+    // doctor says why, and what fixes it.
+    let (_, out, _) = walbox_cmd(&["doctor"], &stream_env);
+    assert!(
+        out.lines().any(|l| l.starts_with("warn")
+            && l.contains("public.outbox has row-level security enabled")
+            && l.contains("ALTER ROLE walbox BYPASSRLS")),
+        "{out}"
+    );
+
+    // With BYPASSRLS doctor does not call it unneeded, and warns no more.
+    db.batch_execute("ALTER ROLE walbox BYPASSRLS")
+        .await
+        .unwrap();
+    let (_, out, _) = walbox_cmd(&["doctor"], &stream_env);
+    assert!(!out.contains("BYPASSRLS"), "{out}");
+    assert!(!out.contains("row-level security"), "{out}");
+    // Without row-level security on an outbox table, BYPASSRLS is unneeded.
+    db.batch_execute("ALTER TABLE public.outbox DISABLE ROW LEVEL SECURITY")
+        .await
+        .unwrap();
+    let (_, out, _) = walbox_cmd(&["doctor"], &stream_env);
+    assert!(
+        out.lines().any(
+            |l| l.starts_with("warn") && l.contains("has BYPASSRLS, which walbox does not use")
+        ),
+        "{out}"
+    );
+}

@@ -113,8 +113,21 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
         format!("role {user} may replicate"),
         format!("role {user} lacks REPLICATION: ALTER ROLE {user} REPLICATION"),
     );
-    for extra in crate::privileges::unneeded(&sql, &role).await? {
+    let mut row_security = Vec::new();
+    for table in &config.outbox {
+        let (schema, name) = table.qualified();
+        if let Some(rls) = crate::privileges::row_security(&sql, schema, name).await? {
+            row_security.push((format!("{schema}.{name}"), rls));
+        }
+    }
+    let any_rls = row_security.iter().any(|(_, rls)| rls.enabled);
+    for extra in crate::privileges::unneeded(&sql, &role, any_rls).await? {
         r.add(Verdict::Warn, extra);
+    }
+    for (qualified, rls) in &row_security {
+        if let Some(w) = crate::privileges::row_security_warning(&role, qualified, rls) {
+            r.add(Verdict::Warn, w);
+        }
     }
 
     let keep = setting(&sql, "max_slot_wal_keep_size").await?;

@@ -33,6 +33,7 @@ mod publication;
 mod relay;
 mod slot;
 mod snapshot;
+mod usage_error;
 mod verify;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -233,10 +234,32 @@ fn log_filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
     }
 }
 
+/// The arguments as text, for finding an argument's position.
+fn lossy(argv: &[std::ffi::OsString]) -> Vec<String> {
+    argv.iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
 fn main() -> std::process::ExitCode {
-    let cli = match Cli::from_arg_matches(&command_line().get_matches()) {
+    let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cmd = command_line();
+    let parsed = cmd
+        .clone()
+        .try_get_matches_from(&argv_os)
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(cli) => cli,
-        Err(e) => e.exit(),
+        // clap's message would quote the argument, which may be a password.
+        Err(e) => match usage_error::message(&cmd, &e, &lossy(&argv_os)) {
+            Some(message) => {
+                use std::io::Write as _;
+                // Nothing to do when stderr is gone; the exit code tells.
+                let _ = writeln!(std::io::stderr(), "{message}");
+                return std::process::ExitCode::from(2);
+            }
+            None => e.exit(),
+        },
     };
     let format = config::log_format(cli.config_file());
     init_logging(*format.as_ref().unwrap_or(&config::LogFormat::Text));

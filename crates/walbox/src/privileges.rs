@@ -40,8 +40,70 @@ pub async fn role(sql: &tokio_postgres::Client) -> Result<Role> {
 
 const SEE: &str = "the README's \"Least privilege\" has the statements for a streaming role";
 
+/// Row-level security on a table, as it bears on the connected role.
+#[derive(Debug, Clone, Copy)]
+pub struct RowSecurity {
+    /// `ENABLE ROW LEVEL SECURITY`.
+    pub enabled: bool,
+    /// `FORCE ROW LEVEL SECURITY`: the owner is subject to it too.
+    forced: bool,
+    /// The role has the owner's rights (owner, or a member of it).
+    owner: bool,
+}
+
+impl RowSecurity {
+    /// Whether the table's policies apply to `role`'s reads: PostgreSQL exempts
+    /// superusers, `BYPASSRLS` roles and, unless forced, the owner.
+    pub fn applies_to(&self, role: &Role) -> bool {
+        self.enabled && !role.superuser && !role.bypassrls && (!self.owner || self.forced)
+    }
+}
+
+/// Row-level security on table `schema`.`name`, or `None` when there is no such
+/// table.
+pub async fn row_security(
+    sql: &tokio_postgres::Client,
+    schema: &str,
+    name: &str,
+) -> Result<Option<RowSecurity>> {
+    let row = sql
+        .query_opt(
+            "SELECT c.relrowsecurity, c.relforcerowsecurity, pg_has_role(c.relowner, 'USAGE') \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = $2",
+            &[&schema, &name],
+        )
+        .await?;
+    Ok(row.map(|r| RowSecurity {
+        enabled: r.get(0),
+        forced: r.get(1),
+        owner: r.get(2),
+    }))
+}
+
+/// The warning for an outbox table whose row-level security applies to `role`,
+/// or `None`.
+pub fn row_security_warning(role: &Role, qualified: &str, rls: &RowSecurity) -> Option<String> {
+    let user = &role.name;
+    rls.applies_to(role).then(|| {
+        format!(
+            "{qualified} has row-level security enabled and role {user} is subject to it: \
+             walbox reads tables with row_security = off so that a policy can never hide rows \
+             from it, so a snapshot (setup --snapshot), replay --from-table and verify fail on \
+             this table (streaming is not affected): ALTER ROLE {user} BYPASSRLS, or ALTER TABLE \
+             {qualified} DISABLE ROW LEVEL SECURITY"
+        )
+    })
+}
+
 /// Rights `role` has that walbox never uses, one warning each with its fix.
-pub async fn unneeded(sql: &tokio_postgres::Client, role: &Role) -> Result<Vec<String>> {
+/// `row_security`: whether an outbox table has row-level security enabled, which
+/// makes `BYPASSRLS` needed.
+pub async fn unneeded(
+    sql: &tokio_postgres::Client,
+    role: &Role,
+    row_security: bool,
+) -> Result<Vec<String>> {
     let user = &role.name;
     let mut out = Vec::new();
     if role.superuser {
@@ -55,7 +117,7 @@ pub async fn unneeded(sql: &tokio_postgres::Client, role: &Role) -> Result<Vec<S
     let extra: Vec<&str> = [
         (role.createdb, "CREATEDB"),
         (role.createrole, "CREATEROLE"),
-        (role.bypassrls, "BYPASSRLS"),
+        (role.bypassrls && !row_security, "BYPASSRLS"),
     ]
     .into_iter()
     .filter_map(|(has, name)| has.then_some(name))

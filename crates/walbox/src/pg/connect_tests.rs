@@ -195,4 +195,117 @@ async fn client_certificates_on_both_connections() {
     for e in [sql.unwrap_err(), repl.unwrap_err()] {
         assert!(e.contains("certificate"), "{e}");
     }
+    // libpq's default files, ~/.postgresql/postgresql.{crt,key}.
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join(".postgresql");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(&files.client_cert, dir.join("postgresql.crt")).unwrap();
+    std::fs::copy(&files.client_key, dir.join("postgresql.key")).unwrap();
+    let env = super::Env::empty().with("HOME", home.path().display().to_string());
+    let conn = ConnParams::parse_with(
+        &format!(
+            "host=127.0.0.1 port={} user=postgres dbname=postgres {root}",
+            pg.port()
+        ),
+        &env,
+    )
+    .unwrap();
+    assert_eq!(both(&conn).await, (Ok(true), Ok(true)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_with_a_ca_at_hand_checks_the_chain_as_verify_ca() {
+    // The server's certificate is issued for "localhost" by its own CA; another
+    // CA is at hand.
+    let pg = PgCluster::start_with(PgOptions {
+        tls: true,
+        plaintext_too: true,
+        server_cert_names: vec!["localhost".into()],
+        ..PgOptions::default()
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let other = walbox_testkit::TlsFiles::generate(dir.path(), "postgres").unwrap();
+    let other_ca = other.ca_cert.display().to_string();
+    for mode in ["require", "prefer"] {
+        let conn = dsn(
+            &pg,
+            "127.0.0.1",
+            &format!("sslmode={mode} sslrootcert={other_ca}"),
+        );
+        let (sql, repl) = both(&conn).await;
+        for e in [sql.unwrap_err(), repl.unwrap_err()] {
+            assert!(e.contains("invalid peer certificate"), "{mode}: {e}");
+        }
+        // The server's own CA: accepted, and the name (an address the
+        // certificate does not hold) is not checked.
+        let conn = dsn(
+            &pg,
+            "127.0.0.1",
+            &format!("sslmode={mode} sslrootcert={}", ca(&pg)),
+        );
+        assert_eq!(both(&conn).await, (Ok(true), Ok(true)), "{mode}");
+    }
+
+    // libpq's default file, ~/.postgresql/root.crt, counts as given.
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir(home.path().join(".postgresql")).unwrap();
+    let root = home.path().join(".postgresql/root.crt");
+    let env = super::Env::empty().with("HOME", home.path().display().to_string());
+    let with_home = || {
+        ConnParams::parse_with(
+            &format!(
+                "host=127.0.0.1 port={} user=postgres dbname=postgres sslmode=require",
+                pg.port()
+            ),
+            &env,
+        )
+        .unwrap()
+    };
+    std::fs::copy(&other.ca_cert, &root).unwrap();
+    let (sql, repl) = both(&with_home()).await;
+    for e in [sql.unwrap_err(), repl.unwrap_err()] {
+        assert!(e.contains("invalid peer certificate"), "{e}");
+    }
+    std::fs::copy(&pg.tls().unwrap().ca_cert, &root).unwrap();
+    assert_eq!(both(&with_home()).await, (Ok(true), Ok(true)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_connection_falls_back_under_prefer_only_on_n() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // A listener that answers the SSLRequest with `answer`, then closes.
+    for (answer, plain) in [(b'N', true), (b'E', false), (0u8, false)] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 8];
+            s.read_exact(&mut request).await.unwrap();
+            s.write_all(&[answer]).await.unwrap();
+            // What follows in plaintext: the startup message's length.
+            let mut next = [0u8; 4];
+            s.read_exact(&mut next).await.is_ok()
+        });
+        let conn = ConnParams::parse(&format!(
+            "host=127.0.0.1 port={port} user=postgres dbname=postgres sslmode=prefer"
+        ))
+        .unwrap();
+        let cfg = conn.replication("unused", "unused").unwrap();
+        let session = async {
+            let mut client = pgwire_replication::ReplicationClient::connect_gated(cfg).await?;
+            client.simple_query("SELECT 1").await?;
+            anyhow::Ok(())
+        };
+        let err = tokio::time::timeout(std::time::Duration::from_secs(30), session)
+            .await
+            .expect("the replication connection answers in time")
+            .expect_err("the listener is no server");
+        let err = format!("{err:#}");
+        let went_on_in_plaintext = server.await.unwrap();
+        assert_eq!(went_on_in_plaintext, plain, "answer {answer:#04x}: {err}");
+        if !plain {
+            assert!(err.to_string().contains("neither 'S' nor 'N'"), "{err}");
+        }
+    }
 }

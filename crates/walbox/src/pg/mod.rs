@@ -18,7 +18,7 @@ mod connect_tests;
 use std::collections::BTreeMap;
 use std::str::FromStr;
 
-use anyhow::{Context, Result, anyhow};
+use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
 pub use resolve::{NoServer, TargetSession};
@@ -31,8 +31,13 @@ pub use tls::SslMode;
 /// same in the stream, the snapshot and a dead-letter replay whatever the
 /// server's, database's or role's defaults say. Given as startup options, which
 /// take precedence over `ALTER DATABASE ... SET` and `ALTER ROLE ... SET`.
+///
+/// `row_security=off` too: a read of a table whose row-level security policies
+/// apply to the role fails with PostgreSQL's error instead of returning fewer
+/// rows, so that a snapshot, a replay from the table or `verify` never misses
+/// events silently.
 pub const SESSION_OPTIONS: &str = "-c TimeZone=UTC -c DateStyle=ISO,YMD -c IntervalStyle=postgres \
-     -c bytea_output=hex -c extra_float_digits=3 -c lc_monetary=C";
+     -c bytea_output=hex -c extra_float_digits=3 -c lc_monetary=C -c row_security=off";
 
 /// The connection string's own `options`, then [`SESSION_OPTIONS`] (the later
 /// setting wins).
@@ -56,6 +61,8 @@ pub struct ConnParams {
     pub sslcert: Option<String>,
     /// `sslkey`: client key file.
     pub sslkey: Option<String>,
+    /// The home directory, where libpq's default certificate files are.
+    home: Option<std::path::PathBuf>,
     /// The password file's entries, read when no password was given.
     passfile: PassFile,
     /// `target_session_attrs`: which of several servers a session uses (see
@@ -101,6 +108,7 @@ impl ConnParams {
     /// `localhost` over TCP, not to a Unix socket, because the replication
     /// connection speaks TCP only.
     pub fn parse_with(dsn: &str, env: &Env) -> Result<Self> {
+        env.refuse_unsupported()?;
         let mut settings: BTreeMap<&'static str, String> = BTreeMap::new();
         for (key, value) in dsn::parse(dsn)? {
             // An empty value counts as not given, so the next source applies.
@@ -145,6 +153,16 @@ impl ConnParams {
             settings.insert("application_name", name);
         }
 
+        if settings.get("channel_binding").map(String::as_str) == Some("require") {
+            bail!(
+                "channel_binding=require (in the connection string, the service file or \
+                 PGCHANNELBINDING) cannot be honoured: the replication connection does not \
+                 authenticate with SCRAM-SHA-256-PLUS yet, so it would not be bound to its TLS \
+                 session. To make sure walbox talks to the real server, use \
+                 sslmode=verify-full with sslrootcert set to the server's CA, and set \
+                 channel_binding to prefer or disable"
+            );
+        }
         let mut rest = Vec::new();
         for (&key, value) in &settings {
             if OWN_KEYS.contains(&key) {
@@ -202,6 +220,7 @@ impl ConnParams {
             sslrootcert,
             sslcert: get("sslcert"),
             sslkey: get("sslkey"),
+            home: env.var("HOME").map(std::path::PathBuf::from),
             passfile,
         })
     }
@@ -294,9 +313,12 @@ impl ConnParams {
     fn tls_config(&self) -> Result<rustls::ClientConfig> {
         tls::client_config(
             self.sslmode,
-            self.sslrootcert.as_deref(),
-            self.sslcert.as_deref(),
-            self.sslkey.as_deref(),
+            &tls::CertFiles {
+                rootcert: self.sslrootcert.clone(),
+                cert: self.sslcert.clone(),
+                key: self.sslkey.clone(),
+                home: self.home.clone(),
+            },
         )
     }
 
@@ -389,6 +411,7 @@ mod tests {
                 "IntervalStyle=postgres",
                 "extra_float_digits=3",
                 "DateStyle=ISO,YMD",
+                "row_security=off",
             ] {
                 assert!(options.contains(pinned), "{options}");
             }
@@ -424,6 +447,38 @@ mod tests {
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
         let err = ConnParams::parse("host=a bogus_key=1 password=hunter2").unwrap_err();
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
+    }
+
+    #[test]
+    fn channel_binding_require_is_refused_from_the_string_and_the_environment() {
+        for (dsn, env) in [
+            ("host=a channel_binding=require", Env::empty()),
+            ("postgresql://u@a/app?channel_binding=require", Env::empty()),
+            ("host=a", Env::empty().with("PGCHANNELBINDING", "require")),
+        ] {
+            let err = ConnParams::parse_with(dsn, &env).unwrap_err().to_string();
+            assert!(
+                err.contains("channel_binding=require")
+                    && err.contains("replication connection")
+                    && err.contains("SCRAM-SHA-256-PLUS")
+                    && err.contains("verify-full"),
+                "{dsn}: {err}"
+            );
+        }
+        // prefer and disable stay accepted; the string wins over the environment.
+        for value in ["prefer", "disable"] {
+            ConnParams::parse_with(&format!("host=a channel_binding={value}"), &Env::empty())
+                .unwrap();
+        }
+        let env = Env::empty().with("PGCHANNELBINDING", "require");
+        ConnParams::parse_with("host=a channel_binding=prefer", &env).unwrap();
+    }
+
+    #[test]
+    fn an_unsupported_security_variable_stops_the_parse() {
+        let env = Env::empty().with("PGSSLCRL", "/etc/crl.pem");
+        let err = ConnParams::parse_with("host=a", &env).unwrap_err();
+        assert!(err.to_string().contains("PGSSLCRL"), "{err}");
     }
 
     #[test]

@@ -37,6 +37,64 @@ pub const ENV_KEYS: &[(&str, &str)] = &[
 /// Variables that locate files rather than set a key.
 const FILE_VARS: &[&str] = &["PGSERVICEFILE", "PGSYSCONFDIR", "HOME"];
 
+/// Security settings libpq reads from the environment that walbox does not act
+/// on: the values that ask for what walbox does anyway, and what walbox does not
+/// do. Any other value is refused by the variable's name rather than silently
+/// ignored, as the same keys are in a connection string.
+const UNSUPPORTED_VARS: &[(&str, &[&str], &str)] = &[
+    (
+        "PGREQUIREAUTH",
+        &[],
+        "walbox cannot restrict the authentication methods the server may ask for",
+    ),
+    (
+        "PGGSSENCMODE",
+        &["disable", "prefer"],
+        "walbox has no GSSAPI encryption",
+    ),
+    (
+        "PGSSLNEGOTIATION",
+        &["postgres"],
+        "walbox negotiates TLS only with the SSLRequest",
+    ),
+    (
+        "PGSSLCRL",
+        &[],
+        "walbox does not check certificate revocation lists",
+    ),
+    (
+        "PGSSLCRLDIR",
+        &[],
+        "walbox does not check certificate revocation lists",
+    ),
+    (
+        "PGSSLCERTMODE",
+        &["allow"],
+        "walbox presents a client certificate whenever it has one",
+    ),
+    (
+        "PGSSLMINPROTOCOLVERSION",
+        &[],
+        "walbox uses TLS 1.2 and 1.3, and cannot be set to other versions",
+    ),
+    (
+        "PGSSLMAXPROTOCOLVERSION",
+        &[],
+        "walbox uses TLS 1.2 and 1.3, and cannot be set to other versions",
+    ),
+    (
+        "PGREQUIREPEER",
+        &[],
+        "walbox connects over TCP only and cannot check a Unix socket's peer",
+    ),
+    (
+        "PGKRBSRVNAME",
+        &[],
+        "walbox has no Kerberos (GSSAPI) authentication",
+    ),
+    ("PGGSSLIB", &[], "walbox has no GSSAPI library"),
+];
+
 /// The part of a process's environment that connection settings come from.
 #[derive(Clone, Default)]
 pub struct Env {
@@ -70,7 +128,8 @@ impl Env {
         let names = ENV_KEYS
             .iter()
             .map(|(v, _)| *v)
-            .chain(FILE_VARS.iter().copied());
+            .chain(FILE_VARS.iter().copied())
+            .chain(UNSUPPORTED_VARS.iter().map(|(v, _, _)| *v));
         for name in names {
             // A variable set to the empty string counts as unset.
             if let Ok(value) = std::env::var(name)
@@ -104,6 +163,27 @@ impl Env {
     /// The operating-system user name, libpq's default for `user`.
     pub fn os_user(&self) -> Option<&str> {
         self.os_user.as_deref()
+    }
+
+    /// Refuses a security setting of the environment walbox would not act on,
+    /// naming the variable, never its value.
+    pub fn refuse_unsupported(&self) -> Result<()> {
+        for (name, accepted, why) in UNSUPPORTED_VARS {
+            if let Some(value) = self.var(name)
+                && !accepted.contains(&value)
+            {
+                let allowed = if accepted.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (or set it to {})", accepted.join(" or "))
+                };
+                bail!(
+                    "{name} is set, but {why}; unset {name}{allowed} for walbox, or use a \
+                     connection string setting walbox supports (docs/security.md)"
+                );
+            }
+        }
+        Ok(())
     }
 
     fn home(&self) -> Option<PathBuf> {
@@ -413,6 +493,35 @@ mod tests {
         assert!(service_section(text, "c", file).unwrap().is_none());
         let err = service_section("[a]\npassword secret\n", "a", file).unwrap_err();
         assert!(err.to_string().contains("line 2") && !err.to_string().contains("secret"));
+    }
+
+    #[test]
+    fn security_variables_walbox_ignores_are_refused_by_name() {
+        for (name, value) in [
+            ("PGREQUIREAUTH", "scram-sha-256"),
+            ("PGGSSENCMODE", "require"),
+            ("PGSSLNEGOTIATION", "direct"),
+            ("PGSSLCRL", "/etc/crl.pem"),
+            ("PGSSLCERTMODE", "require"),
+            ("PGSSLMINPROTOCOLVERSION", "TLSv1.3"),
+        ] {
+            let err = Env::empty()
+                .with(name, value)
+                .refuse_unsupported()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(name) && !err.contains(value), "{err}");
+        }
+        // Values that ask for what walbox does anyway.
+        for (name, value) in [
+            ("PGGSSENCMODE", "disable"),
+            ("PGGSSENCMODE", "prefer"),
+            ("PGSSLNEGOTIATION", "postgres"),
+            ("PGSSLCERTMODE", "allow"),
+        ] {
+            Env::empty().with(name, value).refuse_unsupported().unwrap();
+        }
+        Env::empty().refuse_unsupported().unwrap();
     }
 
     #[test]

@@ -200,15 +200,23 @@ async fn negotiate(
     use tokio::io::AsyncReadExt;
     tcp.read_exact(&mut resp).await?;
 
-    if resp[0] != b'S' {
+    match resp[0] {
+        b'S' => {}
         // Server refused TLS
-        return if fallback {
-            Ok(MaybeTlsStream::Plain(tcp))
-        } else {
-            Err(PgWireError::Tls(
+        b'N' if fallback => return Ok(MaybeTlsStream::Plain(tcp)),
+        b'N' => {
+            return Err(PgWireError::Tls(
                 "server does not support TLS (SSLRequest rejected)".into(),
-            ))
-        };
+            ));
+        }
+        // Anything else is not a PostgreSQL server's answer: never a reason to
+        // continue without TLS.
+        other => {
+            return Err(PgWireError::Tls(format!(
+                "the server answered the SSLRequest with byte {other:#04x}, neither 'S' nor 'N'; \
+                 it is not a PostgreSQL server or speaks an older protocol"
+            )));
+        }
     }
 
     let connector = match &tls.rustls_config {
