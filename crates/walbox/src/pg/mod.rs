@@ -410,6 +410,15 @@ mod tests {
     }
 
     #[test]
+    fn an_unencoded_at_in_a_uri_password_is_not_shown_as_the_host() {
+        let c = ConnParams::parse("postgresql://walbox:p@ss@db/app").unwrap();
+        assert_eq!(c.host().unwrap(), "db");
+        assert_eq!(c.pg.get_password(), Some(&b"p@ss"[..]));
+        assert!(!c.describe().contains("ss"), "{}", c.describe());
+        assert!(!format!("{c:?}").contains("ss"), "{c:?}");
+    }
+
+    #[test]
     fn bad_strings_are_refused_without_echoing_secrets() {
         let err = ConnParams::parse("host=a sslmode=sometimes").unwrap_err();
         assert!(err.to_string().contains("sslmode must be one of"), "{err}");
@@ -424,6 +433,11 @@ mod tests {
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
         let err = ConnParams::parse("host=a bogus_key=1 password=hunter2").unwrap_err();
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
+        let err = ConnParams::parse("host=a target_session_attrs=hunter2").unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("target_session_attrs"), "{text}");
+        assert!(text.contains("read-write"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
     }
 
     #[test]

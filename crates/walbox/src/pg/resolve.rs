@@ -44,9 +44,9 @@ impl std::str::FromStr for TargetSession {
             "primary" => Self::Primary,
             "standby" => Self::Standby,
             "prefer-standby" => Self::PreferStandby,
-            other => bail!(
-                "invalid target_session_attrs {other:?}: use any, read-write, read-only, \
-                 primary, standby or prefer-standby"
+            _ => bail!(
+                "invalid connection string: target_session_attrs must be one of any, \
+                 read-write, read-only, primary, standby, prefer-standby"
             ),
         })
     }
@@ -321,12 +321,12 @@ mod tests {
             assert_eq!(kind.accepts(primary.0, primary.1), on_primary, "{kind:?}");
             assert_eq!(kind.accepts(standby.0, standby.1), on_standby, "{kind:?}");
         }
-        assert!(
-            "sometimes"
-                .parse::<TargetSession>()
-                .unwrap_err()
-                .to_string()
-                .contains("read-write")
-        );
+        let err = "sometimes"
+            .parse::<TargetSession>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("target_session_attrs"), "{err}");
+        assert!(err.contains("read-write"), "{err}");
+        assert!(!err.contains("sometimes"), "the value is not quoted: {err}");
     }
 }
