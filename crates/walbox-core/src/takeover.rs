@@ -73,6 +73,26 @@ pub enum TakeoverProblem {
         /// The checkpoint's position.
         checkpoint: Lsn,
     },
+    /// The server is on an earlier timeline than walbox's checkpoint: not a
+    /// promoted standby but a server the history went past.
+    #[error(
+        "the server is on timeline {server}, earlier than timeline {checkpoint_timeline} of \
+         walbox's checkpoint at {checkpoint}: it is an old primary that was not fenced after a \
+         failover (still writable, on the timeline it had), or a restored backup. Events it \
+         commits are not on the current primary's timeline, and what walbox published from \
+         timeline {checkpoint_timeline} is not on it. Fence the old primary (stop it, or make \
+         it a standby of the new one) and point walbox at the current primary; for a restored \
+         backup, take the checkpoint aside and create a new slot with a snapshot of the rows \
+         not yet published"
+    )]
+    EarlierTimeline {
+        /// The server's timeline.
+        server: u32,
+        /// The checkpoint's timeline.
+        checkpoint_timeline: u32,
+        /// The checkpoint's position.
+        checkpoint: Lsn,
+    },
     /// The slot is ahead of the checkpoint.
     #[error(
         "the server was promoted (timeline {from} to {to}) and its slot {slot:?} is at \
@@ -103,7 +123,8 @@ pub enum TakeoverProblem {
 /// `server_timeline` that shows the slot as `slot` (`None`: no such slot).
 ///
 /// # Errors
-/// When, after a promotion, the slot is missing, was not synchronized from the
+/// When the server is on an earlier timeline than the checkpoint's; when, after
+/// a promotion, the slot is missing, was not synchronized from the
 /// old primary, or is ahead of the checkpoint.
 pub fn check_takeover(
     name: &str,
@@ -114,6 +135,13 @@ pub fn check_takeover(
 ) -> Result<Takeover, TakeoverProblem> {
     if server_timeline == checkpoint_timeline {
         return Ok(Takeover::SameTimeline);
+    }
+    if server_timeline < checkpoint_timeline {
+        return Err(TakeoverProblem::EarlierTimeline {
+            server: server_timeline,
+            checkpoint_timeline,
+            checkpoint,
+        });
     }
     let (from, to) = (checkpoint_timeline, server_timeline);
     let Some(slot) = slot else {
@@ -192,6 +220,28 @@ mod tests {
             let text = e.to_string();
             assert!(text.contains("not synchronized"), "{text}");
             assert!(text.contains("checkpoint at 0/3000000"), "{text}");
+        }
+    }
+
+    #[test]
+    fn a_server_on_an_earlier_timeline_is_refused_as_unfenced_or_restored() {
+        for slot in [None, slot("0/2000000", Some(true)), slot("0/2000000", None)] {
+            let e = check_takeover("w", 2, lsn("0/3000000"), 1, slot).unwrap_err();
+            assert_eq!(
+                e,
+                TakeoverProblem::EarlierTimeline {
+                    server: 1,
+                    checkpoint_timeline: 2,
+                    checkpoint: lsn("0/3000000"),
+                }
+            );
+            let text = e.to_string();
+            assert!(!text.contains("promoted from"), "{text}");
+            assert!(!text.contains("not synchronized"), "{text}");
+            assert!(text.contains("timeline 1"), "{text}");
+            assert!(text.contains("timeline 2"), "{text}");
+            assert!(text.contains("not fenced"), "{text}");
+            assert!(text.contains("backup"), "{text}");
         }
     }
 

@@ -197,10 +197,13 @@ fn decode(s: &str, part: &str) -> Result<String> {
 /// `[user[:password]@][host[:port][,...]][/dbname][?key=value&...]`, after the scheme.
 fn parse_uri(rest: &str) -> Result<Vec<(&'static str, String)>> {
     let mut out = Vec::new();
-    // The user part ends at the first '@' before any '/' (libpq's rule).
-    let (userinfo, rest) = match rest.find(['@', '/']) {
-        Some(at) if rest[at..].starts_with('@') => (Some(&rest[..at]), &rest[at + 1..]),
-        _ => (None, rest),
+    // The authority ends at the path or the query; its user part ends at its
+    // last '@', as URL parsers have it, so that an unencoded '@' in a password
+    // stays in the password instead of turning its tail into the host.
+    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    let (userinfo, rest) = match authority.rfind('@') {
+        Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+        None => (None, rest),
     };
     if let Some(userinfo) = userinfo {
         let (user, password) = match userinfo.split_once(':') {
@@ -400,6 +403,23 @@ mod tests {
             assert!(err.contains(part), "{uri}: {err}");
             assert!(!err.contains("secret"), "{uri}: {err}");
         }
+    }
+
+    #[test]
+    fn an_unencoded_at_in_the_password_stays_in_the_password() {
+        let p = parse("postgresql://walbox:p@ss@db/app").unwrap();
+        assert_eq!(get(&p, "user"), Some("walbox"));
+        assert_eq!(get(&p, "password"), Some("p@ss"));
+        assert_eq!(get(&p, "host"), Some("db"));
+        assert_eq!(get(&p, "dbname"), Some("app"));
+        // The authority ends at the path or the query: an '@' after it is data.
+        let p = parse("postgres://h?application_name=a@b").unwrap();
+        assert_eq!(get(&p, "host"), Some("h"));
+        assert_eq!(get(&p, "user"), None);
+        assert_eq!(get(&p, "application_name"), Some("a@b"));
+        let p = parse("postgres://u@h/d@b").unwrap();
+        assert_eq!(get(&p, "user"), Some("u"));
+        assert_eq!(get(&p, "dbname"), Some("d@b"));
     }
 
     #[test]

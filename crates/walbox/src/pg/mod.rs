@@ -243,12 +243,17 @@ impl ConnParams {
             .map(|p| p.as_bytes().to_vec())
     }
 
-    /// The first TCP host, or the Unix socket directory.
+    /// The first TCP host, or the Unix socket directory; with only `hostaddr`
+    /// given, that address.
     pub fn host(&self) -> Result<String> {
         match self.pg.get_hosts().first() {
             Some(tokio_postgres::config::Host::Tcp(h)) => Ok(h.clone()),
             Some(tokio_postgres::config::Host::Unix(p)) => Ok(p.display().to_string()),
-            None => Ok("localhost".into()),
+            None => Ok(self
+                .pg
+                .get_hostaddrs()
+                .first()
+                .map_or_else(|| "localhost".into(), ToString::to_string)),
         }
     }
 
@@ -323,14 +328,24 @@ impl ConnParams {
     }
 
     /// Settings of the replication connection for `slot` and `publication`.
+    ///
+    /// With `hostaddr`, the connection goes to that address, the one the SQL
+    /// connection uses, and the server's certificate is verified against the
+    /// host name when one is given (as libpq does).
     pub fn replication(&self, slot: &str, publication: &str) -> Result<ReplicationConfig> {
         let host = self.host()?;
         let password = self
             .password_for(&host, self.port())
             .map(|p| String::from_utf8_lossy(&p).into_owned())
             .unwrap_or_default();
+        let address = self.pg.get_hostaddrs().first().map(ToString::to_string);
+        let named = matches!(
+            self.pg.get_hosts().first(),
+            Some(tokio_postgres::config::Host::Tcp(_))
+        );
+        let sni_hostname = address.as_ref().filter(|_| named).map(|_| host.clone());
         let cfg = ReplicationConfig::new(
-            host,
+            address.unwrap_or(host),
             self.pg.get_user().unwrap_or("postgres"),
             password,
             self.pg.get_dbname().unwrap_or("postgres"),
@@ -345,6 +360,7 @@ impl ConnParams {
         // checked against the certificate's IP addresses.
         let tls = TlsConfig {
             mode: self.sslmode.replication(),
+            sni_hostname,
             ..TlsConfig::default()
         };
         let tls = match self.sslmode {
@@ -433,6 +449,15 @@ mod tests {
     }
 
     #[test]
+    fn an_unencoded_at_in_a_uri_password_is_not_shown_as_the_host() {
+        let c = ConnParams::parse("postgresql://walbox:p@ss@db/app").unwrap();
+        assert_eq!(c.host().unwrap(), "db");
+        assert_eq!(c.pg.get_password(), Some(&b"p@ss"[..]));
+        assert!(!c.describe().contains("ss"), "{}", c.describe());
+        assert!(!format!("{c:?}").contains("ss"), "{c:?}");
+    }
+
+    #[test]
     fn bad_strings_are_refused_without_echoing_secrets() {
         let err = ConnParams::parse("host=a sslmode=sometimes").unwrap_err();
         assert!(err.to_string().contains("sslmode must be one of"), "{err}");
@@ -447,6 +472,11 @@ mod tests {
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
         let err = ConnParams::parse("host=a bogus_key=1 password=hunter2").unwrap_err();
         assert!(!format!("{err:#}").contains("hunter2"), "{err:#}");
+        let err = ConnParams::parse("host=a target_session_attrs=hunter2").unwrap_err();
+        let text = format!("{err:#}");
+        assert!(text.contains("target_session_attrs"), "{text}");
+        assert!(text.contains("read-write"), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
     }
 
     #[test]

@@ -44,9 +44,9 @@ impl std::str::FromStr for TargetSession {
             "primary" => Self::Primary,
             "standby" => Self::Standby,
             "prefer-standby" => Self::PreferStandby,
-            other => bail!(
-                "invalid target_session_attrs {other:?}: use any, read-write, read-only, \
-                 primary, standby or prefer-standby"
+            _ => bail!(
+                "invalid connection string: target_session_attrs must be one of any, \
+                 read-write, read-only, primary, standby, prefer-standby"
             ),
         })
     }
@@ -295,6 +295,43 @@ mod tests {
     }
 
     #[test]
+    fn the_replication_connection_goes_to_the_address_the_sql_connection_uses() {
+        use std::net::{IpAddr, Ipv4Addr};
+        let c = ConnParams::parse(
+            "host=a.example,b.example hostaddr=10.0.0.1,10.0.0.2 port=5432,5433 \
+             user=walbox dbname=app sslmode=require target_session_attrs=read-write",
+        )
+        .unwrap();
+        for (index, addr, name, port) in [
+            (0, [10, 0, 0, 1], "a.example", 5432),
+            (1, [10, 0, 0, 2], "b.example", 5433),
+        ] {
+            let pinned = c.pinned(index);
+            let addr = Ipv4Addr::from(addr);
+            assert_eq!(pinned.pg.get_hostaddrs(), [IpAddr::V4(addr)]);
+            let r = pinned.replication("s", "p").unwrap();
+            assert_eq!(r.host, addr.to_string(), "the address the SQL check used");
+            assert_eq!(r.port, port);
+            // The certificate is verified against the name, as libpq does.
+            assert_eq!(r.tls.sni_hostname.as_deref(), Some(name));
+        }
+        // An address alone: connected to and verified as itself.
+        let r = ConnParams::parse("hostaddr=10.0.0.9 user=walbox dbname=app")
+            .unwrap()
+            .replication("s", "p")
+            .unwrap();
+        assert_eq!(r.host, "10.0.0.9");
+        assert_eq!(r.tls.sni_hostname, None);
+        // A name alone: no address to pin, the name is resolved as before.
+        let r = ConnParams::parse("host=a.example user=walbox dbname=app")
+            .unwrap()
+            .replication("s", "p")
+            .unwrap();
+        assert_eq!(r.host, "a.example");
+        assert_eq!(r.tls.sni_hostname, None);
+    }
+
+    #[test]
     fn the_uri_form_names_several_servers_and_the_kind_asked_for() {
         let c =
             ConnParams::parse("postgresql://walbox@a:5432,b:5433/app?target_session_attrs=primary")
@@ -321,12 +358,12 @@ mod tests {
             assert_eq!(kind.accepts(primary.0, primary.1), on_primary, "{kind:?}");
             assert_eq!(kind.accepts(standby.0, standby.1), on_standby, "{kind:?}");
         }
-        assert!(
-            "sometimes"
-                .parse::<TargetSession>()
-                .unwrap_err()
-                .to_string()
-                .contains("read-write")
-        );
+        let err = "sometimes"
+            .parse::<TargetSession>()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("target_session_attrs"), "{err}");
+        assert!(err.contains("read-write"), "{err}");
+        assert!(!err.contains("sometimes"), "the value is not quoted: {err}");
     }
 }

@@ -54,6 +54,11 @@ pub(super) async fn check(
                  is not past the checkpoint: resuming at the checkpoint");
             Ok(())
         }
+        Err(problem @ TakeoverProblem::EarlierTimeline { .. }) => bail!(
+            "{problem} (checkpoint {}, server {})",
+            ctx.store.path().display(),
+            ctx.conn.server()
+        ),
         Err(problem @ TakeoverProblem::SlotMissing { .. }) => bail!(
             "{problem}. To publish them, move the checkpoint {} aside and create the slot with \
              a snapshot of the rows not yet published (`walbox setup --snapshot \
