@@ -570,6 +570,37 @@ pub struct Overrides {
     pub metrics_listen: Option<String>,
 }
 
+/// A deserializer's message with the values it quotes taken out: a string in
+/// double quotes (`invalid type: string "...", expected a boolean`) and the
+/// variant of `unknown variant `...``, which are what the file said and may be a
+/// password put under the wrong key. Names of keys and the expected forms stay.
+fn without_values(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut chars = message.chars();
+    while let Some(c) = chars.next() {
+        if c == '"' {
+            // Skip to the closing quote, minding escapes.
+            let mut escaped = false;
+            for c in chars.by_ref() {
+                match (escaped, c) {
+                    (false, '\\') => escaped = true,
+                    (false, '"') => break,
+                    _ => escaped = false,
+                }
+            }
+            out.push_str("\"(a value)\"");
+        } else {
+            out.push(c);
+        }
+    }
+    if let Some(rest) = out.strip_prefix("unknown variant `")
+        && let Some(end) = rest.find('`')
+    {
+        return format!("unknown variant `(a value)`{}", &rest[end + 1..]);
+    }
+    out
+}
+
 impl Config {
     /// Parses a TOML document. An error names the line, column and problem but
     /// does not quote the line: it may hold a password.
@@ -602,7 +633,7 @@ impl Config {
             anyhow::anyhow!(
                 "configuration {}{at}: {}",
                 origin.display(),
-                e.message().trim_end()
+                without_values(e.message().trim_end())
             )
         })
     }
@@ -871,6 +902,26 @@ mod tests {
         assert_eq!(
             c.checkpoint_store().path(),
             Path::new("walbox-walbox.checkpoint.json")
+        );
+    }
+
+    #[test]
+    fn parse_errors_do_not_quote_a_value_under_the_wrong_key() {
+        for text in [
+            "[source]\nslot = \"s\"\n[snapshot]\nmode = \"pw-51ab\"\n",
+            "[sink]\ncreate_topics = \"pw-51ab\"\n",
+            "[sink]\ncreate_topics = \"pw-\\\"51ab\"\n",
+        ] {
+            let err = format!(
+                "{:#}",
+                Config::parse(text, Path::new("t.toml")).unwrap_err()
+            );
+            assert!(!err.contains("51ab"), "{err}");
+            assert!(err.contains("line"), "{err}");
+        }
+        assert_eq!(
+            without_values("invalid type: string \"x\\\"y\", expected a boolean"),
+            "invalid type: string \"(a value)\", expected a boolean"
         );
     }
 
