@@ -5,8 +5,7 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 60
 export CARGO_TERM_COLOR ?= never
 
-<<<<<<< HEAD
-.PHONY: all build deps demo test test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay fuzz clean
+.PHONY: all build release deps demo test test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay fuzz clean
 
 # PostgreSQL majors the end-to-end tests run on: `make test` runs the whole suite on
 # the first and the end-to-end tests again on the others; `make test-matrix` runs
@@ -14,9 +13,6 @@ export CARGO_TERM_COLOR ?= never
 # fetched once per machine by scripts/pg-major.sh.
 PG_VERSIONS ?= 15 17
 PG_MATRIX ?= 15 16 17 18
-=======
-.PHONY: all build release deps demo test fmt-check clippy bench bench-decoder bench-relay fuzz clean
->>>>>>> wt-13b
 
 all: build
 
