@@ -407,3 +407,44 @@ async fn doctor_standby_says_what_to_fix_until_the_standby_can_take_over() {
     );
     assert!(!out.contains("FAIL"), "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_primary_back_beside_the_promoted_one_is_refused_naming_both() {
+    let Some((mut primary, broker, db)) = self::primary().await else {
+        return;
+    };
+    let standby = standby(&primary, &db, true, true).await;
+    let env = failover_env(&primary, &standby, &broker);
+    setup(&env);
+    wait_synced(&db, &standby).await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&primary, 2, 5, 3, 6).await;
+    wait_caught_up(&db).await;
+    walbox.stop();
+    drop(db);
+
+    // The failover, then the old primary restarts as a primary of its own, on
+    // the timeline walbox's checkpoint has, first in the connection string.
+    primary.kill9().unwrap();
+    standby.promote().await.unwrap();
+    write_events_from(&standby, 2, 5, 3, 6, 100).await;
+    primary.start_again().unwrap();
+
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(code(status), Some(0), "refused, not streamed:\n{log}");
+    let (a, b) = (
+        format!("{}:{}", primary.host(), primary.port()),
+        format!("{}:{}", standby.host(), standby.port()),
+    );
+    assert!(log.contains("two primaries"), "{log}");
+    assert!(log.contains(&format!("{a} (timeline 1)")), "{log}");
+    assert!(log.contains(&format!("{b} (timeline 2)")), "{log}");
+    assert!(log.contains("fence"), "{log}");
+    assert_eq!(
+        log.matches("session ended").count(),
+        0,
+        "refused at once, not retried:\n{log}"
+    );
+}

@@ -88,9 +88,12 @@ fn classify_sql(e: anyhow::Error) -> anyhow::Error {
 
 /// Finding the server of a session: transient when servers answered but none
 /// was of the kind asked for (a standby being promoted) or none answered in
-/// time; connection errors as [`classify_sql`] has them.
+/// time; fatal when two primaries answered (only fencing one ends that);
+/// connection errors as [`classify_sql`] has them.
 fn classify_resolve(e: anyhow::Error) -> anyhow::Error {
-    if e.downcast_ref::<crate::pg::NoServer>().is_some() {
+    if e.downcast_ref::<crate::pg::TwoPrimaries>().is_some() {
+        e
+    } else if e.downcast_ref::<crate::pg::NoServer>().is_some() {
         transient(e)
     } else {
         classify_sql(e)
