@@ -448,3 +448,71 @@ async fn an_old_primary_back_beside_the_promoted_one_is_refused_naming_both() {
         "refused at once, not retried:\n{log}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_on_a_promoted_server_does_not_let_run_skip_the_takeover_check() {
+    let Some((mut primary, broker, db)) = self::primary().await else {
+        return;
+    };
+    // No slot synchronization: the standby's slot of walbox's name is its own.
+    let standby = standby(&primary, &db, false, false).await;
+    let env = failover_env(&primary, &standby, &broker);
+    setup(&env);
+    let sdb = standby.connect("postgres").await.unwrap();
+    let create = tokio::spawn(async move {
+        sdb.query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot('walbox', 'pgoutput')",
+            &[],
+        )
+        .await
+        .map(|row| row.get::<_, String>(0))
+    });
+    wait_until_async(
+        "the standby to create its own slot walbox",
+        Duration::from_secs(120),
+        || async {
+            let _ = db.execute("SELECT pg_log_standby_snapshot()", &[]).await;
+            create.is_finished().then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let standby_slot: walbox_pgoutput::Lsn = create.await.unwrap().unwrap().parse().unwrap();
+
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&primary, 2, 5, 3, 6).await;
+    wait_caught_up(&db).await;
+    walbox.stop();
+    let cp = checkpoint(&primary).unwrap();
+    assert_eq!(cp.timeline, Some(1));
+    let sdb = standby.connect("postgres").await.unwrap();
+    let end = current_lsn(&db).await;
+    wait_until_async("the standby to replay", Duration::from_secs(60), || async {
+        let at: String = sdb
+            .query_one("SELECT pg_last_wal_replay_lsn()::text", &[])
+            .await
+            .ok()?
+            .get(0);
+        (at.parse::<walbox_pgoutput::Lsn>().ok()? >= end).then_some(())
+    })
+    .await
+    .unwrap();
+    drop(db);
+    primary.kill9().unwrap();
+    standby.promote().await.unwrap();
+
+    let from = standby_slot.to_string();
+    let (status, out, err) = walbox_cmd(&["replay", "--from", &from], &env);
+    assert_ne!(status, Some(0), "replay refused:\n{out}{err}");
+    assert!(err.contains("not synchronized"), "{err}");
+    assert_eq!(
+        checkpoint(&primary).unwrap().timeline,
+        Some(1),
+        "the checkpoint keeps the timeline of the last good takeover"
+    );
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(code(status), Some(0), "refused:\n{log}");
+    assert!(log.contains("not synchronized"), "{log}");
+}

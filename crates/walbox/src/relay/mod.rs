@@ -257,6 +257,7 @@ async fn session(
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
+    relay.accept_slot_position = options.accept_slot_position;
     relay.publication = Some(
         PublicationWatch::start(
             ctx.conn,

@@ -68,6 +68,9 @@ pub(super) struct Relay<'a> {
     /// `run` only: the publication checked while streaming; positions beyond
     /// what it verified are neither saved nor reported.
     pub(super) publication: Option<PublicationWatch>,
+    /// `run --accept-slot-position`: a promoted server's slot that is ahead of
+    /// the checkpoint or not synchronized is taken as it is.
+    pub(super) accept_slot_position: bool,
 }
 
 impl<'a> Relay<'a> {
@@ -79,6 +82,7 @@ impl<'a> Relay<'a> {
             writer: CheckpointWriter::new(ctx.store.clone()),
             latency: Latency::new(),
             publication: None,
+            accept_slot_position: false,
         })
     }
 
@@ -266,6 +270,9 @@ pub(super) async fn connect_identified(
     if let Some(cp) = relay.core.checkpoint().cloned() {
         check_identity(&cp, ctx.store, &ident, &ctx.config.source.slot)?;
         check_wal_end(&cp, ctx.store, Lsn(ident.xlogpos.0), accept_wal_behind)?;
+        // Before the checkpoint's timeline is rewritten below.
+        super::takeover::check_identified(ctx, &cp, ident.timeline, relay.accept_slot_position)
+            .await?;
         if let Some(timeline) = cp.timeline.filter(|t| *t != ident.timeline) {
             let history = if ident.timeline > timeline {
                 let h = client
