@@ -192,6 +192,12 @@ async fn a_promoted_standby_with_the_synced_slot_takes_over_and_nothing_is_lost(
     // walbox has published part of what is being written when the primary dies.
     wait_slot_moves(&db, current_lsn(&db).await).await;
     wait_slot_moves(&db, current_lsn(&db).await).await;
+    // The new primary waits for no standby, and walbox says so there; not here.
+    let log = walbox.log();
+    assert!(
+        !log.contains("synchronized_standby_slots is empty"),
+        "no warning while the primary waits for the standby:\n{log}"
+    );
     primary.kill9().unwrap();
     for w in writers {
         w.await.unwrap();
@@ -347,6 +353,10 @@ async fn a_standby_behind_the_slot_is_refused_with_the_range() {
     let cp = checkpoint(&primary).unwrap().lsn;
 
     let log = refused_after_promotion(&mut primary, &standby, &mut walbox).await;
+    assert!(
+        log.contains("WARN") && log.contains("synchronized_standby_slots is empty"),
+        "the risk was named while streaming:\n{log}"
+    );
     assert!(log.contains("before walbox's checkpoint"), "{log}");
     assert!(
         log.contains(&cp.to_string()),
@@ -362,6 +372,17 @@ async fn doctor_standby_says_what_to_fix_until_the_standby_can_take_over() {
     let standby = standby(&primary, &db, false, false).await;
     let mut env = walbox_env(&primary, &broker);
     setup(&env);
+    // Without --standby, a failover slot on a primary that waits for no standby
+    // is a warning with the setting to fix.
+    let mut plain = env.clone();
+    plain.push(("WALBOX_FAILOVER", "true".into()));
+    let (_, out, err) = walbox_cmd(&["doctor"], &plain);
+    assert!(
+        out.contains(
+            "warn source.failover is on but the primary's synchronized_standby_slots is empty"
+        ),
+        "{out}{err}"
+    );
     env.push(("WALBOX_STANDBY_DSN", standby.conninfo("postgres")));
     let physical = standby.primary_slot_name().unwrap().to_owned();
 
