@@ -192,6 +192,12 @@ async fn a_promoted_standby_with_the_synced_slot_takes_over_and_nothing_is_lost(
     // walbox has published part of what is being written when the primary dies.
     wait_slot_moves(&db, current_lsn(&db).await).await;
     wait_slot_moves(&db, current_lsn(&db).await).await;
+    // The new primary waits for no standby, and walbox says so there; not here.
+    let log = walbox.log();
+    assert!(
+        !log.contains("synchronized_standby_slots is empty"),
+        "no warning while the primary waits for the standby:\n{log}"
+    );
     primary.kill9().unwrap();
     for w in writers {
         w.await.unwrap();
@@ -347,6 +353,10 @@ async fn a_standby_behind_the_slot_is_refused_with_the_range() {
     let cp = checkpoint(&primary).unwrap().lsn;
 
     let log = refused_after_promotion(&mut primary, &standby, &mut walbox).await;
+    assert!(
+        log.contains("WARN") && log.contains("synchronized_standby_slots is empty"),
+        "the risk was named while streaming:\n{log}"
+    );
     assert!(log.contains("before walbox's checkpoint"), "{log}");
     assert!(
         log.contains(&cp.to_string()),
@@ -362,6 +372,17 @@ async fn doctor_standby_says_what_to_fix_until_the_standby_can_take_over() {
     let standby = standby(&primary, &db, false, false).await;
     let mut env = walbox_env(&primary, &broker);
     setup(&env);
+    // Without --standby, a failover slot on a primary that waits for no standby
+    // is a warning with the setting to fix.
+    let mut plain = env.clone();
+    plain.push(("WALBOX_FAILOVER", "true".into()));
+    let (_, out, err) = walbox_cmd(&["doctor"], &plain);
+    assert!(
+        out.contains(
+            "warn source.failover is on but the primary's synchronized_standby_slots is empty"
+        ),
+        "{out}{err}"
+    );
     env.push(("WALBOX_STANDBY_DSN", standby.conninfo("postgres")));
     let physical = standby.primary_slot_name().unwrap().to_owned();
 
@@ -406,4 +427,113 @@ async fn doctor_standby_says_what_to_fix_until_the_standby_can_take_over() {
         "{out}"
     );
     assert!(!out.contains("FAIL"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_primary_back_beside_the_promoted_one_is_refused_naming_both() {
+    let Some((mut primary, broker, db)) = self::primary().await else {
+        return;
+    };
+    let standby = standby(&primary, &db, true, true).await;
+    let env = failover_env(&primary, &standby, &broker);
+    setup(&env);
+    wait_synced(&db, &standby).await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&primary, 2, 5, 3, 6).await;
+    wait_caught_up(&db).await;
+    walbox.stop();
+    drop(db);
+
+    // The failover, then the old primary restarts as a primary of its own, on
+    // the timeline walbox's checkpoint has, first in the connection string.
+    primary.kill9().unwrap();
+    standby.promote().await.unwrap();
+    write_events_from(&standby, 2, 5, 3, 6, 100).await;
+    primary.start_again().unwrap();
+
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(code(status), Some(0), "refused, not streamed:\n{log}");
+    let (a, b) = (
+        format!("{}:{}", primary.host(), primary.port()),
+        format!("{}:{}", standby.host(), standby.port()),
+    );
+    assert!(log.contains("two primaries"), "{log}");
+    assert!(log.contains(&format!("{a} (timeline 1)")), "{log}");
+    assert!(log.contains(&format!("{b} (timeline 2)")), "{log}");
+    assert!(log.contains("fence"), "{log}");
+    assert_eq!(
+        log.matches("session ended").count(),
+        0,
+        "refused at once, not retried:\n{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_on_a_promoted_server_does_not_let_run_skip_the_takeover_check() {
+    let Some((mut primary, broker, db)) = self::primary().await else {
+        return;
+    };
+    // No slot synchronization: the standby's slot of walbox's name is its own.
+    let standby = standby(&primary, &db, false, false).await;
+    let env = failover_env(&primary, &standby, &broker);
+    setup(&env);
+    let sdb = standby.connect("postgres").await.unwrap();
+    let create = tokio::spawn(async move {
+        sdb.query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot('walbox', 'pgoutput')",
+            &[],
+        )
+        .await
+        .map(|row| row.get::<_, String>(0))
+    });
+    wait_until_async(
+        "the standby to create its own slot walbox",
+        Duration::from_secs(120),
+        || async {
+            let _ = db.execute("SELECT pg_log_standby_snapshot()", &[]).await;
+            create.is_finished().then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let standby_slot: walbox_pgoutput::Lsn = create.await.unwrap().unwrap().parse().unwrap();
+
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&primary, 2, 5, 3, 6).await;
+    wait_caught_up(&db).await;
+    walbox.stop();
+    let cp = checkpoint(&primary).unwrap();
+    assert_eq!(cp.timeline, Some(1));
+    let sdb = standby.connect("postgres").await.unwrap();
+    let end = current_lsn(&db).await;
+    wait_until_async("the standby to replay", Duration::from_secs(60), || async {
+        let at: String = sdb
+            .query_one("SELECT pg_last_wal_replay_lsn()::text", &[])
+            .await
+            .ok()?
+            .get(0);
+        (at.parse::<walbox_pgoutput::Lsn>().ok()? >= end).then_some(())
+    })
+    .await
+    .unwrap();
+    drop(db);
+    primary.kill9().unwrap();
+    standby.promote().await.unwrap();
+
+    let from = standby_slot.to_string();
+    let (status, out, err) = walbox_cmd(&["replay", "--from", &from], &env);
+    assert_ne!(status, Some(0), "replay refused:\n{out}{err}");
+    assert!(err.contains("not synchronized"), "{err}");
+    assert_eq!(
+        checkpoint(&primary).unwrap().timeline,
+        Some(1),
+        "the checkpoint keeps the timeline of the last good takeover"
+    );
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(code(status), Some(0), "refused:\n{log}");
+    assert!(log.contains("not synchronized"), "{log}");
 }

@@ -235,6 +235,12 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
 
     if let Some(dsn) = standby_dsn {
         standby::check(&mut r, &sql, config, dsn).await?;
+    } else if config.source.failover {
+        let major = crate::failover::server_major(&sql).await?;
+        let waited = crate::failover::waited_standby_slots(&sql, major).await?;
+        if let Some(risk) = crate::failover::unwaited_standby_risk(waited.as_deref()) {
+            r.add(Verdict::Warn, risk);
+        }
     }
 
     print(&r);

@@ -1,9 +1,10 @@
 //! Failover slots (PostgreSQL 17 and later): `source.failover` makes walbox's
 //! slot one that a standby with `sync_replication_slots = on` keeps in sync, so
 //! that the slot, and walbox's position in it, survive the standby's promotion.
-//! Here: the server's version, the slot's `failover` and `synced` columns, and
+//! Here: the server's version, the slot's `failover` and `synced` columns,
 //! turning `failover` on for an existing slot (`ALTER_REPLICATION_SLOT`, a
-//! replication command).
+//! replication command), and the warning when the primary does not wait for a
+//! standby (`synchronized_standby_slots`).
 
 use anyhow::{Context, Result, bail};
 
@@ -56,6 +57,49 @@ pub async fn state(
     }))
 }
 
+/// The risk of a failover slot on a primary whose `synchronized_standby_slots`
+/// (`waited`; `None` before PostgreSQL 17) names no standby: logical decoding is
+/// not held back until a standby has the WAL, so walbox can publish events a
+/// standby never received, which a promotion then loses from the table (phantom
+/// events). `None` when there is nothing to say.
+pub fn unwaited_standby_risk(waited: Option<&str>) -> Option<String> {
+    let waited = waited?;
+    if waited
+        .split(',')
+        .any(|n| !n.trim().trim_matches('"').is_empty())
+    {
+        return None;
+    }
+    Some(
+        "source.failover is on but the primary's synchronized_standby_slots is empty: \
+         walbox can publish events that no standby has received yet, and after a \
+         promotion those events are not in the new primary's table (the takeover check \
+         only catches a standby behind walbox's checkpoint). Set synchronized_standby_slots \
+         on the primary to the standby's physical slot (ALTER SYSTEM SET \
+         synchronized_standby_slots = '<slot>', then reload), which holds logical decoding \
+         back until the standby has the WAL; `walbox doctor --standby DSN` checks the rest"
+            .to_owned(),
+    )
+}
+
+/// `synchronized_standby_slots` of the server; `None` before PostgreSQL 17.
+pub async fn waited_standby_slots(
+    sql: &tokio_postgres::Client,
+    major: u32,
+) -> Result<Option<String>> {
+    if major < FAILOVER_SINCE {
+        return Ok(None);
+    }
+    let row = sql
+        .query_one(
+            "SELECT current_setting('synchronized_standby_slots', true)",
+            &[],
+        )
+        .await
+        .context("reading synchronized_standby_slots")?;
+    Ok(row.get(0))
+}
+
 /// Refuses `source.failover` on a server without failover slots.
 pub fn require_support(major: u32) -> Result<()> {
     if major < FAILOVER_SINCE {
@@ -82,6 +126,18 @@ pub async fn ensure(
     }
     let major = server_major(sql).await?;
     require_support(major)?;
+    // On a primary; a standby's own setting says nothing.
+    let in_recovery: bool = sql
+        .query_one("SELECT pg_is_in_recovery()", &[])
+        .await
+        .context("reading pg_is_in_recovery()")?
+        .get(0);
+    if !in_recovery
+        && let Some(risk) =
+            unwaited_standby_risk(waited_standby_slots(sql, major).await?.as_deref())
+    {
+        tracing::warn!(slot = %config.source.slot, "{risk}");
+    }
     let slot = &config.source.slot;
     match state(sql, major, slot).await? {
         Some(s) if !s.failover => {
@@ -116,4 +172,22 @@ async fn enable(conn: &ConnParams, config: &Config) -> Result<()> {
             )
         })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_primary_that_waits_for_no_standby_is_a_risk_named_by_its_setting() {
+        for empty in ["", " ", "\"\""] {
+            let risk = unwaited_standby_risk(Some(empty)).unwrap();
+            assert!(risk.contains("synchronized_standby_slots"), "{risk}");
+            assert!(risk.contains("not in the new primary's table"), "{risk}");
+        }
+        assert_eq!(unwaited_standby_risk(Some("standby1")), None);
+        assert_eq!(unwaited_standby_risk(Some("a, b")), None);
+        // Before PostgreSQL 17 there is no such setting, and no failover slot.
+        assert_eq!(unwaited_standby_risk(None), None);
+    }
 }

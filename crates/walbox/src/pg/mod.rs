@@ -21,7 +21,7 @@ use std::str::FromStr;
 use anyhow::{Context, Result, anyhow, bail};
 use pgwire_replication::{ReplicationConfig, TlsConfig};
 
-pub use resolve::{NoServer, TargetSession};
+pub use resolve::{NoServer, TargetSession, TwoPrimaries};
 pub use sources::Env;
 use sources::PassFile;
 pub use tls::SslMode;

@@ -3,7 +3,9 @@
 //! pinned to the one server a session uses: the first, in the order given, that
 //! answers and has the kind `target_session_attrs` asks for, as libpq picks it.
 //! The SQL and the replication connection of a session then both go to that
-//! server, and after a promotion the next session finds the new primary.
+//! server, and after a promotion the next session finds the new primary. Asked
+//! for the one server that accepts writes, every server is asked, and two
+//! primaries (an old one back beside the promoted one) are refused.
 
 use std::time::Duration;
 
@@ -63,6 +65,18 @@ impl TargetSession {
         }
     }
 
+    /// libpq's name of the setting's value.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Any => "any",
+            Self::ReadWrite => "read-write",
+            Self::ReadOnly => "read-only",
+            Self::Primary => "primary",
+            Self::Standby => "standby",
+            Self::PreferStandby => "prefer-standby",
+        }
+    }
+
     /// What a server must be, in words, for logs and errors.
     fn describe(self) -> &'static str {
         match self {
@@ -72,6 +86,13 @@ impl TargetSession {
             Self::Primary => "that is a primary",
             Self::Standby => "that is a standby",
         }
+    }
+
+    /// Whether at most one server may be of this kind: a second one means a
+    /// split brain, so every server is asked, not only up to the first that
+    /// qualifies.
+    fn one_at_most(self) -> bool {
+        matches!(self, Self::ReadWrite | Self::Primary)
     }
 
     /// Whether a server in this state qualifies.
@@ -156,10 +177,16 @@ impl ConnParams {
     /// standby first), pinned with [`pinned`](Self::pinned). Logs the choice
     /// (host and port).
     ///
+    /// For `read-write` and `primary` with several servers, every server is
+    /// asked: when two different servers accept writes, an old primary came back
+    /// beside the promoted one, and either choice would publish one of them and
+    /// lose the other's events, so the session is refused.
+    ///
     /// # Errors
     /// The last connection error when no server answers; an error naming what
     /// was asked for when servers answer but none qualifies (while a standby is
-    /// being promoted, say).
+    /// being promoted, say); [`TwoPrimaries`] when several servers qualify for
+    /// `read-write` or `primary`.
     pub async fn resolve(&self) -> Result<ConnParams> {
         let count = self.host_count();
         if count <= 1 && self.target == TargetSession::Any {
@@ -171,18 +198,22 @@ impl ConnParams {
             .copied()
             .unwrap_or(DEFAULT_CONNECT_TIMEOUT);
         let mut states = Vec::new();
+        let mut qualified = Vec::new();
         let mut last_error = None;
         for index in 0..count.max(1) {
             let candidate = self.pinned(index);
             match tokio::time::timeout(timeout, server_state(&candidate)).await {
-                Ok(Ok((in_recovery, read_only))) => {
-                    states.push((index, in_recovery));
+                Ok(Ok(state)) => {
+                    states.push((index, state.in_recovery));
                     let wanted = match self.target {
-                        TargetSession::PreferStandby => in_recovery,
-                        other => other.accepts(in_recovery, read_only),
+                        TargetSession::PreferStandby => state.in_recovery,
+                        other => other.accepts(state.in_recovery, state.read_only),
                     };
-                    if wanted {
+                    if wanted && !(self.target.one_at_most() && count > 1) {
                         return Ok(chosen(candidate, self.target));
+                    }
+                    if wanted {
+                        qualified.push((index, state));
                     }
                 }
                 Ok(Err(e)) => {
@@ -203,6 +234,35 @@ impl ConnParams {
                         .into(),
                     );
                 }
+            }
+        }
+        match only_one(&qualified) {
+            Ok(Some(index)) => return Ok(chosen(self.pinned(index), self.target)),
+            Ok(None) => {}
+            Err(several) => {
+                let servers: Vec<String> = several
+                    .iter()
+                    .map(|(index, state)| {
+                        let timeline = state.timeline.map_or_else(
+                            || "timeline unknown".to_owned(),
+                            |t| format!("timeline {t}"),
+                        );
+                        format!("{} ({timeline})", self.pinned(*index).server())
+                    })
+                    .collect();
+                return Err(TwoPrimaries {
+                    message: format!(
+                        "two primaries: the servers {} all accept writes \
+                         (target_session_attrs={}). One of them is an old primary that was not \
+                         fenced after a failover; publishing from either would lose the events \
+                         committed on the other. Fence the old primary (stop it, or make it a \
+                         standby of the new one; the new primary is normally the one on the \
+                         later timeline), then start walbox again",
+                        servers.join(", "),
+                        self.target.name()
+                    ),
+                }
+                .into());
             }
         }
         if self.target == TargetSession::PreferStandby
@@ -250,22 +310,70 @@ impl std::fmt::Display for NoServer {
 
 impl std::error::Error for NoServer {}
 
+/// Several different servers accept writes where one primary was asked for: a
+/// split brain that only fencing the old primary ends. Not retried.
+#[derive(Debug)]
+pub struct TwoPrimaries {
+    message: String,
+}
+
+impl std::fmt::Display for TwoPrimaries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for TwoPrimaries {}
+
+/// What a server said about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ServerState {
+    in_recovery: bool,
+    read_only: bool,
+    /// The timeline it writes (`None` in recovery).
+    timeline: Option<u32>,
+    /// When its postmaster started: two entries of the list with the same
+    /// start are one server under two names.
+    started: String,
+}
+
+/// The one server of those that qualified (`None`: none did), or all of them
+/// when they are different servers.
+fn only_one(qualified: &[(usize, ServerState)]) -> Result<Option<usize>, &[(usize, ServerState)]> {
+    match qualified.first() {
+        None => Ok(None),
+        Some((index, first)) if qualified.iter().all(|(_, s)| s.started == first.started) => {
+            Ok(Some(*index))
+        }
+        Some(_) => Err(qualified),
+    }
+}
+
 fn chosen(params: ConnParams, target: TargetSession) -> ConnParams {
     tracing::info!(host = %params.host().unwrap_or_default(), port = params.port(),
         target_session_attrs = ?target, "connecting to the server {}", target.describe());
     params
 }
 
-/// `(in recovery, read-only)` of the server `params` names.
-async fn server_state(params: &ConnParams) -> Result<(bool, bool)> {
+/// The state of the server `params` names.
+async fn server_state(params: &ConnParams) -> Result<ServerState> {
     let sql = params.connect().await?;
     let row = sql
         .query_one(
-            "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'",
+            "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on',
+                    CASE WHEN pg_is_in_recovery() THEN NULL
+                         ELSE pg_walfile_name(pg_current_wal_lsn()) END,
+                    pg_postmaster_start_time()::text",
             &[],
         )
         .await?;
-    Ok((row.get(0), row.get(1)))
+    let walfile: Option<String> = row.get(2);
+    Ok(ServerState {
+        in_recovery: row.get(0),
+        read_only: row.get(1),
+        timeline: walfile.and_then(|f| u32::from_str_radix(f.get(..8)?, 16).ok()),
+        started: row.get(3),
+    })
 }
 
 #[cfg(test)]
@@ -340,6 +448,29 @@ mod tests {
         assert_eq!(c.target, TargetSession::Primary);
         assert_eq!(c.pinned(0).server(), "a:5432");
         assert_eq!(c.pinned(1).server(), "b:5433");
+    }
+
+    #[test]
+    fn two_different_servers_accepting_writes_are_not_a_choice() {
+        let server = |timeline, started: &str| ServerState {
+            in_recovery: false,
+            read_only: false,
+            timeline: Some(timeline),
+            started: started.to_owned(),
+        };
+        assert_eq!(only_one(&[]), Ok(None));
+        assert_eq!(only_one(&[(1, server(2, "t1"))]), Ok(Some(1)));
+        // One server named twice (a name and its address, say).
+        assert_eq!(
+            only_one(&[(0, server(1, "t1")), (2, server(1, "t1"))]),
+            Ok(Some(0))
+        );
+        let two = [(0, server(1, "t0")), (1, server(2, "t1"))];
+        assert_eq!(only_one(&two), Err(&two[..]));
+        assert!(TargetSession::ReadWrite.one_at_most());
+        assert!(TargetSession::Primary.one_at_most());
+        assert!(!TargetSession::Any.one_at_most());
+        assert!(!TargetSession::PreferStandby.one_at_most());
     }
 
     #[test]

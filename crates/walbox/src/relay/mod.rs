@@ -153,9 +153,12 @@ fn classify_sql(e: anyhow::Error) -> anyhow::Error {
 
 /// Finding the server of a session: transient when servers answered but none
 /// was of the kind asked for (a standby being promoted) or none answered in
-/// time; connection errors as [`classify_sql`] has them.
+/// time; fatal when two primaries answered (only fencing one ends that);
+/// connection errors as [`classify_sql`] has them.
 fn classify_resolve(e: anyhow::Error) -> anyhow::Error {
-    if e.downcast_ref::<crate::pg::NoServer>().is_some() {
+    if e.downcast_ref::<crate::pg::TwoPrimaries>().is_some() {
+        e
+    } else if e.downcast_ref::<crate::pg::NoServer>().is_some() {
         transient(e)
     } else {
         classify_sql(e)
@@ -383,6 +386,7 @@ async fn session(
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
+    relay.accept_slot_position = options.accept_slot_position;
     relay.publication = Some(
         PublicationWatch::start(
             ctx.conn,

@@ -75,6 +75,9 @@ pub(super) struct Relay<'a> {
     sampled: Instant,
     /// Events acknowledged since the gauges were last set.
     acked: u64,
+    /// `run --accept-slot-position`: a promoted server's slot that is ahead of
+    /// the checkpoint or not synchronized is taken as it is.
+    pub(super) accept_slot_position: bool,
 }
 
 /// How often the gauges are set from the core.
@@ -94,6 +97,7 @@ impl<'a> Relay<'a> {
                 .map(|m| SendCounters::new(std::sync::Arc::clone(m))),
             sampled: Instant::now(),
             acked: 0,
+            accept_slot_position: false,
         })
     }
 
@@ -326,6 +330,9 @@ pub(super) async fn connect_identified(
     if let Some(cp) = relay.core.checkpoint().cloned() {
         check_identity(&cp, ctx.store, &ident, &ctx.config.source.slot)?;
         check_wal_end(&cp, ctx.store, Lsn(ident.xlogpos.0), accept_wal_behind)?;
+        // Before the checkpoint's timeline is rewritten below.
+        super::takeover::check_identified(ctx, &cp, ident.timeline, relay.accept_slot_position)
+            .await?;
         if let Some(timeline) = cp.timeline.filter(|t| *t != ident.timeline) {
             let history = if ident.timeline > timeline {
                 let h = client

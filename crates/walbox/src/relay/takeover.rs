@@ -1,8 +1,9 @@
 //! A session on a server that was promoted since walbox's checkpoint (a later
 //! timeline): the slot there against the checkpoint, decided by
-//! [`walbox_core::check_takeover`], before the plan. Whether the new timeline
-//! forked off before the checkpoint is checked on the replication connection
-//! (`connect_identified`).
+//! [`walbox_core::check_takeover`], before the plan, and again on the
+//! replication connection with `IDENTIFY_SYSTEM`'s timeline (`connect_identified`),
+//! where whether the new timeline forked off before the checkpoint is checked
+//! too.
 
 use anyhow::{Result, bail};
 use walbox_core::{Checkpoint, SlotOnServer, Takeover, TakeoverProblem, check_takeover};
@@ -34,6 +35,51 @@ pub(super) async fn check(
     if server == timeline {
         return Ok(());
     }
+    decide(ctx, sql, cp, server, slot, options.accept_slot_position).await
+}
+
+/// The same decision where the timeline is authoritative: on a replication
+/// connection whose `IDENTIFY_SYSTEM` shows `server_timeline`, before the
+/// checkpoint's timeline is rewritten, for `run`, `replay` and a snapshot alike
+/// (a server promoted after the SQL check, or a session that never ran it, is
+/// judged here). The slot's state comes from a SQL connection to the same server.
+pub(super) async fn check_identified(
+    ctx: Ctx<'_>,
+    cp: &Checkpoint,
+    server_timeline: u32,
+    accept_slot_position: bool,
+) -> Result<()> {
+    if cp.snapshot_interrupted() || cp.timeline.is_none_or(|t| t == server_timeline) {
+        return Ok(());
+    }
+    let sql = ctx.conn.connect().await.map_err(classify_sql)?;
+    let slot = crate::slot::info(&sql, &ctx.config.source.slot)
+        .await
+        .map_err(classify_sql)?;
+    decide(
+        ctx,
+        &sql,
+        cp,
+        server_timeline,
+        slot.as_ref(),
+        accept_slot_position,
+    )
+    .await
+}
+
+/// [`check_takeover`] with the slot's synchronization state, as an error with
+/// the recovery steps.
+async fn decide(
+    ctx: Ctx<'_>,
+    sql: &tokio_postgres::Client,
+    cp: &Checkpoint,
+    server: u32,
+    slot: Option<&SlotInfo>,
+    accept_slot_position: bool,
+) -> Result<()> {
+    let Some(timeline) = cp.timeline else {
+        return Ok(());
+    };
     let name = &ctx.config.source.slot;
     let major = crate::failover::server_major(sql)
         .await
@@ -67,7 +113,7 @@ pub(super) async fn check(
             ctx.store.path().display()
         ),
         Err(problem @ (TakeoverProblem::Ahead { .. } | TakeoverProblem::NotSynced { .. }))
-            if options.accept_slot_position =>
+            if accept_slot_position =>
         {
             tracing::warn!(slot = %name, from_timeline = timeline, to_timeline = server,
                 checkpoint = %cp.lsn, problem = %problem,
