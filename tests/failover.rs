@@ -11,7 +11,7 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -62,6 +62,40 @@ async fn standby(
         db.batch_execute("SELECT pg_reload_conf()").await.unwrap();
     }
     standby
+}
+
+/// [`primary`] and its [`standby`], walbox set up through [`failover_env`] (the
+/// slot made by `walbox setup`); `None` before PostgreSQL 17.
+async fn set_up_pair(
+    sync_slots: bool,
+    wait_for_standby: bool,
+) -> Option<(
+    PgCluster,
+    PgCluster,
+    Broker,
+    tokio_postgres::Client,
+    Vec<(&'static str, String)>,
+)> {
+    let (primary, broker, db) = self::primary().await?;
+    let standby = standby(&primary, &db, sync_slots, wait_for_standby).await;
+    let env = failover_env(&primary, &standby, &broker);
+    setup(&env);
+    Some((primary, standby, broker, db, env))
+}
+
+/// Once the standby has the slot, `walbox run` relaying a few transactions,
+/// caught up.
+async fn streaming(
+    primary: &PgCluster,
+    standby: &PgCluster,
+    db: &tokio_postgres::Client,
+    env: &[(&str, String)],
+) -> Walbox {
+    wait_synced(db, standby).await;
+    let walbox = Walbox::spawn(&["run"], env);
+    write_events(primary, 2, 5, 3, 6).await;
+    wait_caught_up(db).await;
+    walbox
 }
 
 /// walbox's environment with a connection string naming the primary, then the
@@ -148,33 +182,11 @@ async fn writers_until_gone(
     tasks
 }
 
-/// Every duplicate is a replay: all copies of an event id carry the same source
-/// position.
-fn assert_duplicates_are_replays(records: &[walbox_testkit::kafka::Record]) {
-    let mut seen: HashMap<&str, (&str, &str)> = HashMap::new();
-    for r in records {
-        let position = (
-            r.header("walbox_commit_lsn").unwrap(),
-            r.header("walbox_index").unwrap(),
-        );
-        let first = *seen
-            .entry(r.header("event_id").unwrap())
-            .or_insert(position);
-        assert_eq!(
-            first, position,
-            "a duplicate from somewhere else than a replay"
-        );
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_promoted_standby_with_the_synced_slot_takes_over_and_nothing_is_lost() {
-    let Some((mut primary, broker, db)) = self::primary().await else {
+    let Some((mut primary, standby, broker, db, env)) = set_up_pair(true, true).await else {
         return;
     };
-    let standby = standby(&primary, &db, true, true).await;
-    let env = failover_env(&primary, &standby, &broker);
-    setup(&env);
     let failover: bool = db
         .query_one(
             "SELECT failover FROM pg_replication_slots WHERE slot_name = 'walbox'",
@@ -296,12 +308,9 @@ async fn refused_after_promotion(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_without_slot_synchronization_is_refused_with_the_recovery_steps() {
-    let Some((mut primary, broker, db)) = self::primary().await else {
+    let Some((mut primary, standby, _broker, db, env)) = set_up_pair(false, true).await else {
         return;
     };
-    let standby = standby(&primary, &db, false, true).await;
-    let env = failover_env(&primary, &standby, &broker);
-    setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&primary, 2, 10, 3, 6).await;
     wait_caught_up(&db).await;
@@ -316,17 +325,11 @@ async fn a_standby_without_slot_synchronization_is_refused_with_the_recovery_ste
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_behind_the_slot_is_refused_with_the_range() {
-    let Some((mut primary, broker, db)) = self::primary().await else {
+    // Slot synchronization on, but the primary does not wait for the standby.
+    let Some((mut primary, standby, _broker, db, env)) = set_up_pair(true, false).await else {
         return;
     };
-    // Slot synchronization on, but the primary does not wait for the standby.
-    let standby = standby(&primary, &db, true, false).await;
-    let env = failover_env(&primary, &standby, &broker);
-    setup(&env);
-    wait_synced(&db, &standby).await;
-    let mut walbox = Walbox::spawn(&["run"], &env);
-    write_events(&primary, 2, 5, 3, 6).await;
-    wait_caught_up(&db).await;
+    let mut walbox = streaming(&primary, &standby, &db, &env).await;
 
     // The standby stops receiving; walbox goes on past what it has.
     let sdb = standby.connect("postgres").await.unwrap();
@@ -431,16 +434,10 @@ async fn doctor_standby_says_what_to_fix_until_the_standby_can_take_over() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_primary_back_beside_the_promoted_one_is_refused_naming_both() {
-    let Some((mut primary, broker, db)) = self::primary().await else {
+    let Some((mut primary, standby, _broker, db, env)) = set_up_pair(true, true).await else {
         return;
     };
-    let standby = standby(&primary, &db, true, true).await;
-    let env = failover_env(&primary, &standby, &broker);
-    setup(&env);
-    wait_synced(&db, &standby).await;
-    let mut walbox = Walbox::spawn(&["run"], &env);
-    write_events(&primary, 2, 5, 3, 6).await;
-    wait_caught_up(&db).await;
+    let mut walbox = streaming(&primary, &standby, &db, &env).await;
     walbox.stop();
     drop(db);
 
@@ -472,13 +469,10 @@ async fn an_old_primary_back_beside_the_promoted_one_is_refused_naming_both() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_on_a_promoted_server_does_not_let_run_skip_the_takeover_check() {
-    let Some((mut primary, broker, db)) = self::primary().await else {
+    // No slot synchronization: the standby's slot of walbox's name is its own.
+    let Some((mut primary, standby, _broker, db, env)) = set_up_pair(false, false).await else {
         return;
     };
-    // No slot synchronization: the standby's slot of walbox's name is its own.
-    let standby = standby(&primary, &db, false, false).await;
-    let env = failover_env(&primary, &standby, &broker);
-    setup(&env);
     let sdb = standby.connect("postgres").await.unwrap();
     let create = tokio::spawn(async move {
         sdb.query_one(

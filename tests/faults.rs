@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -18,59 +17,6 @@ use walbox_testkit::{
 
 const TOPIC: &str = "outbox.order";
 
-/// A pseudo-random number below `n` (fault timing, not synchronisation).
-fn random_below(n: u64) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish()
-        % n
-}
-
-/// Every duplicate is a replay: all copies of an event id carry the same source
-/// position.
-fn assert_duplicates_are_replays(records: &[walbox_testkit::kafka::Record]) {
-    let mut seen: HashMap<&str, (&str, &str)> = HashMap::new();
-    for r in records {
-        let position = (
-            r.header("walbox_commit_lsn").unwrap(),
-            r.header("walbox_index").unwrap(),
-        );
-        let first = *seen
-            .entry(r.header("event_id").unwrap())
-            .or_insert(position);
-        assert_eq!(
-            first, position,
-            "a duplicate from somewhere else than a replay"
-        );
-    }
-}
-
-/// One writer committing transactions of 5 events over 10 keys until stopped.
-async fn steady_writer(pg: &PgCluster, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<usize> {
-    let db = pg.connect("postgres").await.unwrap();
-    tokio::spawn(async move {
-        let mut seq = [0i64; 10];
-        let mut n = 0usize;
-        while !stop.load(Ordering::Relaxed) {
-            let mut sql = String::from("BEGIN;");
-            for _ in 0..5 {
-                let k = n % 10;
-                sql.push_str(&format!(
-                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                     VALUES ('order', 'order-{k}', 'OrderPlaced', '{{\"seq\": {}}}');",
-                    seq[k]
-                ));
-                seq[k] += 1;
-                n += 1;
-            }
-            sql.push_str("COMMIT;");
-            db.batch_execute(&sql).await.unwrap();
-        }
-        n
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_kill_9_rounds_under_steady_writes_lose_nothing() {
     let (pg, broker, db) = servers().await;
@@ -78,18 +24,7 @@ async fn twenty_kill_9_rounds_under_steady_writes_lose_nothing() {
     setup(&env);
     let stop_writing = Arc::new(AtomicBool::new(false));
     let writer = steady_writer(&pg, Arc::clone(&stop_writing)).await;
-    let mut previous = confirmed_lsn(&db, "walbox").await;
-    for round in 0..20 {
-        let mut walbox = Walbox::spawn(&["run"], &env);
-        // Each round makes progress, then dies at a random moment after it.
-        walbox_testkit::wait_until("the checkpoint to move", Duration::from_secs(60), || {
-            checkpoint(&pg).filter(|c| c.lsn > previous).map(|c| c.lsn)
-        })
-        .map(|lsn| previous = lsn)
-        .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", walbox.log()));
-        std::thread::sleep(Duration::from_millis(random_below(400)));
-        walbox.kill9();
-    }
+    kill_9_rounds(&pg, &db, &env, 20).await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     stop_writing.store(true, Ordering::Relaxed);
     let written = writer.await.unwrap();

@@ -195,3 +195,25 @@ async fn walbox_relays_over_sasl_ssl_to_a_real_kafka() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_with_a_wrong_password_says_the_broker_refused_it_not_that_it_timed_out() {
+    let broker =
+        Broker::start_authenticated(&[BrokerUser::new("walbox", PASSWORD, Scram::Sha512)]).unwrap();
+    let mut props = BrokerUser::new("walbox", WRONG, Scram::Sha512).client_properties();
+    props.push(("bootstrap.servers".into(), broker.bootstrap()));
+    // Long enough that a timeout is not what ends the read.
+    let err = tokio::task::spawn_blocking(move || {
+        walbox_sink::read_topic(&props, "outbox.order", Duration::from_secs(120), |_| {})
+    })
+    .await
+    .unwrap()
+    .expect_err("refused credentials");
+    let text = err.to_string();
+    assert!(
+        matches!(err, walbox_sink::SinkError::Authentication { .. }),
+        "{text}"
+    );
+    assert!(text.contains("\"walbox\""), "{text}");
+    assert!(!text.contains(WRONG) && !text.contains(PASSWORD), "{text}");
+}

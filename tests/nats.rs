@@ -1,6 +1,8 @@
 //! walbox into NATS JetStream on a real `nats-server -js`: every event stored
 //! once in per-key order with `Nats-Msg-Id` = its event id; kill -9 rounds under
-//! load leave no duplicate message in the stream; a record the stream refuses
+//! load leave no duplicate message in the stream, and neither does nats-server
+//! stopped or killed under load, whose outage the slot's position never passes;
+//! a record the stream refuses
 //! goes to `{subject}.dlq`; `walbox verify` audits the stream; a missing stream
 //! stops walbox with what to do, and so do refused credentials.
 
@@ -12,115 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
-use walbox_sink::NatsSinkConfig;
-use walbox_testkit::{NatsOptions, NatsServer, OUTBOX_DDL, PgCluster};
-
-const SUBJECT: &str = "outbox.order";
-
-/// One stored message, as read back.
-#[derive(Debug)]
-struct Stored {
-    sequence: i64,
-    headers: HashMap<String, String>,
-    value: serde_json::Value,
-}
-
-impl Stored {
-    fn header(&self, name: &str) -> &str {
-        self.headers.get(name).map_or_else(
-            || panic!("no header {name} in {:?}", self.headers),
-            String::as_str,
-        )
-    }
-}
-
-fn reader_config(nats: &NatsServer) -> NatsSinkConfig {
-    NatsSinkConfig {
-        servers: vec![nats.url()],
-        ..NatsSinkConfig::default()
-    }
-}
-
-/// Everything the stream holds of `subject`, in stream order.
-async fn read_subject(nats: &NatsServer, subject: &str) -> Vec<Stored> {
-    let mut out = Vec::new();
-    let names = [
-        "event_id",
-        "event_type",
-        "walbox_commit_lsn",
-        "walbox_index",
-        "walbox_xid",
-        "walbox_key",
-        "Nats-Msg-Id",
-    ];
-    walbox_sink::read_subject(
-        &reader_config(nats),
-        subject,
-        Duration::from_secs(30),
-        |r| {
-            let headers = names
-                .iter()
-                .filter_map(|n| r.header(n).map(|v| ((*n).to_owned(), v.to_owned())))
-                .collect();
-            out.push(Stored {
-                sequence: r.offset(),
-                headers,
-                value: serde_json::from_slice(r.value().unwrap_or_default())
-                    .unwrap_or(serde_json::Value::Null),
-            });
-        },
-    )
-    .await
-    .unwrap();
-    out
-}
-
-/// A cluster with the outbox table, a JetStream server, and the environment
-/// and configuration that point walbox at both.
-async fn servers_nats(
-    nats_table: &str,
-) -> (
-    PgCluster,
-    NatsServer,
-    tokio_postgres::Client,
-    Vec<(&'static str, String)>,
-) {
-    let pg = PgCluster::start().unwrap();
-    let nats = NatsServer::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    let toml = format!(
-        "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\n{nats_table}\n",
-        nats.url()
-    );
-    let config = config_file(&pg, "walbox-nats.toml", &toml);
-    let env = vec![
-        ("WALBOX_DSN", pg.conninfo("postgres")),
-        ("WALBOX_SLOT", "walbox".into()),
-        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
-        (
-            "WALBOX_CHECKPOINT",
-            checkpoint_path(&pg).display().to_string(),
-        ),
-        ("WALBOX_CONFIG", config),
-    ];
-    (pg, nats, db, env)
-}
-
-/// Waits until the slot has confirmed everything committed so far; fails with
-/// walbox's log.
-async fn caught_up(db: &tokio_postgres::Client, walbox: &Walbox) {
-    let last = current_lsn(db).await;
-    walbox_testkit::wait_until_async(
-        "the slot to confirm the last commit",
-        Duration::from_secs(60),
-        || async { (confirmed_lsn(db, "walbox").await >= last).then_some(()) },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}; log:\n{}", walbox.log()));
-}
-
-const CREATE: &str = "create_stream = true\nsubjects = [\"outbox.>\"]\nduplicate_window_s = 600";
+use walbox_testkit::{NatsOptions, NatsServer};
 
 /// Each key's `seq` grows by one from 0 in stream order: no gap, no repeat.
 fn assert_per_key_order_once(messages: &[Stored]) {
@@ -187,57 +81,13 @@ async fn events_are_stored_once_in_per_key_order_with_their_headers_and_verify_a
     drop(pg);
 }
 
-/// One writer committing transactions of 5 events over 10 keys until stopped.
-async fn steady_writer(pg: &PgCluster, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<usize> {
-    let db = pg.connect("postgres").await.unwrap();
-    tokio::spawn(async move {
-        let mut seq = [0i64; 10];
-        let mut n = 0usize;
-        while !stop.load(Ordering::Relaxed) {
-            let mut sql = String::from("BEGIN;");
-            for _ in 0..5 {
-                let k = n % 10;
-                sql.push_str(&format!(
-                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                     VALUES ('order', 'order-{k}', 'OrderPlaced', '{{\"seq\": {}}}');",
-                    seq[k]
-                ));
-                seq[k] += 1;
-                n += 1;
-            }
-            sql.push_str("COMMIT;");
-            db.batch_execute(&sql).await.unwrap();
-        }
-        n
-    })
-}
-
-/// A pseudo-random number below `n` (fault timing, not synchronisation).
-fn random_below(n: u64) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish()
-        % n
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_rounds_under_load_leave_no_duplicate_message_in_the_stream() {
     let (pg, nats, db, env) = servers_nats(CREATE).await;
     setup(&env);
     let stop_writing = Arc::new(AtomicBool::new(false));
     let writer = steady_writer(&pg, Arc::clone(&stop_writing)).await;
-    let mut previous = confirmed_lsn(&db, "walbox").await;
-    for round in 0..12 {
-        let mut walbox = Walbox::spawn(&["run"], &env);
-        walbox_testkit::wait_until("the checkpoint to move", Duration::from_secs(60), || {
-            checkpoint(&pg).filter(|c| c.lsn > previous).map(|c| c.lsn)
-        })
-        .map(|lsn| previous = lsn)
-        .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", walbox.log()));
-        std::thread::sleep(Duration::from_millis(random_below(400)));
-        walbox.kill9();
-    }
+    kill_9_rounds(&pg, &db, &env, 12).await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     stop_writing.store(true, Ordering::Relaxed);
     let written = writer.await.unwrap();
@@ -324,28 +174,14 @@ async fn a_missing_stream_stops_walbox_with_what_to_do() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_credentials_stop_walbox_without_printing_the_password() {
-    let pg = PgCluster::start().unwrap();
-    let nats = NatsServer::start_with(NatsOptions {
-        user: Some(("walbox".into(), "right-7c1e".into())),
-        token: None,
-    })
-    .unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    let toml = format!(
-        "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\n{CREATE}\nuser = \"walbox\"\npassword = \"wrong-93d2\"\n",
-        nats.url()
-    );
-    let env = vec![
-        ("WALBOX_DSN", pg.conninfo("postgres")),
-        ("WALBOX_SLOT", "walbox".into()),
-        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
-        (
-            "WALBOX_CHECKPOINT",
-            checkpoint_path(&pg).display().to_string(),
-        ),
-        ("WALBOX_CONFIG", config_file(&pg, "walbox-nats.toml", &toml)),
-    ];
+    let (_pg, _nats, db, env) = servers_nats_with(
+        NatsOptions {
+            user: Some(("walbox".into(), "right-7c1e".into())),
+            token: None,
+        },
+        &format!("{CREATE}\nuser = \"walbox\"\npassword = \"wrong-93d2\""),
+    )
+    .await;
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     db.batch_execute(
@@ -363,4 +199,240 @@ async fn refused_credentials_stop_walbox_without_printing_the_password() {
         !log.contains("wrong-93d2") && !log.contains("right-7c1e"),
         "{log}"
     );
+}
+
+/// The sequence of the first message stream `OUTBOX` stored after `instant`
+/// (the server's clock is this machine's), or one past its last message.
+async fn first_sequence_after(nats: &NatsServer, instant: std::time::SystemTime) -> i64 {
+    let nanos = |t: std::time::SystemTime| {
+        i128::try_from(t.duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos()).unwrap()
+    };
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut stream = js.get_stream("OUTBOX").await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    // Stored times grow with the sequence: the first one past `instant`.
+    let (mut low, mut high) = (1u64, last + 1);
+    while low < high {
+        let middle = low + (high - low) / 2;
+        let stored = stream.get_raw_message(middle).await.unwrap();
+        if stored.time.unix_timestamp_nanos() > nanos(instant) {
+            high = middle;
+        } else {
+            low = middle + 1;
+        }
+    }
+    i64::try_from(low).unwrap()
+}
+
+async fn outbox_count(db: &tokio_postgres::Client) -> i64 {
+    db.query_one("SELECT count(*) FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_stopped_or_killed_under_load_loses_nothing_and_stores_nothing_twice() {
+    let (pg, mut nats, db, env) = servers_nats(&format!(
+        "{CREATE}\nstorage = \"file\"\nack_timeout_ms = 2000"
+    ))
+    .await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let stop_writing = Arc::new(AtomicBool::new(false));
+    let writer = steady_writer(&pg, Arc::clone(&stop_writing)).await;
+    // Per outage: when the server went down, and the slot's confirmed
+    // positions sampled while it was down.
+    let mut outages = Vec::new();
+    for kill in [false, true] {
+        wait_slot_moves(&db, confirmed_lsn(&db, "walbox").await).await;
+        let ended = sessions_ended(&walbox);
+        let rows = outbox_count(&db).await;
+        if kill {
+            nats.kill9().unwrap();
+        } else {
+            nats.stop().unwrap();
+        }
+        let down = std::time::SystemTime::now();
+        let samples = std::cell::RefCell::new(Vec::new());
+        // Stopped: until walbox gave up its session (PubAcks time out after
+        // 2 s) and writers committed more. Killed: until writers committed
+        // more, then the server comes back at once, within the session.
+        walbox_testkit::wait_until_async(
+            "the outage's commits (and, stopped, the session's end)",
+            Duration::from_secs(60),
+            || async {
+                let confirmed = confirmed_lsn(&db, "walbox").await;
+                samples.borrow_mut().push(confirmed);
+                let more = outbox_count(&db).await >= rows + 200;
+                let session_over = kill || sessions_ended(&walbox) > ended;
+                (more && session_over && samples.borrow().len() >= 10).then_some(())
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+        assert!(walbox.running(), "{}", walbox.log());
+        nats.start_again().unwrap();
+        outages.push((down, samples.into_inner()));
+    }
+    wait_slot_moves(&db, confirmed_lsn(&db, "walbox").await).await;
+    stop_writing.store(true, Ordering::Relaxed);
+    let written = writer.await.unwrap();
+    caught_up(&db, &walbox).await;
+    let log = walbox.log();
+    walbox.stop();
+    let messages = read_subject(&nats, SUBJECT).await;
+    let ids = outbox_ids(&db).await;
+    assert_eq!(ids.len(), written);
+    assert_eq!(messages.len(), written, "exactly once: {log}");
+    assert_each_event_once(&messages, &ids);
+    assert_per_key_order_once(&messages);
+    // While the server was down the stream could take nothing: each position
+    // confirmed then lies at or before the first commit stored after the
+    // outage began.
+    for (n, (down, samples)) in outages.iter().enumerate() {
+        let boundary = first_sequence_after(&nats, *down).await;
+        let first_after: walbox_pgoutput::Lsn = messages
+            .iter()
+            .filter(|m| m.sequence >= boundary)
+            .map(|m| m.header("walbox_commit_lsn").parse().unwrap())
+            .min()
+            .unwrap_or_else(|| panic!("outage {n}: nothing stored after it"));
+        let highest = samples.iter().max().unwrap();
+        assert!(
+            *highest <= first_after,
+            "outage {n}: confirmed {highest} while the server was down, past {first_after}, \
+             which the stream did not hold yet: {log}"
+        );
+    }
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_replayed_to_their_subject_after_a_fix_once_and_kept() {
+    let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut stream_config = async_nats::jetstream::stream::Config {
+        name: "EVENTS".into(),
+        subjects: vec!["outbox.>".into()],
+        max_message_size: 4096,
+        duplicate_window: Duration::from_secs(300),
+        ..Default::default()
+    };
+    js.create_stream(stream_config.clone()).await.unwrap();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('order', 'k', 'Small', '{\"seq\": 0}');
+         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('order', 'k', 'Large', jsonb_build_object('blob', repeat('x', 8000)));",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let dead = read_subject(&nats, "outbox.order.dlq").await;
+    assert_eq!(dead.len(), 1, "{}", walbox.log());
+
+    // Unfixed, the letter still fails; a dry run publishes and records nothing.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--dry-run"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(out.contains("would replay 1 dead letters"), "{out}");
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(err.contains("message_too_large"), "{out}\n{err}");
+    assert_eq!(read_subject(&nats, SUBJECT).await.len(), 1);
+
+    // The stream's limit raised: the event is stored under its own id.
+    stream_config.max_message_size = 65536;
+    js.update_stream(stream_config).await.unwrap();
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 1 dead letters; 0 still failing"),
+        "{out}"
+    );
+    let stored = read_subject(&nats, SUBJECT).await;
+    let types: Vec<&str> = stored.iter().map(|m| m.header("event_type")).collect();
+    assert_eq!(types, ["Small", "Large"]);
+    let replayed = &stored[1];
+    let id = dead[0].header("event_id");
+    assert_eq!(replayed.header("event_id"), id);
+    assert_eq!(replayed.header("Nats-Msg-Id"), id);
+    assert_eq!(
+        replayed.header("walbox_commit_lsn"),
+        dead[0].header("walbox_commit_lsn")
+    );
+    assert_eq!(
+        replayed.value["payload"]["blob"].as_str().unwrap().len(),
+        8000
+    );
+    // Kept on the dead-letter subject; a second run has nothing left to do.
+    assert_eq!(read_subject(&nats, "outbox.order.dlq").await.len(), 1);
+    let (code, out, _) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("replayed 0 dead letters"), "{out}");
+    assert_eq!(read_subject(&nats, SUBJECT).await.len(), 2);
+    // With a sink that stores nothing, the command says what to set.
+    let (code, _, err) = walbox_cmd(&["dlq", "replay", "--sink", "stdout"], &env);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("type = \"stdout\" stores none") && err.contains("\"nats\""),
+        "{err}"
+    );
+    drop(pg);
+}
+
+/// Publishes one message of another publisher to `subject`.
+async fn publish_foreign(nats: &NatsServer, subject: &str, id: &str) {
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id);
+    js.publish_with_headers(subject.to_owned(), headers, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_publisher_is_refused_within_a_session_and_never_reorders_walbox_events() {
+    let (pg, nats, db, env) = servers_nats(CREATE).await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events_from(&pg, 1, 2, 5, 5, 0).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    // Between sessions: the next session's first publication carries no
+    // expectation and lands after the other publisher's message.
+    publish_foreign(&nats, SUBJECT, "foreign-1").await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events_from(&pg, 1, 2, 5, 5, 5).await;
+    caught_up(&db, &walbox).await;
+    assert_eq!(sessions_ended(&walbox), 0, "{}", walbox.log());
+    // Within a session: walbox's next publication, chained to its last one,
+    // is refused; the session ends and the next one publishes the rest.
+    publish_foreign(&nats, SUBJECT, "foreign-2").await;
+    write_events_from(&pg, 1, 2, 5, 5, 10).await;
+    caught_up(&db, &walbox).await;
+    let log = walbox.log();
+    walbox.stop();
+    assert!(sessions_ended(&walbox) >= 1, "{log}");
+    assert!(
+        log.contains("another publisher wrote to the stream (walbox must be its only publisher)"),
+        "{log}"
+    );
+    let messages = read_subject(&nats, SUBJECT).await;
+    let (ours, theirs): (Vec<Stored>, Vec<Stored>) = messages
+        .into_iter()
+        .partition(|m| m.headers.contains_key("event_id"));
+    let foreign: Vec<&str> = theirs.iter().map(|m| m.header("Nats-Msg-Id")).collect();
+    assert_eq!(foreign, ["foreign-1", "foreign-2"]);
+    assert_each_event_once(&ours, &outbox_ids(&db).await);
+    assert_per_key_order_once(&ours);
+    // The first session's events, the first foreign message, the second
+    // session's: stream order is publishing order.
+    assert!(ours[9].sequence < theirs[0].sequence && theirs[0].sequence < ours[10].sequence);
+    drop(pg);
 }

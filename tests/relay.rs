@@ -579,19 +579,18 @@ async fn a_closed_stdout_pipe_stops_walbox_without_confirming_what_was_not_writt
     // One transaction of ten events; the reader takes five lines and leaves.
     write_events(&pg, 1, 1, 10, 10).await;
     let written = current_lsn(&db).await;
-    let lines = tokio::task::spawn_blocking(move || {
-        let lines: Vec<String> = std::io::BufReader::new(pipe)
-            .lines()
-            .take(5)
-            .map(Result::unwrap)
-            .collect();
-        lines // the pipe closes here
+    let (lines, pipe) = tokio::task::spawn_blocking(move || {
+        let mut reader = std::io::BufReader::new(pipe);
+        let lines: Vec<String> = (&mut reader).lines().take(5).map(Result::unwrap).collect();
+        (lines, reader)
     })
     .await
     .unwrap();
     assert_eq!(json_lines(&lines.join("\n")).len(), 5);
-    // Written and flushed to the pipe: acknowledged.
+    // Written and flushed to the pipe (the other five wait in its buffer):
+    // acknowledged.
     wait_confirmed(&db, "walbox", written, Duration::from_secs(60)).await;
+    drop(pipe); // the reader leaves
 
     // The next transaction cannot be written: walbox stops, non-zero.
     write_events_from(&pg, 1, 1, 10, 10, 100).await;

@@ -4,9 +4,13 @@
 //! - [`positions`]: the server's WAL position, the slot's confirmed position and
 //!   walbox's checkpoint, and waiting on them.
 //! - [`writers`]: writers of outbox rows.
+//! - [`kill_loop`]: a writer that commits until stopped, and SIGKILL rounds.
+//! - [`messages`]: logical decoding messages as events (the table-less outbox).
 //! - [`topics`]: reading topics back and auditing them against the outbox table.
 //! - [`order`]: per-key order and the Java client's partitioner.
 //! - [`servers`]: a cluster with the outbox table and a broker for one test.
+//! - [`nats`]: a cluster with the outbox table and a JetStream server, the
+//!   stream read back.
 //!
 //! Each test file starts its own PostgreSQL cluster and broker through
 //! `walbox-testkit`; nothing here talks to a server the test did not start, except
@@ -14,6 +18,9 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
+mod kill_loop;
+mod messages;
+mod nats;
 mod order;
 mod positions;
 mod process;
@@ -22,6 +29,12 @@ mod topics;
 mod writers;
 
 // Each test binary uses a different part.
+#[allow(unused_imports)]
+pub use kill_loop::*;
+#[allow(unused_imports)]
+pub use messages::*;
+#[allow(unused_imports)]
+pub use nats::*;
 #[allow(unused_imports)]
 pub use order::*;
 #[allow(unused_imports)]

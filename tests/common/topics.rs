@@ -83,3 +83,22 @@ pub async fn assert_all_delivered(
     );
     records
 }
+
+/// Every duplicate is a replay: all copies of an event id carry the same source
+/// position.
+pub fn assert_duplicates_are_replays(records: &[walbox_testkit::kafka::Record]) {
+    let mut seen: HashMap<&str, (&str, &str)> = HashMap::new();
+    for r in records {
+        let position = (
+            r.header("walbox_commit_lsn").unwrap(),
+            r.header("walbox_index").unwrap(),
+        );
+        let first = *seen
+            .entry(r.header("event_id").unwrap())
+            .or_insert(position);
+        assert_eq!(
+            first, position,
+            "a duplicate from somewhere else than a replay"
+        );
+    }
+}

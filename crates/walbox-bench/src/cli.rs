@@ -11,11 +11,12 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
 
   --events N          backlog size, a multiple of 10 (default 1000000)
   --big-txn N         rows in the one big transaction (default 1000000)
-  --repeat N          rounds of the slot contenders in the backlog and big-txn
-                      scenarios, in rotating order (default 3)
+  --repeat N          rounds of the slot contenders in the backlog, messages and
+                      big-txn scenarios, in rotating order (default 3)
   --steady-seconds N  seconds of writing per steady rate (default 60)
   --rates LIST        steady rates in events/s (default 1000,5000,20000)
-  --only LIST         scenarios to run: backlog, polling, big-txn, steady (default all)
+  --only LIST         scenarios to run: backlog, polling, messages, big-txn, steady
+                      (default all)
   --svg-dir DIR       where a full run writes its charts
   --walbox PATH       the walbox binary (default: next to this one)";
 
@@ -38,14 +39,17 @@ pub struct Args {
 pub enum Scenario {
     Backlog,
     Polling,
+    /// The backlog's events as logical decoding messages.
+    Messages,
     BigTxn,
     Steady,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 4] = [
+    pub const ALL: [Scenario; 5] = [
         Scenario::Backlog,
         Scenario::Polling,
+        Scenario::Messages,
         Scenario::BigTxn,
         Scenario::Steady,
     ];
@@ -54,11 +58,12 @@ impl Scenario {
         Ok(match s {
             "backlog" => Scenario::Backlog,
             "polling" => Scenario::Polling,
+            "messages" => Scenario::Messages,
             "big-txn" => Scenario::BigTxn,
             "steady" => Scenario::Steady,
             other => {
                 return Err(format!(
-                    "--only: unknown scenario {other:?} (backlog, polling, big-txn, steady)"
+                    "--only: unknown scenario {other:?} (backlog, polling, messages, big-txn, steady)"
                 )
                 .into());
             }

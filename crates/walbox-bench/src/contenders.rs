@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use walbox_testkit::{Broker, PgCluster};
+use walbox_testkit::{Broker, NatsServer, PgCluster};
 
 use crate::Error;
 
@@ -21,19 +21,32 @@ pub enum Contender {
     WalboxKafka,
     /// `walbox run` to the broker with its metrics endpoint scraped every 100 ms.
     WalboxKafkaMetrics,
+    /// `walbox run` to NATS JetStream (a memory stream, created by walbox).
+    WalboxNats,
+    /// `pg_recvlogical` with `messages=true` on the publication without tables:
+    /// the ceiling of the messages scenario.
+    CeilingMessages,
+    /// `walbox run` to the broker with a `[[messages]]` section and no table.
+    WalboxKafkaMessages,
 }
 
 /// How often the metrics contender's endpoint is scraped.
 const SCRAPE_EVERY: Duration = Duration::from_millis(100);
 
 impl Contender {
-    /// All of them; the ceiling first (the report relies on it).
-    pub const ALL: [Contender; 4] = [
+    /// The contenders of the table scenarios; the ceiling first (the report
+    /// relies on it).
+    pub const ALL: [Contender; 5] = [
         Contender::Ceiling,
         Contender::WalboxStdout,
         Contender::WalboxKafka,
         Contender::WalboxKafkaMetrics,
+        Contender::WalboxNats,
     ];
+
+    /// The contenders of the messages scenario; the ceiling first.
+    pub const MESSAGES: [Contender; 2] =
+        [Contender::CeilingMessages, Contender::WalboxKafkaMessages];
 
     /// The name in the report's tables.
     pub fn name(self) -> &'static str {
@@ -42,6 +55,9 @@ impl Contender {
             Contender::WalboxStdout => "walbox, stdout sink to /dev/null",
             Contender::WalboxKafka => "walbox to the broker",
             Contender::WalboxKafkaMetrics => "walbox to the broker, metrics on",
+            Contender::WalboxNats => "walbox to JetStream",
+            Contender::CeilingMessages => "pg_recvlogical (ceiling), messages=true",
+            Contender::WalboxKafkaMessages => "walbox to the broker, [[messages]]",
         }
     }
 
@@ -52,6 +68,9 @@ impl Contender {
             Contender::WalboxStdout => "walbox-stdout",
             Contender::WalboxKafka => "walbox-broker",
             Contender::WalboxKafkaMetrics => "walbox-broker-metrics",
+            Contender::WalboxNats => "walbox-jetstream",
+            Contender::CeilingMessages => "ceiling-messages",
+            Contender::WalboxKafkaMessages => "walbox-broker-messages",
         }
     }
 
@@ -62,37 +81,84 @@ impl Contender {
             Contender::WalboxStdout => "walbox_stdout",
             Contender::WalboxKafka => "walbox_kafka",
             Contender::WalboxKafkaMetrics => "walbox_kafka_metrics",
+            Contender::WalboxNats => "walbox_nats",
+            Contender::CeilingMessages => "ceiling_messages",
+            Contender::WalboxKafkaMessages => "walbox_kafka_messages",
         };
         format!("{prefix}_r{}", round + 1)
     }
 
-    /// Starts the contender on `slot`, to stop at or after `target`.
+    /// Starts the contender on `slot`, to stop at or after `target`; a broker
+    /// contender writes `topic`.
+    #[allow(clippy::too_many_arguments)] // the run's parts, each of its own kind
     pub fn spawn(
         self,
         pg: &PgCluster,
         broker: &Broker,
+        nats: &NatsServer,
         walbox: &Path,
         slot: &str,
+        topic: Option<&str>,
         target: &str,
     ) -> Result<Child, Error> {
         let sink = match self {
-            Contender::Ceiling => {
-                return Ok(Command::new(pg.bindir().join("pg_recvlogical"))
-                    .args(["-h", pg.host(), "-p", &pg.port().to_string()])
+            Contender::Ceiling | Contender::CeilingMessages => {
+                let mut cmd = Command::new(pg.bindir().join("pg_recvlogical"));
+                cmd.args(["-h", pg.host(), "-p", &pg.port().to_string()])
                     .args(["-U", pg.user(), "-d", "postgres"])
                     .args(["--slot", slot, "--start", "--no-loop"])
                     .args(["-f", "/dev/null", "-o", "proto_version=1"])
-                    .args(["-o", "publication_names=walbox_outbox"])
-                    .args(["--endpos", target, "-s", "1", "-F", "1"])
+                    .args(["--endpos", target, "-s", "1", "-F", "1"]);
+                if self == Contender::CeilingMessages {
+                    // Decodes the messages too, as walbox asks the server to.
+                    cmd.args(["-o", &format!("publication_names={MESSAGES_PUBLICATION}")])
+                        .args(["-o", "messages=true"]);
+                } else {
+                    cmd.args(["-o", "publication_names=walbox_outbox"]);
+                }
+                return Ok(cmd
                     .stdout(Stdio::null())
                     // Silent unless it fails (no --verbose).
                     .stderr(Stdio::inherit())
                     .spawn()?);
             }
             Contender::WalboxStdout => "stdout",
-            Contender::WalboxKafka | Contender::WalboxKafkaMetrics => "kafka",
+            Contender::WalboxKafka
+            | Contender::WalboxKafkaMetrics
+            | Contender::WalboxKafkaMessages => "kafka",
+            Contender::WalboxNats => "nats",
         };
         let mut cmd = Command::new(walbox);
+        if self == Contender::WalboxKafkaMessages {
+            // Messages of prefix walbox and a publication without tables.
+            let config = pg.client_dir().join(format!("{slot}.messages.toml"));
+            let topic = topic.map_or_else(String::new, |t| format!("topic = \"{t}\"\n"));
+            std::fs::write(
+                &config,
+                format!("[[messages]]\nprefix = \"{MESSAGES_PREFIX}\"\n{topic}"),
+            )?;
+            cmd.env("WALBOX_CONFIG", config)
+                .env("WALBOX_PUBLICATION", MESSAGES_PUBLICATION);
+        } else if let Some(topic) = topic {
+            // The run's own topic, for the table of the command line.
+            cmd.env("WALBOX_TOPIC", topic);
+        }
+        if self == Contender::WalboxNats {
+            // The stream in memory, as the broker keeps its topics; deleted
+            // after each run (reset_stream), so every run starts from an empty
+            // stream without the ids of the one before.
+            let config = pg.client_dir().join(format!("{slot}.nats.toml"));
+            std::fs::write(
+                &config,
+                format!(
+                    "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\n\
+                     stream = \"{NATS_STREAM}\"\ncreate_stream = true\n\
+                     subjects = [\"outbox.>\"]\nstorage = \"memory\"\n",
+                    nats.url()
+                ),
+            )?;
+            cmd.env("WALBOX_CONFIG", config);
+        }
         let metrics = if self == Contender::WalboxKafkaMetrics {
             let addr = format!("127.0.0.1:{}", free_port()?);
             cmd.env("WALBOX_METRICS_LISTEN", &addr);
@@ -116,6 +182,35 @@ impl Contender {
             scrape_while_running(child.id(), format!("http://{addr}/metrics"));
         }
         Ok(child)
+    }
+}
+
+/// The publication of the messages scenario: no tables (messages are not
+/// filtered by a publication; pgoutput needs one named all the same).
+pub const MESSAGES_PUBLICATION: &str = "walbox_messages";
+
+/// The prefix the messages scenario emits and walbox relays.
+pub const MESSAGES_PREFIX: &str = "walbox";
+
+/// The JetStream stream of the JetStream contender.
+pub const NATS_STREAM: &str = "OUTBOX";
+
+/// Deletes the JetStream contender's stream (and with it the message ids its
+/// duplicate window holds), if it exists.
+pub async fn reset_stream(nats: &NatsServer) -> Result<(), Error> {
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await?);
+    match js.delete_stream(NATS_STREAM).await {
+        Ok(_) => Ok(()),
+        Err(e)
+            if matches!(
+                e.kind(),
+                async_nats::jetstream::context::DeleteStreamErrorKind::JetStream(ref j)
+                    if j.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -4,35 +4,48 @@
 //!
 //! One machine. Rows like a real service writes them (uuid id, aggregate type, one
 //! of 1,000 aggregate ids, event type, a ~300-byte jsonb payload, a headers jsonb
-//! with a traceparent). The slot scenarios have four contenders
+//! with a traceparent). The slot scenarios have five contenders
 //! (`contenders.rs`):
 //!
 //! - `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling;
 //! - `walbox run --sink stdout` to /dev/null: walbox without a broker;
 //! - `walbox run` to the broker;
 //! - `walbox run` to the broker with `--metrics-listen`, its `/metrics` scraped
-//!   every 100 ms: what the metrics cost, beside the line above.
+//!   every 100 ms: what the metrics cost, beside the line above;
+//! - `walbox run` to NATS JetStream (`nats-server -js` from the test kit, a
+//!   memory stream that walbox creates, deleted after each run so that the
+//!   next one finds neither its messages nor their ids).
 //!
 //! Each runs `--repeat` times (default 3) in rounds, the order rotating from round
 //! to round, each run on its own slot created before the one load, so every run
 //! drains the same WAL (`scenarios.rs`). A run is timed from its start until its
 //! slot's `confirmed_flush_lsn` reaches the last commit; peak RSS (VmHWM) and CPU
-//! seconds come from /proc. The report (`report.rs`) gives each contender's median
+//! seconds come from /proc. walbox confirms a position only once the broker
+//! (Kafka's acks or JetStream's PubAcks) acknowledged every event before it, so
+//! a walbox run is done when all its events are acknowledged. The report (`report.rs`) gives each contender's median
 //! and the spread (min–max) across rounds, and its ratio to the ceiling from the
 //! medians, with the range of the per-round ratios. Scenarios:
 //!
 //! 1. Backlog drain: `--events` (default 1,000,000) in transactions of 10; then the
 //!    polling relay (`polling.rs`), both variants, publishes the same rows once,
 //!    with the extra WAL its UPDATEs write per event.
-//! 2. One transaction of `--big-txn` rows (default 1,000,000).
-//! 3. Steady load (`steady.rs`): four writers commit single-row transactions at
+//! 2. Messages (`messages.rs`): the backlog's events, from the same generator,
+//!    as transactional `pg_logical_emit_message` calls in transactions of 10,
+//!    drained in rounds by the ceiling with `messages=true` and by walbox to the
+//!    broker with a `[[messages]]` section (a publication without tables); the
+//!    event size and WAL per event of both loads, each against its ceiling.
+//! 3. One transaction of `--big-txn` rows (default 1,000,000).
+//! 4. Steady load (`steady.rs`): four writers commit single-row transactions at
 //!    1,000, 5,000 and 20,000 events/s for `--steady-seconds` (default 60) while
 //!    walbox streams to the broker; walbox reports commit-to-acknowledgement
 //!    latency (the server's commit time to the broker's acknowledgement,
 //!    p50/p95/p99/max) and, of it, the commit-to-read latency (to walbox reading
 //!    the transaction); the bench samples the slot's lag every second.
 //!
-//! `--only backlog,polling,big-txn,steady` runs some of them and `--rates` picks
+//! A contender that writes to the broker or JetStream must have added every event
+//! to it by the end of its run (`delivered.rs`), else the bench fails.
+//!
+//! `--only backlog,polling,messages,big-txn,steady` runs some of them and `--rates` picks
 //! the steady rates; only a full run writes the charts. Figures are printed with
 //! the setup they came from.
 
@@ -40,17 +53,19 @@
 
 mod cli;
 mod contenders;
+mod delivered;
+mod messages;
 mod polling;
 mod report;
 mod scenarios;
 mod steady;
 mod svg;
 
-use walbox_testkit::{Broker, OUTBOX_DDL, PgCluster, PgOptions};
+use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions};
 
 use crate::cli::Scenario;
-use crate::contenders::{Contender, lsn};
-use crate::scenarios::{Bench, INSERT, ROW_SELECT};
+use crate::contenders::{Contender, MESSAGES_PUBLICATION, lsn};
+use crate::scenarios::{Bench, INSERT, ROW_SELECT, backlog_load};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -69,13 +84,21 @@ async fn main() -> Result<(), Error> {
             .setting("max_replication_slots", &slots.to_string()),
     )?;
     let broker = Broker::start()?;
+    let nats = NatsServer::start()?;
     let db = pg.connect("postgres").await?;
     let version: String = lsn(&db, "SHOW server_version").await?;
     db.batch_execute(&format!(
-        "{OUTBOX_DDL}; CREATE PUBLICATION walbox_outbox FOR TABLE outbox;"
+        "{OUTBOX_DDL}; CREATE PUBLICATION walbox_outbox FOR TABLE outbox;
+         CREATE PUBLICATION {MESSAGES_PUBLICATION};"
     ))
     .await?;
-    let bench = Bench { a, pg, broker, db };
+    let bench = Bench {
+        a,
+        pg,
+        broker,
+        nats,
+        db,
+    };
     let events = bench.a.events;
     let big = bench.a.big_txn;
 
@@ -83,21 +106,14 @@ async fn main() -> Result<(), Error> {
 
     // 1. Backlog drain: transactions of 10 rows, committed before anyone reads;
     //    the polling relay then publishes the same rows.
-    let backlog_load = format!(
-        "DO $$
-         BEGIN
-           FOR t IN 0..{last} LOOP
-             {INSERT} {ROW_SELECT} FROM generate_series(t * 10, t * 10 + 9) n;
-             COMMIT;
-           END LOOP;
-         END $$;",
-        last = events / 10 - 1
-    );
+    let backlog_load = backlog_load(events);
     let mut with_polling = Vec::new();
     let mut backlog_wal = 0;
     if runs(Scenario::Backlog) {
         println!("scenario 1: backlog of {events} events in transactions of 10");
-        let drained = bench.drain_slots(&backlog_load).await?;
+        let drained = bench
+            .drain_slots(&Contender::ALL, &backlog_load, events)
+            .await?;
         with_polling = drained.contenders;
         backlog_wal = drained.wal_bytes;
     }
@@ -112,23 +128,34 @@ async fn main() -> Result<(), Error> {
         with_polling.extend(bench.polling(events).await?);
     }
 
-    // 2. One transaction of `big` rows.
+    // 2. The same events as logical decoding messages, while the table still
+    //    holds the backlog's rows (their size is measured on them).
+    let mut messages = None;
+    if runs(Scenario::Messages) {
+        messages = Some(bench.messages(events, backlog_wal).await?);
+    }
+
+    // 3. One transaction of `big` rows.
     let mut one_txn = Vec::new();
     let mut one_txn_wal = 0;
     if runs(Scenario::BigTxn) {
         bench.db.batch_execute("TRUNCATE outbox").await?;
-        println!("scenario 2: one transaction of {big} events");
+        println!("scenario 3: one transaction of {big} events");
         let drained = bench
-            .drain_slots(&format!(
-                "{INSERT} {ROW_SELECT} FROM generate_series(0, {last}) n",
-                last = big - 1
-            ))
+            .drain_slots(
+                &Contender::ALL,
+                &format!(
+                    "{INSERT} {ROW_SELECT} FROM generate_series(0, {last}) n",
+                    last = big - 1
+                ),
+                big,
+            )
             .await?;
         one_txn = drained.contenders;
         one_txn_wal = drained.wal_bytes;
     }
 
-    // 3. Steady load at fixed rates.
+    // 4. Steady load at fixed rates.
     let mut steady = Vec::new();
     if runs(Scenario::Steady) {
         bench.db.batch_execute("TRUNCATE outbox").await?;
@@ -137,7 +164,7 @@ async fn main() -> Result<(), Error> {
             // scenarios wrote does not land in the middle of this one.
             bench.db.batch_execute("CHECKPOINT").await?;
             println!(
-                "scenario 3: {rate} events/s for {} s",
+                "scenario 4: {rate} events/s for {} s",
                 bench.a.steady_seconds
             );
             steady.push(bench.steady(rate, bench.a.steady_seconds).await?);
@@ -159,6 +186,7 @@ async fn main() -> Result<(), Error> {
     println!();
     println!(
         "setup: {cores} cores, {mem_gb:.0} GiB RAM, PostgreSQL {version} (fsync off, one cluster), broker {}, \
+         JetStream nats-server -js (memory stream), \
          walbox {} (release); rows like a real service writes them (uuid id, one of 1,000 \
          aggregate ids, ~300-byte jsonb payload, traceparent header){}{}",
         if bench.broker.is_external() {
@@ -168,7 +196,10 @@ async fn main() -> Result<(), Error> {
         },
         bench.a.walbox.display(),
         if runs(Scenario::Backlog) || runs(Scenario::BigTxn) {
-            format!("; slot contenders: {}", report::method(bench.a.repeat))
+            format!(
+                "; slot contenders: {}",
+                report::method(&Contender::ALL, bench.a.repeat)
+            )
         } else {
             String::new()
         },
@@ -178,7 +209,7 @@ async fn main() -> Result<(), Error> {
             ""
         }
     );
-    let rounds = |s: Scenario| runs(s).then_some(bench.a.repeat);
+    let rounds = |s: Scenario| runs(s).then_some((&Contender::ALL[..], bench.a.repeat));
     if !with_polling.is_empty() {
         report::print_table(
             &format!("Backlog drain: {events} events in transactions of 10"),
@@ -187,6 +218,21 @@ async fn main() -> Result<(), Error> {
             rounds(Scenario::Backlog),
             &with_polling,
         );
+    }
+    if let Some(m) = &messages {
+        report::print_table(
+            &format!("Transactional messages: {events} events in transactions of 10"),
+            events,
+            m.wal_bytes,
+            Some((&Contender::MESSAGES, bench.a.repeat)),
+            &m.contenders,
+        );
+        let backlog = if runs(Scenario::Backlog) {
+            &with_polling[..]
+        } else {
+            &[]
+        };
+        messages::print_comparison(events, m, backlog);
     }
     if !one_txn.is_empty() {
         report::print_table(

@@ -2,7 +2,7 @@
 //! of repeated runs, and the charts of a full run.
 
 use crate::Error;
-use crate::contenders::Run;
+use crate::contenders::{Contender, Run};
 use crate::scenarios::order;
 use crate::steady::Steady;
 use crate::svg;
@@ -19,11 +19,11 @@ pub struct Contended {
 }
 
 impl Contended {
-    fn seconds(&self) -> Spread {
+    pub fn seconds(&self) -> Spread {
         Spread::of(self.runs.iter().map(|r| r.seconds))
     }
 
-    fn cpu_seconds(&self) -> Spread {
+    pub fn cpu_seconds(&self) -> Spread {
         Spread::of(self.runs.iter().map(|r| r.cpu_seconds))
     }
 }
@@ -97,11 +97,11 @@ pub fn ratio(ceiling: &Contended, c: &Contended) -> (f64, Option<Spread>) {
     (of_medians, paired)
 }
 
-/// How the slot contenders ran: rounds and their order.
-pub fn method(rounds: usize) -> String {
+/// How the slot contenders `all` ran: rounds and their order.
+pub fn method(all: &[Contender], rounds: usize) -> String {
     let orders: Vec<String> = (0..rounds)
         .map(|r| {
-            let names: Vec<&str> = order(r).iter().map(|c| c.short()).collect();
+            let names: Vec<&str> = order(all, r).iter().map(|c| c.short()).collect();
             format!("round {}: {}", r + 1, names.join(", "))
         })
         .collect();
@@ -113,24 +113,24 @@ pub fn method(rounds: usize) -> String {
 }
 
 /// A slot scenario's table (with the polling relay's rows, if any); `rounds` is
-/// `None` when no slot contender ran.
+/// the slot contenders and their number of rounds, `None` when none ran.
 pub fn print_table(
     title: &str,
     events: u64,
     wal_bytes: i64,
-    rounds: Option<usize>,
+    rounds: Option<(&[Contender], usize)>,
     results: &[Contended],
 ) {
     println!();
     println!("### {title}");
     println!();
-    if let Some(rounds) = rounds {
+    if let Some((all, rounds)) = rounds {
         println!(
             "{}; figures are the median of the rounds, with the lowest and highest in \
              brackets; \"of ceiling\" is the ratio of the median times, bracketed: each \
              round's ceiling time over the same round's time. Peak RSS is the highest \
              of the rounds.",
-            method(rounds)
+            method(all, rounds)
         );
         println!();
     }

@@ -3,13 +3,14 @@
 
 use std::time::Instant;
 
-use walbox_testkit::{Broker, PgCluster};
+use walbox_testkit::{Broker, NatsServer, PgCluster};
 
 use crate::Error;
 use crate::cli::Args;
 use crate::contenders::{
-    Contender, Run, checkpoint_file, drain, drop_slot, lsn, usage, wal_between,
+    Contender, Run, checkpoint_file, drain, drop_slot, lsn, reset_stream, usage, wal_between,
 };
+use crate::delivered::Destination;
 use crate::polling;
 use crate::report::Contended;
 
@@ -30,20 +31,36 @@ pub const ROW_SELECT: &str = "
 
 pub const INSERT: &str = "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)";
 
+/// The backlog: `events` rows in transactions of 10, committed in one go.
+pub fn backlog_load(events: u64) -> String {
+    format!(
+        "DO $$
+         BEGIN
+           FOR t IN 0..{last} LOOP
+             {INSERT} {ROW_SELECT} FROM generate_series(t * 10, t * 10 + 9) n;
+             COMMIT;
+           END LOOP;
+         END $$;",
+        last = events / 10 - 1
+    )
+}
+
 /// What every scenario shares.
 pub struct Bench {
     pub a: Args,
     pub pg: PgCluster,
     pub broker: Broker,
+    /// The JetStream server of the JetStream contender.
+    pub nats: NatsServer,
     pub db: tokio_postgres::Client,
 }
 
-/// The order of the slot contenders in `round` (0-based): the list rotated by one
-/// place per round, so no contender always runs first or last (with as many
-/// rounds as contenders each runs once in each place).
-pub fn order(round: usize) -> Vec<Contender> {
-    let mut order = Contender::ALL.to_vec();
-    order.rotate_left(round % Contender::ALL.len());
+/// The order of the slot contenders `all` in `round` (0-based): the list rotated
+/// by one place per round, so no contender always runs first or last (with as
+/// many rounds as contenders each runs once in each place).
+pub fn order(all: &[Contender], round: usize) -> Vec<Contender> {
+    let mut order = all.to_vec();
+    order.rotate_left(round % all.len());
     order
 }
 
@@ -56,8 +73,10 @@ pub struct SlotDrain {
 }
 
 impl Bench {
-    /// Creates a slot per contender and round, runs `load` once, then lets each
-    /// contender drain its slot, `--repeat` rounds in rotating order.
+    /// Creates a slot per contender of `all` and round, runs `load` (`events`
+    /// events) once, then lets each contender drain its slot, `--repeat` rounds
+    /// in rotating order. A contender whose destination can be counted must have
+    /// added `events` to it, else the scenario fails.
     ///
     /// All slots exist before the one load, so every run drains the very same WAL
     /// (the same records, not just the same kind). Loading again per round would
@@ -67,11 +86,16 @@ impl Bench {
     /// done: that is one copy of it (about 650 MB for 1,000,000 backlog events),
     /// however many rounds, since the slots share it, where re-loading would write
     /// a copy per round. Each slot goes as soon as its run is done.
-    pub async fn drain_slots(&self, load: &str) -> Result<SlotDrain, Error> {
+    pub async fn drain_slots(
+        &self,
+        all: &[Contender],
+        load: &str,
+        events: u64,
+    ) -> Result<SlotDrain, Error> {
         let db = &self.db;
         let rounds = self.a.repeat;
         for round in 0..rounds {
-            for c in Contender::ALL {
+            for &c in all {
                 db.execute(
                     "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
                     &[&c.slot(round)],
@@ -93,13 +117,26 @@ impl Bench {
         // The load's dirty pages are written now, not by a checkpoint in the
         // middle of some run but not of the others.
         db.batch_execute("CHECKPOINT").await?;
-        let mut runs: Vec<Vec<Run>> = vec![Vec::with_capacity(rounds); Contender::ALL.len()];
+        let mut runs: Vec<Vec<Run>> = vec![Vec::with_capacity(rounds); all.len()];
+        let bootstrap = self.broker.bootstrap();
         for round in 0..rounds {
-            let mut this_round = vec![None; Contender::ALL.len()];
-            for c in order(round) {
+            let mut this_round = vec![None; all.len()];
+            for c in order(all, round) {
                 let slot = c.slot(round);
+                if c == Contender::WalboxNats {
+                    reset_stream(&self.nats).await?;
+                }
+                let destination = c.destination(&slot);
                 let started = Instant::now();
-                let child = c.spawn(&self.pg, &self.broker, &self.a.walbox, &slot, &target)?;
+                let child = c.spawn(
+                    &self.pg,
+                    &self.broker,
+                    &self.nats,
+                    &self.a.walbox,
+                    &slot,
+                    destination.as_ref().and_then(Destination::topic),
+                    &target,
+                )?;
                 let run = drain(c.name(), db, &slot, &target, child, started).await?;
                 println!(
                     "round {}/{rounds}: {} {:.2} s, {:.1} CPU s",
@@ -108,16 +145,25 @@ impl Bench {
                     run.seconds,
                     run.cpu_seconds
                 );
+                if let Some(d) = &destination {
+                    d.check(&bootstrap, &self.nats, events)
+                        .await
+                        .map_err(|e| format!("{}: {e}", c.name()))?;
+                }
                 // Done: the slot goes, so it holds no WAL for what follows.
                 drop_slot(db, &slot).await?;
                 let _ = std::fs::remove_file(checkpoint_file(&self.pg, &slot));
-                this_round[index(c)] = Some(run);
+                if c == Contender::WalboxNats {
+                    // Its messages go, so they take no memory from what follows.
+                    reset_stream(&self.nats).await?;
+                }
+                this_round[index(all, c)] = Some(run);
             }
             for (i, run) in this_round.into_iter().enumerate() {
                 runs[i].push(run.ok_or("a contender did not run in a round")?);
             }
         }
-        let contenders = Contender::ALL
+        let contenders = all
             .iter()
             .zip(runs)
             .map(|(c, runs)| Contended {
@@ -176,12 +222,9 @@ impl Bench {
     }
 }
 
-/// The place of `c` in [`Contender::ALL`].
-fn index(c: Contender) -> usize {
-    Contender::ALL
-        .iter()
-        .position(|&x| x == c)
-        .unwrap_or_default()
+/// The place of `c` in `all`.
+fn index(all: &[Contender], c: Contender) -> usize {
+    all.iter().position(|&x| x == c).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -190,22 +233,20 @@ mod tests {
 
     #[test]
     fn as_many_rounds_as_contenders_put_each_once_in_each_place() {
-        let n = Contender::ALL.len();
-        let rounds: Vec<Vec<Contender>> = (0..n).map(order).collect();
-        for place in 0..n {
-            let mut at: Vec<Contender> = rounds.iter().map(|r| r[place]).collect();
-            at.sort_by_key(|&c| index(c));
-            at.dedup();
-            assert_eq!(at.len(), n, "place {place}: {rounds:?}");
-        }
-        for r in &rounds {
-            let mut sorted = r.clone();
-            sorted.sort_by_key(|&c| index(c));
-            assert_eq!(
-                sorted,
-                Contender::ALL.to_vec(),
-                "every round runs each once"
-            );
+        for all in [&Contender::ALL[..], &Contender::MESSAGES[..]] {
+            let n = all.len();
+            let rounds: Vec<Vec<Contender>> = (0..n).map(|r| order(all, r)).collect();
+            for place in 0..n {
+                let mut at: Vec<Contender> = rounds.iter().map(|r| r[place]).collect();
+                at.sort_by_key(|&c| index(all, c));
+                at.dedup();
+                assert_eq!(at.len(), n, "place {place}: {rounds:?}");
+            }
+            for r in &rounds {
+                let mut sorted = r.clone();
+                sorted.sort_by_key(|&c| index(all, c));
+                assert_eq!(sorted, all.to_vec(), "every round runs each once");
+            }
         }
     }
 }

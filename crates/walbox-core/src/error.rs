@@ -142,8 +142,13 @@ pub enum CoreError {
     },
     /// A row that cannot become an event, under the stop policy.
     #[error(
-        "outbox row with event id {event_id} at {}#{} (xid {}) in {table} cannot be published \
+        "{} with event id {event_id} at {}#{} (xid {}) in {table} cannot be published \
          ({class}): {reason}",
+        if walbox_outbox::MessageConfig::is_message_source(table) {
+            "logical decoding message"
+        } else {
+            "outbox row"
+        },
         position.commit_lsn, position.index, position.xid
     )]
     Poison {

@@ -9,7 +9,10 @@
 //! [`EventFields`] that any source of events can use). [`Mapper::compile`] checks that against a table's shape from
 //! a pgoutput Relation message once; [`Mapper::map`] then turns each inserted row into
 //! an [`Event`] or a [`RowError`] that names the column and what is wrong with it
-//! (never the value: rows can hold personal data).
+//! (never the value: rows can hold personal data). The table-less outbox,
+//! logical decoding messages whose content is a JSON object of the same fields,
+//! has its own [`MessageConfig`] and [`MessageMapper`] ending in the same format
+//! step (module `message`).
 //!
 //! No I/O: the crate is pure data transformation.
 
@@ -17,7 +20,10 @@ mod config;
 mod event;
 mod format;
 mod mapper;
+mod message;
 mod template;
+#[cfg(test)]
+mod test_rows;
 
 pub use config::{
     CloudEventsMode, ColumnNames, DEFAULT_CLOUDEVENTS_SOURCE, DEFAULT_CLOUDEVENTS_SUBJECT, Format,
@@ -29,4 +35,7 @@ pub use format::{
     record_event_id,
 };
 pub use mapper::{Mapper, MappingError, RowError, dead_letter_header};
+pub use message::{
+    MessageConfig, MessageError, MessageMapper, SOURCE_MESSAGE_PREFIX, check_prefixes,
+};
 pub use template::{TemplateError, TopicTemplate, validate_topic};

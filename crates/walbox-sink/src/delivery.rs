@@ -37,7 +37,8 @@ pub enum DeliveryClass {
     InvalidRecord,
     /// The topic or partition does not exist.
     UnknownTopic,
-    /// The topic's name is not valid.
+    /// The topic's name is not valid (the record's topic: it goes to a dead
+    /// letter).
     InvalidTopic,
     /// The client may not write to the topic.
     Authorization,
@@ -49,11 +50,14 @@ pub enum DeliveryClass {
     OutputClosed,
     /// Writing to standard output failed otherwise.
     IoError,
+    /// The destination already holds another record under the event's id
+    /// (a JetStream stream drops it as a duplicate).
+    DuplicateId,
 }
 
 impl DeliveryClass {
     /// Every class, for checks over all of them.
-    pub const ALL: [DeliveryClass; 10] = [
+    pub const ALL: [DeliveryClass; 11] = [
         DeliveryClass::Timeout,
         DeliveryClass::MessageTooLarge,
         DeliveryClass::InvalidRecord,
@@ -64,6 +68,7 @@ impl DeliveryClass {
         DeliveryClass::BrokerError,
         DeliveryClass::OutputClosed,
         DeliveryClass::IoError,
+        DeliveryClass::DuplicateId,
     ];
 
     /// The short, stable text form (for logs and dead-letter headers).
@@ -80,6 +85,7 @@ impl DeliveryClass {
             DeliveryClass::BrokerError => "broker_error",
             DeliveryClass::OutputClosed => "output_closed",
             DeliveryClass::IoError => "io_error",
+            DeliveryClass::DuplicateId => "duplicate_id",
         }
     }
 
@@ -89,18 +95,23 @@ impl DeliveryClass {
     pub const fn is_about_the_message(self) -> bool {
         matches!(
             self,
-            DeliveryClass::MessageTooLarge | DeliveryClass::InvalidRecord
+            DeliveryClass::MessageTooLarge
+                | DeliveryClass::InvalidRecord
+                | DeliveryClass::InvalidTopic
         )
     }
 
     /// Whether the destination is gone for good (the reader of standard output
-    /// closed it) or refuses walbox's credentials, so that no later attempt can
-    /// deliver anything: the relay stops instead of retrying.
+    /// closed it), refuses walbox's credentials, or holds another record under
+    /// the event's id, so that no later attempt can deliver it: the relay stops
+    /// instead of retrying.
     #[must_use]
     pub const fn is_final(self) -> bool {
         matches!(
             self,
-            DeliveryClass::OutputClosed | DeliveryClass::Authentication
+            DeliveryClass::OutputClosed
+                | DeliveryClass::Authentication
+                | DeliveryClass::DuplicateId
         )
     }
 }
@@ -163,6 +174,7 @@ mod tests {
                 "broker_error",
                 "output_closed",
                 "io_error",
+                "duplicate_id",
             ]
         );
         for class in DeliveryClass::ALL {
@@ -171,7 +183,7 @@ mod tests {
     }
 
     #[test]
-    fn only_refused_records_are_about_the_message_and_only_a_closed_output_or_refused_credentials_are_final()
+    fn only_refused_records_and_topics_are_about_the_message_and_only_a_closed_output_refused_credentials_or_a_taken_id_are_final()
      {
         let about: Vec<DeliveryClass> = DeliveryClass::ALL
             .into_iter()
@@ -179,7 +191,11 @@ mod tests {
             .collect();
         assert_eq!(
             about,
-            [DeliveryClass::MessageTooLarge, DeliveryClass::InvalidRecord]
+            [
+                DeliveryClass::MessageTooLarge,
+                DeliveryClass::InvalidRecord,
+                DeliveryClass::InvalidTopic
+            ]
         );
         let last: Vec<DeliveryClass> = DeliveryClass::ALL
             .into_iter()
@@ -187,7 +203,11 @@ mod tests {
             .collect();
         assert_eq!(
             last,
-            [DeliveryClass::Authentication, DeliveryClass::OutputClosed]
+            [
+                DeliveryClass::Authentication,
+                DeliveryClass::OutputClosed,
+                DeliveryClass::DuplicateId
+            ]
         );
         let e = DeliveryError {
             event_id: "e1".into(),

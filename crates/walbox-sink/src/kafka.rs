@@ -49,28 +49,9 @@ impl std::fmt::Debug for KafkaSinkConfig {
 }
 
 impl KafkaSinkConfig {
-    fn property(&self, key: &str) -> Option<&str> {
-        self.properties
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-
     /// The error for a broker that refused the credentials.
     fn authentication_error(&self, reason: String) -> SinkError {
-        SinkError::Authentication {
-            user: self
-                .property("sasl.username")
-                .unwrap_or("(none)")
-                .to_owned(),
-            mechanism: self
-                .property("sasl.mechanism")
-                .or(self.property("sasl.mechanisms"))
-                .unwrap_or("(none)")
-                .to_owned(),
-            reason,
-        }
+        crate::secrets::authentication_error(&self.properties, reason)
     }
 }
 

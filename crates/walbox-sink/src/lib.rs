@@ -30,8 +30,10 @@ use walbox_outbox::Event;
 
 pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};
-pub use nats::{KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage};
-pub use nats_reader::read_subject;
+pub use nats::{
+    DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage,
+};
+pub use nats_reader::{DurableLetters, read_subject};
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;

@@ -14,10 +14,11 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::SinkError;
+use crate::secrets::{AuthFailure, authentication_error};
 
 /// One record as a reader hands it over: a Kafka record, or a JetStream
 /// message (partition 0, its stream sequence as offset, its key from the
-/// `walbox_key` header).
+/// `walbox_key` header, decoded when `walbox_key_encoding` says base64).
 #[derive(Debug)]
 pub struct RecordView<'a> {
     inner: Inner<'a>,
@@ -29,13 +30,25 @@ enum Inner<'a> {
     Nats {
         msg: &'a async_nats::Message,
         sequence: u64,
+        /// The key, decoded when it came in base64.
+        key: Option<Vec<u8>>,
     },
 }
 
 impl<'a> RecordView<'a> {
     pub(crate) fn nats(msg: &'a async_nats::Message, sequence: u64) -> Self {
+        let header = |name: &str| {
+            msg.headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str())
+        };
+        let key = header(crate::KEY_HEADER).map(|k| match header(crate::KEY_ENCODING_HEADER) {
+            Some("base64") => crate::nats::base64_decode(k).unwrap_or_else(|| k.into()),
+            _ => k.as_bytes().to_vec(),
+        });
         RecordView {
-            inner: Inner::Nats { msg, sequence },
+            inner: Inner::Nats { msg, sequence, key },
         }
     }
 
@@ -62,7 +75,7 @@ impl<'a> RecordView<'a> {
     pub fn key(&self) -> Option<&[u8]> {
         match &self.inner {
             Inner::Kafka(m) => m.key(),
-            Inner::Nats { .. } => self.header(crate::KEY_HEADER).map(str::as_bytes),
+            Inner::Nats { key, .. } => key.as_deref(),
         }
     }
 
@@ -126,27 +139,41 @@ pub fn commit_group(
     if next.is_empty() {
         return Ok(());
     }
-    let consumer = consumer(properties, group)?;
+    let auth = AuthFailure::default();
+    let consumer = consumer(properties, group, auth.clone())?;
     let mut offsets = TopicPartitionList::new();
     for (p, o) in next {
         offsets.add_partition_offset(topic, *p, Offset::Offset(*o))?;
     }
-    consumer.commit(&offsets, rdkafka::consumer::CommitMode::Sync)?;
-    Ok(())
+    consumer
+        .commit(&offsets, rdkafka::consumer::CommitMode::Sync)
+        .map_err(|e| {
+            auth.get().map_or_else(
+                || e.into(),
+                |reason| authentication_error(properties, reason),
+            )
+        })
 }
 
 /// The reader's client context: librdkafka reports the end of a partition as an
 /// error event, and rdkafka's default context logs every such event as an
 /// error. For the reader it is the normal end of a partition (the poll loop
-/// receives it as [`KafkaError::PartitionEOF`]); anything else is logged.
-#[derive(Debug)]
-struct ReaderContext;
+/// receives it as [`KafkaError::PartitionEOF`]); refused credentials are
+/// recorded, so that the read stops with them instead of waiting out its
+/// timeout; anything else is logged.
+struct ReaderContext {
+    auth: AuthFailure,
+}
 
 impl ClientContext for ReaderContext {
     fn error(&self, error: KafkaError, reason: &str) {
         if matches!(error, KafkaError::PartitionEOF(_))
             || error.rdkafka_error_code() == Some(RDKafkaErrorCode::PartitionEOF)
         {
+            return;
+        }
+        if self.auth.observe(&error, reason) {
+            tracing::error!(%error, reason, "kafka: the broker refused the reader's credentials");
             return;
         }
         tracing::error!(%error, reason, "kafka client error while reading a topic");
@@ -158,6 +185,7 @@ impl ConsumerContext for ReaderContext {}
 fn consumer(
     properties: &[(String, String)],
     group: &str,
+    auth: AuthFailure,
 ) -> Result<BaseConsumer<ReaderContext>, SinkError> {
     let mut config = ClientConfig::new();
     for (k, v) in properties {
@@ -173,8 +201,11 @@ fn consumer(
         .set("auto.offset.reset", "earliest")
         .set("enable.partition.eof", "true")
         .set("log_level", "3")
-        .create_with_context(ReaderContext)?)
+        .create_with_context(ReaderContext { auth })?)
 }
+
+/// How long one metadata request of the reader may take.
+const METADATA_TURN: Duration = Duration::from_secs(1);
 
 fn read(
     properties: &[(String, String)],
@@ -184,8 +215,33 @@ fn read(
     mut each: impl FnMut(RecordView<'_>),
 ) -> Result<u64, SinkError> {
     let own_group = format!("walbox-reader-{}", std::process::id());
-    let consumer = consumer(properties, group.unwrap_or(&own_group))?;
-    let md = consumer.fetch_metadata(Some(topic), timeout)?;
+    let auth = AuthFailure::default();
+    let consumer = consumer(properties, group.unwrap_or(&own_group), auth.clone())?;
+    // Refused credentials, once the client reported them, explain any failure.
+    let refused = || {
+        auth.get()
+            .map(|reason| authentication_error(properties, reason))
+    };
+    // Asked in short turns with the client's events served between them: a
+    // refused login reaches the context only through a poll.
+    let asked = Instant::now();
+    let md = loop {
+        match consumer.fetch_metadata(Some(topic), METADATA_TURN) {
+            Ok(md) => break md,
+            Err(e) => {
+                // Serves queued events (errors) only: nothing is assigned yet.
+                if let Some(Err(polled)) = consumer.poll(Duration::ZERO) {
+                    tracing::debug!(error = %polled, "while asking for metadata");
+                }
+                if let Some(refused) = refused() {
+                    return Err(refused);
+                }
+                if asked.elapsed() >= timeout {
+                    return Err(e.into());
+                }
+            }
+        }
+    };
     let t = md
         .topics()
         .iter()
@@ -220,6 +276,9 @@ fn read(
     while at_end.len() < partitions.len() {
         match consumer.poll(Duration::from_millis(200)) {
             None => {
+                if let Some(e) = refused() {
+                    return Err(e);
+                }
                 if last_progress.elapsed() > timeout {
                     return Err(SinkError::Read {
                         topic: topic.to_owned(),
@@ -244,7 +303,7 @@ fn read(
                 last_progress = Instant::now();
                 at_end.insert(p);
             }
-            Some(Err(e)) => return Err(e.into()),
+            Some(Err(e)) => return Err(refused().unwrap_or_else(|| e.into())),
         }
     }
     Ok(read)

@@ -8,6 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
+use crate::SinkError;
+
 /// Whether a librdkafka property holds a secret (a password, a private key, a
 /// client secret or an OAUTHBEARER configuration), so that its value is never
 /// printed.
@@ -92,6 +94,27 @@ impl AuthFailure {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
+    }
+}
+
+/// The error for a broker that refused the credentials of a client with
+/// `properties` (the last value of a key wins, as in librdkafka): the user and
+/// mechanism, never the password.
+pub(crate) fn authentication_error(properties: &[(String, String)], reason: String) -> SinkError {
+    let property = |key: &str| {
+        properties
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    };
+    SinkError::Authentication {
+        user: property("sasl.username").unwrap_or("(none)").to_owned(),
+        mechanism: property("sasl.mechanism")
+            .or(property("sasl.mechanisms"))
+            .unwrap_or("(none)")
+            .to_owned(),
+        reason,
     }
 }
 

@@ -175,22 +175,13 @@ impl Broker {
             users,
             child: None,
         };
-        let mut last = None;
-        for _ in 0..5 {
-            tansu.port = process::free_port()?;
-            match tansu.launch_with_users() {
-                Ok(()) => {
-                    return Ok(Broker {
-                        inner: Inner::Tansu(tansu),
-                    });
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.unwrap_or(TestkitError::Timeout {
-            what: "a free port".into(),
-            after: BROKER_TIMEOUT,
-        }))
+        process::launch_on_free_port(|port| {
+            tansu.port = port;
+            tansu.launch_with_users()
+        })?;
+        Ok(Broker {
+            inner: Inner::Tansu(tansu),
+        })
     }
 
     /// The bootstrap address for clients.

@@ -1,6 +1,6 @@
 //! A throwaway `nats-server -js` (Debian's `nats-server` package) on a free
-//! port with a temporary store directory: stopped, killed with SIGKILL and
-//! started again on the same port and store; killed when dropped. And a reader
+//! port with a temporary store directory: paused (SIGSTOP) and resumed, stopped,
+//! killed with SIGKILL and started again on the same port and store; killed when dropped. And a reader
 //! of a subject's messages for the demo and assertions.
 
 use std::net::TcpStream;
@@ -54,18 +54,11 @@ impl NatsServer {
             options,
             child: None,
         };
-        let mut last = None;
-        for _ in 0..5 {
-            server.port = process::free_port()?;
-            match server.launch() {
-                Ok(()) => return Ok(server),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.unwrap_or(TestkitError::Timeout {
-            what: "a free port".into(),
-            after: NATS_TIMEOUT,
-        }))
+        process::launch_on_free_port(|port| {
+            server.port = port;
+            server.launch()
+        })?;
+        Ok(server)
     }
 
     /// The server's URL for clients.
@@ -82,6 +75,23 @@ impl NatsServer {
     /// Kills the server with SIGKILL and waits until it is gone.
     pub fn kill9(&mut self) -> Result<()> {
         self.end(Signal::SIGKILL)
+    }
+
+    /// Freezes the server (SIGSTOP): its connections stay open, it reads and
+    /// answers nothing until [`NatsServer::resume`].
+    pub fn pause(&mut self) -> Result<()> {
+        match &self.child {
+            Some(child) => signal_group(child, Signal::SIGSTOP),
+            None => Ok(()),
+        }
+    }
+
+    /// Lets a paused server run again (SIGCONT).
+    pub fn resume(&mut self) -> Result<()> {
+        match &self.child {
+            Some(child) => signal_group(child, Signal::SIGCONT),
+            None => Ok(()),
+        }
     }
 
     /// Starts a stopped or killed server again on the same port and store.
@@ -102,6 +112,8 @@ impl NatsServer {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
+        // A paused server takes SIGTERM only once it runs again.
+        signal_group(&child, Signal::SIGCONT)?;
         signal_group(&child, signal)?;
         process::wait_group_gone(&mut child, "nats-server", NATS_TIMEOUT)
     }

@@ -22,6 +22,21 @@ pub(crate) fn free_port() -> Result<u16> {
     Ok(port)
 }
 
+/// Runs `launch` on free ports until one works, and gives that port: a port
+/// found free can be taken by another process before the server binds it, so
+/// five ports are tried before the last error is given.
+pub(crate) fn launch_on_free_port(mut launch: impl FnMut(u16) -> Result<()>) -> Result<u16> {
+    let mut tries = 0;
+    loop {
+        let port = free_port()?;
+        match launch(port) {
+            Ok(()) => return Ok(port),
+            Err(e) if tries == 4 => return Err(e),
+            Err(_) => tries += 1,
+        }
+    }
+}
+
 /// The unprivileged account servers run as when the caller is root (PostgreSQL
 /// refuses to run as root). `WALBOX_TEST_USER` overrides the default `nobody`.
 pub(crate) fn server_user() -> Result<Option<User>> {

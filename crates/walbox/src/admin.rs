@@ -46,17 +46,30 @@ pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
         .collect();
     match &facts.flags {
         None => {
+            // Logical decoding messages need no table in the publication: with
+            // only [[messages]], it publishes no table.
+            let for_tables = if quoted.is_empty() {
+                String::new()
+            } else {
+                format!("FOR TABLE {} ", quoted.join(", "))
+            };
             sql.batch_execute(&format!(
-                "CREATE PUBLICATION {quoted_pub} FOR TABLE {} WITH (publish_via_partition_root = true);
-                 COMMENT ON PUBLICATION {quoted_pub} IS '{CREATED_BY_WALBOX}'",
-                quoted.join(", ")
+                "CREATE PUBLICATION {quoted_pub} {for_tables}WITH (publish_via_partition_root = true);
+                 COMMENT ON PUBLICATION {quoted_pub} IS '{CREATED_BY_WALBOX}'"
             ))
             .await
             .with_context(|| format!("creating publication {publication}"))?;
-            println_out(&format!(
-                "created publication {publication} for {}",
-                quoted.join(", ")
-            ));
+            if quoted.is_empty() {
+                println_out(&format!(
+                    "created publication {publication} with no table (logical decoding \
+                     messages need none)"
+                ));
+            } else {
+                println_out(&format!(
+                    "created publication {publication} for {}",
+                    quoted.join(", ")
+                ));
+            }
         }
         Some(flags) if flags.walbox_made => {
             for problem in publication::problems(&config.outbox, &config.producer, &facts) {

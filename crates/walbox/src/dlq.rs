@@ -1,20 +1,23 @@
 //! `walbox dlq replay`: publishes dead letters again to the topic they were meant
 //! for, after the cause was fixed (the row updated, the mapping or the broker's
-//! limits changed), with their event ids and source positions. Progress is kept
-//! as a consumer group's offsets on the dead-letter topic; nothing is deleted
-//! from it.
+//! limits changed), with their event ids and source positions. Nothing is
+//! deleted from the dead-letter topic; progress is kept by the broker: with
+//! Kafka as a consumer group's offsets on the dead-letter topic (stopping, per
+//! partition, before the first letter that still fails), with NATS JetStream as
+//! the acknowledgements of a durable consumer on the dead-letter subject (a
+//! letter that still fails is handed back, the others are done).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use walbox_outbox::{Mapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
-use walbox_sink::{KafkaSink, Sink};
+use walbox_sink::{DurableLetters, KafkaSink, NatsSink, Sink};
 
 use crate::catalog::{self, ident};
-use crate::config::{Config, Overrides};
+use crate::config::{Config, Overrides, SinkKind};
 use crate::pg::ConnParams;
 
 /// `walbox dlq replay` arguments.
@@ -48,6 +51,12 @@ struct DeadLetter {
     position: Position,
     /// The row's columns as the dead letter recorded them, when it did.
     columns: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl DeadLetter {
+    fn offset_key(&self) -> (i32, i64) {
+        (self.partition, self.offset)
+    }
 }
 
 fn parse(r: &walbox_sink::RecordView<'_>) -> DeadLetter {
@@ -89,6 +98,9 @@ struct Target<'a> {
 /// Runs the replay.
 pub async fn replay(args: ReplayArgs) -> Result<()> {
     let config = Config::load(&args.overrides)?;
+    if config.sink.kind == SinkKind::Stdout {
+        return Err(nothing_stored());
+    }
     let sql = ConnParams::parse(config.dsn()?)?.connect().await?;
     let mut targets: HashMap<String, Target<'_>> = HashMap::new();
     for t in &config.outbox {
@@ -126,85 +138,89 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
     if topics.is_empty() {
         bail!("no dead-letter topic to replay: name one with --dlq-topic");
     }
-    let sink_config = config.sink.kafka_sink()?;
-    let properties = sink_config.properties.clone();
     let group = format!("walbox-dlq-replay.{}", config.source.slot);
-    let timeout = Duration::from_secs(60);
-    let (mut sink, mut deliveries) = KafkaSink::new(sink_config)?;
-    let (mut replayed, mut failing) = (0u64, 0u64);
-    for dlq in &topics {
-        let mut letters = Vec::new();
-        let read = tokio::task::block_in_place(|| {
-            walbox_sink::read_topic_from_group(&properties, dlq, &group, timeout, |r| {
-                letters.push(parse(&r));
-            })
-        });
-        match read {
-            Ok(_) => {}
-            // A dead-letter topic that was never created has nothing to replay.
-            Err(walbox_sink::SinkError::Read { .. }) => continue,
-            Err(e) => return Err(e).with_context(|| format!("reading {dlq}")),
-        }
-        // Per partition: the offset after the last letter done, and whether a
-        // letter of it still fails (then progress stops before that one).
-        let mut next: HashMap<i32, (i64, bool)> = HashMap::new();
-        let mut sent = 0usize;
-        for letter in &letters {
-            let outcome = rebuild(&sql, &targets, letter, args.from_table).await;
-            let entry = next
-                .entry(letter.partition)
-                .or_insert((letter.offset, false));
-            match outcome {
-                Ok(event) => {
-                    println_out(&format!(
-                        "{} event {} to {} (from {dlq} offset {}:{})",
-                        if args.dry_run {
-                            "would publish"
-                        } else {
-                            "publishing"
-                        },
-                        letter.event_id,
-                        event.topic,
-                        letter.partition,
-                        letter.offset
-                    ));
-                    if !args.dry_run {
-                        sink.send(event, sent).await?;
-                        sent += 1;
-                    }
-                    if !entry.1 {
+    let mut run = Run {
+        sql: &sql,
+        targets: &targets,
+        args: &args,
+        replayed: 0,
+        failing: 0,
+    };
+    match config.sink.kind {
+        SinkKind::Kafka => {
+            let sink_config = config.sink.kafka_sink()?;
+            let properties = sink_config.properties.clone();
+            let (mut sink, mut deliveries) = KafkaSink::new(sink_config)?;
+            for dlq in &topics {
+                let mut letters = Vec::new();
+                let read = tokio::task::block_in_place(|| {
+                    walbox_sink::read_topic_from_group(&properties, dlq, &group, TIMEOUT, |r| {
+                        letters.push(parse(&r));
+                    })
+                });
+                match read {
+                    Ok(_) => {}
+                    // A dead-letter topic that was never created has nothing to replay.
+                    Err(walbox_sink::SinkError::Read { .. }) => continue,
+                    Err(e) => return Err(e).with_context(|| format!("reading {dlq}")),
+                }
+                let failed = run
+                    .publish(&mut sink, &mut deliveries, dlq, &letters)
+                    .await?;
+                if args.dry_run {
+                    continue;
+                }
+                // Per partition: the offset after the last letter done, stopping
+                // before the first one that still fails.
+                let mut next: HashMap<i32, (i64, bool)> = HashMap::new();
+                for letter in &letters {
+                    let entry = next
+                        .entry(letter.partition)
+                        .or_insert((letter.offset, false));
+                    if failed.contains(&letter.offset_key()) {
+                        entry.1 = true;
+                    } else if !entry.1 {
                         entry.0 = letter.offset + 1;
                     }
-                    replayed += 1;
                 }
-                Err(e) => {
-                    println_out(&format!(
-                        "still failing: event {} ({dlq} offset {}:{}): {e:#}",
-                        letter.event_id, letter.partition, letter.offset
-                    ));
-                    entry.1 = true;
-                    failing += 1;
-                }
+                let done: Vec<(i32, i64)> = next.iter().map(|(p, (o, _))| (*p, *o)).collect();
+                tokio::task::block_in_place(|| {
+                    walbox_sink::commit_group(&properties, dlq, &group, &done)
+                })
+                .with_context(|| format!("recording progress on {dlq}"))?;
             }
         }
-        // Every publication acknowledged before progress is recorded.
-        for _ in 0..sent {
-            let d = tokio::time::timeout(timeout * 5, deliveries.recv())
-                .await
-                .context("waiting for the broker's acknowledgements")?
-                .context("the producer stopped")?;
-            if let Err(e) = d.result {
-                bail!("{e}; nothing recorded as replayed for {dlq}, run again");
+        SinkKind::Nats => {
+            let sink_config = config.sink.nats_sink()?;
+            let (mut sink, mut deliveries) = NatsSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // One durable consumer per dead-letter subject keeps the progress.
+                let durable = format!("{group}.{dlq}").replace(['.', ' ', '*', '>'], "_");
+                let Some(read) = DurableLetters::read(&sink_config, dlq, &durable, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    // No stream holds the subject: nothing was dead-lettered there.
+                    continue;
+                };
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                // Letters that still fail (all of them on a dry run or an error)
+                // are handed back for the next run; the others are done.
+                let done = |sequence: u64| {
+                    let key = (0, i64::try_from(sequence).unwrap_or(i64::MAX));
+                    matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&key))
+                };
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
             }
         }
-        if !args.dry_run {
-            let done: Vec<(i32, i64)> = next.iter().map(|(p, (o, _))| (*p, *o)).collect();
-            tokio::task::block_in_place(|| {
-                walbox_sink::commit_group(&properties, dlq, &group, &done)
-            })
-            .with_context(|| format!("recording progress on {dlq}"))?;
-        }
+        SinkKind::Stdout => return Err(nothing_stored()),
     }
+    let (replayed, failing) = (run.replayed, run.failing);
     println_out(&format!(
         "{} {replayed} dead letters; {failing} still failing (left in place)",
         if args.dry_run {
@@ -217,6 +233,87 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         bail!("{failing} dead letters still fail");
     }
     Ok(())
+}
+
+/// Why there is nothing to replay with `[sink] type = "stdout"`.
+fn nothing_stored() -> anyhow::Error {
+    anyhow::anyhow!(
+        "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
+         type = \"stdout\" stores none (they went to standard output with the events); set \
+         [sink] type = \"kafka\" or \"nats\" (or --sink) to replay the dead letters of that \
+         broker"
+    )
+}
+
+/// How long to wait for the broker while reading and publishing.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One replay: the table and mappings letters are rebuilt with, and counts.
+struct Run<'a> {
+    sql: &'a tokio_postgres::Client,
+    targets: &'a HashMap<String, Target<'a>>,
+    args: &'a ReplayArgs,
+    replayed: u64,
+    failing: u64,
+}
+
+impl Run<'_> {
+    /// Rebuilds and publishes the letters of `dlq` (prints them on a dry run)
+    /// and waits until the broker acknowledged every publication. Returns the
+    /// (partition, offset) of the letters that still fail.
+    async fn publish<S: Sink>(
+        &mut self,
+        sink: &mut S,
+        deliveries: &mut walbox_sink::Deliveries,
+        dlq: &str,
+        letters: &[DeadLetter],
+    ) -> Result<HashSet<(i32, i64)>> {
+        let mut failed = HashSet::new();
+        let mut sent = 0usize;
+        for letter in letters {
+            match rebuild(self.sql, self.targets, letter, self.args.from_table).await {
+                Ok(event) => {
+                    println_out(&format!(
+                        "{} event {} to {} (from {dlq} offset {}:{})",
+                        if self.args.dry_run {
+                            "would publish"
+                        } else {
+                            "publishing"
+                        },
+                        letter.event_id,
+                        event.topic,
+                        letter.partition,
+                        letter.offset
+                    ));
+                    if !self.args.dry_run {
+                        sink.send(event, sent).await?;
+                        sent += 1;
+                    }
+                    self.replayed += 1;
+                }
+                Err(e) => {
+                    println_out(&format!(
+                        "still failing: event {} ({dlq} offset {}:{}): {e:#}",
+                        letter.event_id, letter.partition, letter.offset
+                    ));
+                    failed.insert(letter.offset_key());
+                    self.failing += 1;
+                }
+            }
+        }
+        sink.end_batch();
+        // Every publication acknowledged before progress is recorded.
+        for _ in 0..sent {
+            let d = tokio::time::timeout(TIMEOUT * 5, deliveries.recv())
+                .await
+                .context("waiting for the broker's acknowledgements")?
+                .context("the producer stopped")?;
+            if let Err(e) = d.result {
+                bail!("{e}; nothing recorded as replayed for {dlq}, run again");
+            }
+        }
+        Ok(failed)
+    }
 }
 
 /// The event a dead letter stands for, mapped again with the current mapping.

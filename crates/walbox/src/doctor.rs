@@ -181,6 +181,18 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
             );
         }
     }
+    for m in &config.messages {
+        for prefix in &m.prefixes {
+            r.add(
+                Verdict::Ok,
+                format!(
+                    "message prefix {prefix:?} (format {}): logical decoding messages need no \
+                     table in publication {publication}",
+                    m.formatting.format.name()
+                ),
+            );
+        }
+    }
     for table in &config.outbox {
         let (schema, name) = table.qualified();
         let qualified = format!("{schema}.{name}");

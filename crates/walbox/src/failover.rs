@@ -24,39 +24,6 @@ pub async fn server_major(sql: &tokio_postgres::Client) -> Result<u32> {
     Ok(u32::try_from(num / 10_000).unwrap_or(0))
 }
 
-/// The slot's `failover` and `synced` columns; `None` when the slot does not
-/// exist or the server is older than [`FAILOVER_SINCE`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FailoverState {
-    /// Whether standbys synchronize the slot.
-    pub failover: bool,
-    /// Whether it was synchronized from a primary (on a standby, or left on a
-    /// promoted one).
-    pub synced: bool,
-}
-
-/// Reads [`FailoverState`] of `slot`.
-pub async fn state(
-    sql: &tokio_postgres::Client,
-    major: u32,
-    slot: &str,
-) -> Result<Option<FailoverState>> {
-    if major < FAILOVER_SINCE {
-        return Ok(None);
-    }
-    let row = sql
-        .query_opt(
-            "SELECT failover, synced FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot],
-        )
-        .await
-        .context("reading pg_replication_slots")?;
-    Ok(row.map(|r| FailoverState {
-        failover: r.get(0),
-        synced: r.get(1),
-    }))
-}
-
 /// The risk of a failover slot on a primary whose `synchronized_standby_slots`
 /// (`waited`; `None` before PostgreSQL 17) names no standby: logical decoding is
 /// not held back until a standby has the WAL, so walbox can publish events a
@@ -139,8 +106,8 @@ pub async fn ensure(
         tracing::warn!(slot = %config.source.slot, "{risk}");
     }
     let slot = &config.source.slot;
-    match state(sql, major, slot).await? {
-        Some(s) if !s.failover => {
+    match crate::slot::info(sql, slot).await? {
+        Some(s) if s.failover == Some(false) => {
             enable(conn, config).await?;
             tracing::info!(slot = %slot, "turned failover on for the slot (standbys with \
                 sync_replication_slots = on now keep it in sync)");

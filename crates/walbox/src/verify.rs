@@ -181,6 +181,12 @@ async fn read_records(
 /// Runs the audit; fails when events are missing or out of order.
 pub async fn run(args: Args) -> Result<()> {
     let config = Config::load(&args.overrides)?;
+    if config.outbox.is_empty() && !config.messages.is_empty() {
+        bail!(
+            "verify cannot check logical decoding messages ([[messages]]): they are in no table \
+             to compare the topics against; it audits one outbox table, named with --table"
+        );
+    }
     let [table] = config.outbox.as_slice() else {
         bail!("verify audits one outbox table: name it with --table");
     };

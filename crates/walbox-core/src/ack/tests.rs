@@ -244,3 +244,50 @@ proptest! {
         prop_assert!(t.confirmed() >= Lsn(lsn));
     }
 }
+
+#[test]
+fn a_non_transactional_message_unit_between_commits_confirms_in_lsn_order() {
+    // A commit ending at 200, a non-transactional message whose record ends at
+    // 250 (after that commit's end, before the next commit record at 300), then
+    // a transaction committing at 300 and ending at 340. The message is a unit
+    // of its own: begin and commit at its LSN.
+    let mut t = AckTracker::new(Lsn(100));
+    let t1 = t.begin(Lsn(180));
+    let e1 = t.event(t1);
+    t.commit(t1, Lsn(200));
+    let m = t.begin(Lsn(250));
+    let dead = t.event(m);
+    t.commit(m, Lsn(250));
+    let t2 = t.begin(Lsn(300));
+    let e2 = t.event(t2);
+    t.commit(t2, Lsn(340));
+
+    t.ack(e2);
+    assert_eq!(t.confirmed(), Lsn(100));
+    t.ack(e1);
+    assert_eq!(t.confirmed(), Lsn(200), "stops before the message's record");
+    assert_eq!(
+        t.partial(),
+        None,
+        "a one-event unit is never partly acknowledged"
+    );
+    t.ack(dead);
+    assert_eq!(t.confirmed(), Lsn(340));
+
+    // Acknowledged before the transaction ahead of it: it waits for it.
+    let mut t = AckTracker::new(Lsn(100));
+    let t1 = t.begin(Lsn(180));
+    let e1 = t.event(t1);
+    t.commit(t1, Lsn(200));
+    let m = t.begin(Lsn(250));
+    let dead = t.event(m);
+    t.commit(m, Lsn(250));
+    t.ack(dead);
+    assert_eq!(t.confirmed(), Lsn(100));
+    assert_eq!(t.partial(), None);
+    t.ack(e1);
+    assert_eq!(t.confirmed(), Lsn(250));
+    // Then a keepalive with nothing open moves it on.
+    t.idle_wal_end(Lsn(400));
+    assert_eq!(t.confirmed(), Lsn(400));
+}

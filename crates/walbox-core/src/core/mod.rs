@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use walbox_outbox::{Event, Mapper, Position, TableConfig, TopicTemplate};
+use walbox_outbox::{Event, Mapper, MessageConfig, Position, TableConfig, TopicTemplate};
 use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, TupleValue, Xid};
 
 use crate::ack::{AckTracker, TxnId};
@@ -21,6 +21,7 @@ use crate::error::{CoreError, Failure};
 use crate::holdback::{Holdback, ReplayWindow};
 use crate::ledger::Ledger;
 
+mod message;
 mod progress;
 mod snapshot;
 
@@ -29,6 +30,8 @@ mod snapshot;
 pub struct CoreConfig {
     /// The outbox tables.
     pub tables: Vec<TableConfig>,
+    /// The table-less outbox: prefixes of logical decoding messages.
+    pub messages: Vec<MessageConfig>,
     /// Published tables (`schema.name`) whose inserts are knowingly not relayed.
     pub ignore_tables: Vec<String>,
     /// The producer name written into envelopes.
@@ -50,8 +53,8 @@ pub struct CoreConfig {
 }
 
 impl CoreConfig {
-    /// The configured tables, sorted: what the count of a partly acknowledged
-    /// transaction's events depends on.
+    /// The configured tables and message prefixes (`message:<prefix>`), sorted:
+    /// what the count of a partly acknowledged transaction's events depends on.
     #[must_use]
     pub fn table_set(&self) -> Vec<String> {
         let mut t: Vec<String> = self
@@ -61,6 +64,11 @@ impl CoreConfig {
                 let (s, n) = t.qualified();
                 format!("{s}.{n}")
             })
+            .chain(
+                self.messages
+                    .iter()
+                    .flat_map(|m| m.prefixes.iter().map(|p| MessageConfig::source_name(p))),
+            )
             .collect();
         t.sort();
         t.dedup();
@@ -90,8 +98,16 @@ pub enum WalMessage {
         /// The server's WAL end.
         wal_end: Lsn,
     },
-    /// Any other pgoutput message (Relation, Insert, ...), undecoded.
-    Data(Bytes),
+    /// Any other pgoutput message (Relation, Insert, ...), undecoded, with the
+    /// WAL position the server sent it at (an insert's: the start of its record).
+    Data {
+        /// The `XLogData` start position.
+        wal_start: Lsn,
+        /// The pgoutput message.
+        data: Bytes,
+    },
+    /// A logical decoding message, decoded by the replication client.
+    Message(walbox_pgoutput::DecodingMessage),
 }
 
 /// The outcome of one event the sink took.
@@ -106,7 +122,8 @@ pub enum Outcome {
 /// Where an event handed to the sink comes from, for counts by table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Origin {
-    /// The outbox table (`schema.name`) of its row.
+    /// The outbox table (`schema.name`) of its row, or `message:<prefix>` for
+    /// a logical decoding message.
     pub table: Arc<str>,
     /// A dead letter: the row could not become an event, or the broker refused
     /// the event for what it is.
@@ -136,6 +153,8 @@ pub struct Stats {
     pub dead_lettered: u64,
     /// Events of a partly acknowledged transaction not sent again on resume.
     pub skipped: u64,
+    /// Logical decoding messages of prefixes no `[[messages]]` section names.
+    pub ignored_messages: u64,
 }
 
 #[derive(Debug)]
@@ -171,6 +190,10 @@ pub struct Core {
     unmapped: HashMap<Oid, (String, bool)>,
     /// Published relations ignored as configured, by oid: their names.
     ignored: HashMap<Oid, String>,
+    /// Message mappers by prefix, compiled at the prefix's first message.
+    message_mappers: HashMap<String, Arc<(walbox_outbox::MessageMapper, Arc<str>)>>,
+    /// Prefixes of messages ignored (no section names them), each logged once.
+    unknown_prefixes: std::collections::HashSet<String>,
     txn: Option<OpenTxn>,
     ledger: Ledger,
     sends: VecDeque<(Event, usize, Origin)>,
@@ -201,6 +224,10 @@ pub struct Core {
     reported: Lsn,
     /// A mapped relation came with another name since the last look.
     renamed: bool,
+    /// Outbox inserts not yet taken, all at one WAL start (a multi-insert
+    /// record, as `COPY` writes, gives each of its rows its start): a message
+    /// that ends there was written before them (see [`Core::in_wal_order`]).
+    held: Option<(Lsn, Vec<LogicalMessage>)>,
 }
 
 impl Core {
@@ -217,6 +244,8 @@ impl Core {
             mappers: HashMap::new(),
             unmapped: HashMap::new(),
             ignored: HashMap::new(),
+            message_mappers: HashMap::new(),
+            unknown_prefixes: std::collections::HashSet::new(),
             txn: None,
             ledger: Ledger::default(),
             sends: VecDeque::new(),
@@ -234,6 +263,7 @@ impl Core {
             skipped_base: None,
             reported: Lsn(0),
             renamed: false,
+            held: None,
         }
     }
 
@@ -310,7 +340,14 @@ impl Core {
     /// Whether an in-flight bound (count or bytes) is reached.
     #[must_use]
     pub fn full(&self) -> bool {
-        self.tracker.in_flight() >= self.cfg.max_in_flight
+        // Held inserts are as good as in flight (the next change releases
+        // them), unless nothing else is: then only reading on releases them.
+        let in_flight = self.tracker.in_flight();
+        let held = match &self.held {
+            Some((_, h)) if in_flight > 0 => h.len() as u64,
+            _ => 0,
+        };
+        in_flight + held >= self.cfg.max_in_flight
             || self.ledger.bytes() >= self.cfg.max_in_flight_bytes
     }
 
@@ -431,6 +468,7 @@ impl Core {
                 });
             }
             WalMessage::Commit { end_lsn } => {
+                self.release_held()?;
                 let txn = self
                     .txn
                     .take()
@@ -444,12 +482,67 @@ impl Core {
                     self.reached_end = true;
                 }
             }
-            WalMessage::Data(data) => {
+            WalMessage::Data { wal_start, data } => {
                 let msg = self.decoder.decode(&data)?;
-                self.change(msg)?;
+                // A message is placed at its own LSN (the end of its record).
+                let at = match &msg {
+                    LogicalMessage::Message(m) => m.lsn,
+                    _ => wal_start,
+                };
+                self.in_wal_order(at, msg)?;
             }
+            WalMessage::Message(m) => self.in_wal_order(m.lsn, LogicalMessage::Message(m))?,
         }
         Ok(())
+    }
+
+    /// Takes `msg`, sent at `at`, in the order its transaction wrote it. The
+    /// server orders a transaction's changes by LSN, taking a message at the end
+    /// of its record and an insert at the start of its own: a message written in
+    /// a subtransaction (a savepoint, a PL/pgSQL exception block) right before an
+    /// insert of another (sub)transaction ties with it, and may come after it.
+    /// So outbox inserts are held until a change at another position: a
+    /// transactional message at the very LSN they start at goes first. Only
+    /// with `[[messages]]`.
+    fn in_wal_order(&mut self, at: Lsn, msg: LogicalMessage) -> Result<(), CoreError> {
+        match msg {
+            LogicalMessage::Message(m) if m.transactional() => {
+                if let Some((held_at, held)) = self.held.take() {
+                    if held_at == at {
+                        self.change(LogicalMessage::Message(m))?;
+                        return held.into_iter().try_for_each(|c| self.change(c));
+                    }
+                    held.into_iter().try_for_each(|c| self.change(c))?;
+                }
+                self.change(LogicalMessage::Message(m))
+            }
+            LogicalMessage::Insert(ref i)
+                if !self.cfg.messages.is_empty()
+                    && self.txn.is_some()
+                    && self.mappers.contains_key(&i.relation_oid) =>
+            {
+                match &mut self.held {
+                    Some((held_at, held)) if *held_at == at => held.push(msg),
+                    _ => {
+                        self.release_held()?;
+                        self.held = Some((at, vec![msg]));
+                    }
+                }
+                Ok(())
+            }
+            other => {
+                self.release_held()?;
+                self.change(other)
+            }
+        }
+    }
+
+    /// Takes the held inserts, if any.
+    fn release_held(&mut self) -> Result<(), CoreError> {
+        match self.held.take() {
+            Some((_, held)) => held.into_iter().try_for_each(|c| self.change(c)),
+            None => Ok(()),
+        }
     }
 
     fn table_config(&self, namespace: &str, name: &str) -> Option<&TableConfig> {
@@ -499,7 +592,7 @@ impl Core {
                 self.stats.ignored_unmapped += 1;
             }
             LogicalMessage::Insert(i) => {
-                let Some((mapper, table)) = self.mappers.get(&i.relation_oid) else {
+                if !self.mappers.contains_key(&i.relation_oid) {
                     let table = self
                         .unmapped
                         .get(&i.relation_oid)
@@ -511,23 +604,13 @@ impl Core {
                         oid: i.relation_oid,
                         commit_lsn: self.txn.as_ref().map(|t| t.commit_lsn),
                     });
-                };
-                let txn = self
-                    .txn
-                    .as_mut()
-                    .ok_or(CoreError::Protocol("Insert outside a transaction"))?;
-                if txn.index < txn.skip {
-                    txn.index += 1;
-                    self.stats.skipped += 1;
-                    return Ok(());
                 }
-                let position = Position {
-                    commit_lsn: txn.commit_lsn,
-                    index: txn.index,
-                    xid: txn.xid,
+                let Some((position, id, committed)) =
+                    self.next_in_txn("Insert outside a transaction")?
+                else {
+                    return Ok(());
                 };
-                txn.index += 1;
-                let (id, committed) = (txn.id, txn.committed);
+                let (mapper, table) = &self.mappers[&i.relation_oid];
                 let (event, dead_letter) = map_row(
                     mapper,
                     &i.new,
@@ -564,9 +647,33 @@ impl Core {
                     self.unmapped_change(&t.relation_oids);
                 }
             }
+            LogicalMessage::Message(m) => self.message(m)?,
             _ => {}
         }
         Ok(())
+    }
+
+    /// The next event's place in the open transaction: its position, the
+    /// transaction and its commit time; `None` for one of the events a resume
+    /// skips (acknowledged before the restart). `outside` names the protocol
+    /// error when no transaction is open.
+    fn next_in_txn(
+        &mut self,
+        outside: &'static str,
+    ) -> Result<Option<(Position, TxnId, i64)>, CoreError> {
+        let txn = self.txn.as_mut().ok_or(CoreError::Protocol(outside))?;
+        if txn.index < txn.skip {
+            txn.index += 1;
+            self.stats.skipped += 1;
+            return Ok(None);
+        }
+        let position = Position {
+            commit_lsn: txn.commit_lsn,
+            index: txn.index,
+            xid: txn.xid,
+        };
+        txn.index += 1;
+        Ok(Some((position, txn.id, txn.committed)))
     }
 
     /// Counts an update, delete or truncate of published tables no `[[outbox]]`

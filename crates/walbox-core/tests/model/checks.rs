@@ -14,7 +14,7 @@ use walbox_core::Checkpoint;
 use walbox_pgoutput::Lsn;
 
 use crate::broker::Broker;
-use crate::world::{Log, Payload, Tables};
+use crate::world::{Log, Tables};
 
 /// Events of a table moved out of the publication whose transaction a session
 /// without that table saved a position past: never sent, by the operator's choice.
@@ -124,7 +124,7 @@ pub fn broker_holds_the_log(log: &Log, broker: &Broker, excused: &Excused, upto:
                 "{} in {part:?} has another key",
                 r.event_id
             );
-            let dead = matches!(e.row.payload, Payload::Large | Payload::Poison);
+            let dead = e.row.dead();
             let topic = if dead {
                 format!("{}.dlq", e.row.topic())
             } else {

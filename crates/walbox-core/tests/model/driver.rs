@@ -10,12 +10,12 @@ use proptest::prelude::*;
 use walbox_core::{
     CHECKPOINT_VERSION, Checkpoint, Core, CoreConfig, CoreError, ReplayWindow, WalMessage,
 };
-use walbox_outbox::TopicTemplate;
+use walbox_outbox::{MessageConfig, TopicTemplate};
 use walbox_pgoutput::Lsn;
 
 use crate::broker::{Broker, Settle, Sink};
 use crate::checks::{self, Excused};
-use crate::world::{Log, Tables};
+use crate::world::{Log, PREFIX, Tables};
 
 /// The relay's bounds and window for one history.
 #[derive(Debug, Clone)]
@@ -239,6 +239,7 @@ impl<'a> World<'a> {
     fn new_core(&self, tables: Tables) -> Core {
         Core::new(CoreConfig {
             tables: tables.configs(),
+            messages: vec![MessageConfig::new(PREFIX)],
             ignore_tables: Vec::new(),
             producer: "model".into(),
             publication: "walbox_outbox".into(),

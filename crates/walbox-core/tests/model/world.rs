@@ -1,19 +1,25 @@
-//! The simulated server: a log of committed transactions, and the stream
-//! `START_REPLICATION` sends from a position, as pgoutput (protocol 1) writes it.
+//! The simulated server: a log of committed transactions (inserts into the
+//! outbox tables and transactional logical decoding messages among them) and
+//! non-transactional messages between them, and the stream `START_REPLICATION`
+//! sends from a position, as pgoutput (protocol 1) writes it.
 
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use walbox_core::WalMessage;
 use walbox_outbox::TableConfig;
 use walbox_pgoutput::{
-    Delete, Insert, LogicalMessage, Lsn, Oid, OldTuple, OldTupleKind, Relation, RelationColumn,
-    ReplicaIdentity, TupleValue, Update, Xid, encode,
+    DecodingMessage, Delete, Insert, LogicalMessage, Lsn, Oid, OldTuple, OldTupleKind, Relation,
+    RelationColumn, ReplicaIdentity, TupleValue, Update, Xid, encode,
 };
 
 /// The two outbox tables (index 0 and 1): name and oid.
 pub const OUTBOX: [(&str, Oid); 2] = [("outbox_a", 16_401), ("outbox_b", 16_402)];
 /// A published table that is no outbox.
 pub const AUDIT: (&str, Oid) = ("audit", 16_403);
+/// The configured message prefix (every session has it).
+pub const PREFIX: &str = "walbox";
+/// The "table" index of message events.
+pub const MSG: usize = 3;
 
 /// Which outbox tables a session is configured with. The model moves a table
 /// out of the publication together with the configuration, so a session's
@@ -25,8 +31,20 @@ pub enum Tables {
 }
 
 impl Tables {
+    /// Whether events of `table` (an outbox table, or [`MSG`]) are configured.
     pub fn has(self, table: usize) -> bool {
-        table == 0 || self == Tables::Both
+        table != 1 || self == Tables::Both
+    }
+
+    /// The sources as `Partial::tables` names them (`CoreConfig::table_set`).
+    fn names(self) -> Vec<String> {
+        let mut names: Vec<String> = (0..OUTBOX.len())
+            .filter(|t| self.has(*t))
+            .map(|t| format!("public.{}", OUTBOX[t].0))
+            .collect();
+        names.push(format!("message:{PREFIX}"));
+        names.sort();
+        names
     }
 
     pub fn configs(self) -> Vec<TableConfig> {
@@ -38,14 +56,9 @@ impl Tables {
 
     /// The tables as `Partial::tables` names them.
     pub fn from_names(names: &[String]) -> Option<Tables> {
-        let both: Vec<String> = OUTBOX.iter().map(|(n, _)| format!("public.{n}")).collect();
-        if names == both.as_slice() {
-            Some(Tables::Both)
-        } else if names == &both[..1] {
-            Some(Tables::OnlyA)
-        } else {
-            None
-        }
+        [Tables::Both, Tables::OnlyA]
+            .into_iter()
+            .find(|t| t.names() == names)
     }
 }
 
@@ -60,19 +73,50 @@ pub enum Payload {
     Poison,
 }
 
-/// One outbox row.
+/// How an event is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// An insert into an outbox table.
+    Table,
+    /// A transactional logical decoding message.
+    Message,
+    /// A non-transactional message: always dead-lettered.
+    Unordered,
+}
+
+/// One outbox row (or message content).
 #[derive(Debug, Clone)]
 pub struct Row {
     pub id: String,
     pub aggregate_type: &'static str,
     pub key: String,
     pub payload: Payload,
+    pub via: Via,
 }
 
 impl Row {
     /// The topic its event is meant for.
     pub fn topic(&self) -> String {
         format!("outbox.{}", self.aggregate_type)
+    }
+
+    /// Whether its event ends up in the dead-letter topic.
+    pub fn dead(&self) -> bool {
+        self.via == Via::Unordered || matches!(self.payload, Payload::Large | Payload::Poison)
+    }
+
+    /// The message's content: the payload field left out stands for a poison
+    /// row.
+    fn content(&self) -> Bytes {
+        let payload = match self.payload {
+            Payload::Small(pad) => format!(r#","payload":{{"pad":"{}"}}"#, pad_of(pad)),
+            Payload::Large => format!(r#","payload":{{"pad":"{}"}}"#, "L".repeat(1_500)),
+            Payload::Poison => String::new(),
+        };
+        Bytes::from(format!(
+            r#"{{"id":"{}","aggregate_type":"{}","aggregate_id":"{}","event_type":"Created"{payload}}}"#,
+            self.id, self.aggregate_type, self.key
+        ))
     }
 
     fn tuple(&self) -> Vec<TupleValue> {
@@ -108,6 +152,12 @@ fn text(s: &str) -> TupleValue {
 pub enum Change {
     /// An outbox insert: an event.
     Insert { table: usize, row: Row },
+    /// A logical decoding message of the configured prefix: an event (a
+    /// transactional one inside its transaction, or the only change of a
+    /// non-transactional entry).
+    Message { row: Row },
+    /// A message of a prefix no section names: ignored.
+    OtherMessage,
     /// An update of an outbox row (ignored by walbox).
     UpdateOutbox { table: usize },
     /// A delete of an outbox row (ignored by walbox).
@@ -127,6 +177,7 @@ impl Change {
             Change::Insert { table, .. }
             | Change::UpdateOutbox { table }
             | Change::DeleteOutbox { table } => *table,
+            Change::Message { .. } | Change::OtherMessage => MSG,
             _ => 2,
         }
     }
@@ -135,6 +186,10 @@ impl Change {
 /// A committed transaction (rolled-back ones are never sent: they are gaps).
 #[derive(Debug, Clone)]
 pub struct Txn {
+    /// A non-transactional message, not a transaction: sent when decoded,
+    /// without Begin and Commit; `commit_lsn` and `end_lsn` are its LSN (the
+    /// end of its record), `xid` 0.
+    pub unordered: bool,
     pub xid: Xid,
     pub commit_lsn: Lsn,
     pub end_lsn: Lsn,
@@ -150,6 +205,7 @@ impl Txn {
     pub fn rows(&self) -> impl Iterator<Item = (usize, &Row)> {
         self.changes.iter().filter_map(|c| match c {
             Change::Insert { table, row } => Some((*table, row)),
+            Change::Message { row } => Some((MSG, row)),
             _ => None,
         })
     }
@@ -221,6 +277,14 @@ impl Log {
         let mut out = Vec::new();
         let mut announced = [false; 3];
         for t in self.txns.iter().filter(|t| t.end_lsn > from) {
+            if t.unordered {
+                out.extend(
+                    t.changes
+                        .iter()
+                        .map(|c| data(&message(c, false, t.end_lsn))),
+                );
+                continue;
+            }
             out.push(WalMessage::Begin {
                 final_lsn: t.commit_lsn,
                 xid: t.xid,
@@ -229,6 +293,12 @@ impl Log {
             for (i, c) in t.changes.iter().enumerate() {
                 let table = c.table();
                 if table < 2 && !tables.has(table) {
+                    continue;
+                }
+                if table == MSG {
+                    let lsn =
+                        Lsn(t.commit_lsn.0 - 1 - u64::try_from(t.changes.len() - i).unwrap_or(0));
+                    out.push(as_shell(message(c, true, lsn)));
                     continue;
                 }
                 if !announced[table] {
@@ -240,7 +310,11 @@ impl Log {
                         wal_end: t.commit_lsn,
                     });
                 }
-                out.push(data(&change_message(c)));
+                // Change i at the LSN a message in its place would have: an
+                // insert never ties with a message written after it.
+                let start =
+                    Lsn(t.commit_lsn.0 - 1 - u64::try_from(t.changes.len() - i).unwrap_or(0));
+                out.push(data_at(start, &change_message(c)));
             }
             out.push(WalMessage::Commit { end_lsn: t.end_lsn });
             if let Some(wal_end) = t.keepalive_after {
@@ -252,9 +326,17 @@ impl Log {
 }
 
 fn data(msg: &LogicalMessage) -> WalMessage {
+    data_at(Lsn(0), msg)
+}
+
+/// `msg` as the server sends it from `wal_start`.
+fn data_at(wal_start: Lsn, msg: &LogicalMessage) -> WalMessage {
     let mut buf = BytesMut::new();
     encode(msg, &mut buf);
-    WalMessage::Data(buf.freeze())
+    WalMessage::Data {
+        wal_start,
+        data: buf.freeze(),
+    }
 }
 
 fn relation(table: usize) -> Relation {
@@ -290,6 +372,30 @@ fn relation(table: usize) -> Relation {
             })
             .collect(),
     }
+}
+
+/// A logical decoding message as the shell hands it over (the replication
+/// client decodes these itself).
+fn as_shell(msg: LogicalMessage) -> WalMessage {
+    match msg {
+        LogicalMessage::Message(m) => WalMessage::Message(m),
+        other => data(&other),
+    }
+}
+
+/// A logical decoding message change as pgoutput sends it.
+fn message(c: &Change, transactional: bool, lsn: Lsn) -> LogicalMessage {
+    let (prefix, content) = match c {
+        Change::Message { row } => (PREFIX, row.content()),
+        _ => ("other", Bytes::from_static(b"not walbox's")),
+    };
+    LogicalMessage::Message(DecodingMessage {
+        xid: None,
+        flags: u8::from(transactional),
+        lsn,
+        prefix: prefix.into(),
+        content,
+    })
 }
 
 fn change_message(c: &Change) -> LogicalMessage {
@@ -340,6 +446,7 @@ fn change_message(c: &Change) -> LogicalMessage {
             relation_oid: AUDIT.1,
             new: audit_row(),
         }),
+        Change::Message { .. } | Change::OtherMessage => message(c, true, Lsn(0)),
     }
 }
 
@@ -358,6 +465,26 @@ pub enum ChangeSpec {
     DeleteOutbox(usize),
     AuditUpdate,
     AuditDelete,
+    /// A transactional message of the configured prefix.
+    Message {
+        key: u8,
+        aggregate_type: bool,
+        payload: Payload,
+    },
+    /// A message of another prefix.
+    OtherMessage,
+}
+
+/// A non-transactional message before a transaction.
+#[derive(Debug, Clone)]
+pub struct UnorderedSpec {
+    /// WAL before its record.
+    pub gap: u16,
+    /// Length of its record.
+    pub len: u8,
+    pub key: u8,
+    /// Poison (no payload) rather than a small payload.
+    pub poison: bool,
 }
 
 /// A transaction before LSNs are given out.
@@ -371,6 +498,8 @@ pub struct TxnSpec {
     pub keepalive_inside: bool,
     /// A keepalive after it, somewhere in the gap to the next one.
     pub keepalive_after: Option<u16>,
+    /// A non-transactional message in the WAL before it.
+    pub unordered_before: Option<UnorderedSpec>,
 }
 
 fn payload() -> impl Strategy<Value = Payload> {
@@ -395,6 +524,14 @@ fn change() -> impl Strategy<Value = ChangeSpec> {
         1 => (0..2usize).prop_map(ChangeSpec::DeleteOutbox),
         1 => Just(ChangeSpec::AuditUpdate),
         1 => Just(ChangeSpec::AuditDelete),
+        6 => (0..2u8, any::<bool>(), payload()).prop_map(|(key, aggregate_type, payload)| {
+            ChangeSpec::Message {
+                key,
+                aggregate_type,
+                payload,
+            }
+        }),
+        1 => Just(ChangeSpec::OtherMessage),
     ]
 }
 
@@ -406,14 +543,26 @@ pub fn txns() -> impl Strategy<Value = Vec<TxnSpec>> {
         prop_oneof![3 => prop::collection::vec(change(), 0..4), 1 => prop::collection::vec(change(), 4..13)],
         prop::bool::weighted(0.1),
         prop::option::weighted(0.4, any::<u16>()),
+        prop::option::weighted(
+            0.15,
+            (1..300u16, 8..64u8, 0..2u8, prop::bool::weighted(0.2)).prop_map(
+                |(gap, len, key, poison)| UnorderedSpec {
+                    gap,
+                    len,
+                    key,
+                    poison,
+                },
+            ),
+        ),
     )
         .prop_map(
-            |(gap, len, changes, keepalive_inside, keepalive_after)| TxnSpec {
+            |(gap, len, changes, keepalive_inside, keepalive_after, unordered_before)| TxnSpec {
                 gap,
                 len,
                 changes,
                 keepalive_inside,
                 keepalive_after,
+                unordered_before,
             },
         );
     prop::collection::vec(txn, 1..14)
@@ -427,16 +576,49 @@ impl Log {
         let mut at = created.0;
         let mut next_id = 0u32;
         let mut txns: Vec<Txn> = Vec::new();
+        // The keepalive after the last entry: its WAL end lies in the gap before
+        // the next entry's record (a non-transactional message is sent when its
+        // record is decoded, so no keepalive before it passes it).
+        let mut keepalive: Option<u16> = None;
+        let place = |txns: &mut Vec<Txn>, keepalive: &mut Option<u16>, gap: u16| {
+            if let (Some(prev), Some(off)) = (txns.last_mut(), keepalive.take()) {
+                prev.keepalive_after = Some(Lsn(prev.end_lsn.0 + u64::from(off) % u64::from(gap)));
+            }
+        };
+        let mut id = || {
+            next_id += 1;
+            format!("ev-{next_id}")
+        };
         for (i, s) in specs.iter().enumerate() {
+            if let Some(u) = &s.unordered_before {
+                place(&mut txns, &mut keepalive, u.gap);
+                let lsn = Lsn(at + u64::from(u.gap) + u64::from(u.len));
+                txns.push(Txn {
+                    unordered: true,
+                    xid: 0,
+                    commit_lsn: lsn,
+                    end_lsn: lsn,
+                    changes: vec![Change::Message {
+                        row: Row {
+                            id: id(),
+                            aggregate_type: "order",
+                            key: format!("u{}", u.key),
+                            payload: if u.poison {
+                                Payload::Poison
+                            } else {
+                                Payload::Small(u.key)
+                            },
+                            via: Via::Unordered,
+                        },
+                    }],
+                    keepalive_inside: false,
+                    keepalive_after: None,
+                });
+                at = lsn.0;
+            }
+            place(&mut txns, &mut keepalive, s.gap);
             let commit_lsn = Lsn(at + u64::from(s.gap));
             let end_lsn = Lsn(commit_lsn.0 + u64::from(s.len));
-            // The keepalive before this one's commit: its WAL end lies in the gap.
-            if let Some(prev) = txns.last_mut()
-                && let Some(off) = specs[i - 1].keepalive_after
-            {
-                prev.keepalive_after =
-                    Some(Lsn(prev.end_lsn.0 + u64::from(off) % u64::from(s.gap)));
-            }
             let mut changes: Vec<Change> = s
                 .changes
                 .iter()
@@ -446,21 +628,33 @@ impl Log {
                         key,
                         aggregate_type,
                         payload,
-                    } => {
-                        next_id += 1;
-                        Change::Insert {
-                            table: *table,
-                            row: Row {
-                                id: format!("ev-{next_id}"),
-                                aggregate_type: if *aggregate_type { "order" } else { "payment" },
-                                // Keys of the two tables are disjoint: a table
-                                // moved out of the publication must not reorder
-                                // the other table's keys.
-                                key: format!("{}{key}", ["a", "b"][*table]),
-                                payload: *payload,
-                            },
-                        }
-                    }
+                    } => Change::Insert {
+                        table: *table,
+                        row: Row {
+                            id: id(),
+                            aggregate_type: if *aggregate_type { "order" } else { "payment" },
+                            // Keys of the two tables are disjoint: a table
+                            // moved out of the publication must not reorder
+                            // the other table's keys.
+                            key: format!("{}{key}", ["a", "b"][*table]),
+                            payload: *payload,
+                            via: Via::Table,
+                        },
+                    },
+                    ChangeSpec::Message {
+                        key,
+                        aggregate_type,
+                        payload,
+                    } => Change::Message {
+                        row: Row {
+                            id: id(),
+                            aggregate_type: if *aggregate_type { "order" } else { "payment" },
+                            key: format!("m{key}"),
+                            payload: *payload,
+                            via: Via::Message,
+                        },
+                    },
+                    ChangeSpec::OtherMessage => Change::OtherMessage,
                     ChangeSpec::UpdateOutbox(t) => Change::UpdateOutbox { table: *t },
                     ChangeSpec::DeleteOutbox(t) => Change::DeleteOutbox { table: *t },
                     ChangeSpec::AuditUpdate => Change::AuditUpdate,
@@ -471,6 +665,7 @@ impl Log {
                 changes.push(Change::AuditInsert);
             }
             txns.push(Txn {
+                unordered: false,
                 xid: 700 + u32::try_from(i).expect("small"),
                 commit_lsn,
                 end_lsn,
@@ -478,15 +673,11 @@ impl Log {
                 keepalive_inside: s.keepalive_inside,
                 keepalive_after: None,
             });
+            keepalive = s.keepalive_after;
             at = end_lsn.0;
         }
         let wal_end = Lsn(at + 40);
-        if let (Some(last), Some(off)) = (
-            txns.last_mut(),
-            specs.last().and_then(|s| s.keepalive_after),
-        ) {
-            last.keepalive_after = Some(Lsn(last.end_lsn.0 + u64::from(off) % 40));
-        }
+        place(&mut txns, &mut keepalive, 40);
         Log {
             created,
             txns,

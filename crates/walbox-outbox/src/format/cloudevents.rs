@@ -25,6 +25,10 @@ use crate::mapper::{RowError, rfc3339};
 pub const SPEC_VERSION: &str = "1.0";
 /// Header carrying the event id in binary content mode.
 pub const ID_HEADER: &str = "ce_id";
+/// The header that marks a binary-mode CloudEvent.
+pub const SPEC_VERSION_HEADER: &str = "ce_specversion";
+/// The content type header.
+pub const CONTENT_TYPE_HEADER: &str = "content-type";
 /// `datacontenttype` of the payload.
 pub const DATA_CONTENT_TYPE: &str = "application/json";
 /// `content-type` of a structured-mode record.
@@ -57,7 +61,7 @@ impl Formatter {
         let value = match ce.mode {
             CloudEventsMode::Binary => {
                 headers.push((
-                    "ce_specversion".into(),
+                    SPEC_VERSION_HEADER.into(),
                     Bytes::from_static(SPEC_VERSION.as_bytes()),
                 ));
                 headers.push((ID_HEADER.into(), f.event_id.bytes().clone()));
@@ -70,14 +74,14 @@ impl Formatter {
                     headers.push(("ce_subject".into(), Bytes::from(s)));
                 }
                 headers.push((
-                    "content-type".into(),
+                    CONTENT_TYPE_HEADER.into(),
                     Bytes::from_static(DATA_CONTENT_TYPE.as_bytes()),
                 ));
                 data
             }
             CloudEventsMode::Structured => {
                 headers.push((
-                    "content-type".into(),
+                    CONTENT_TYPE_HEADER.into(),
                     Bytes::from_static(STRUCTURED_CONTENT_TYPE.as_bytes()),
                 ));
                 let mut out = BytesMut::with_capacity(data.len() + 256);

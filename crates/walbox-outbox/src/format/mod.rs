@@ -14,7 +14,7 @@ mod walbox;
 
 use bytes::Bytes;
 
-use crate::config::{CloudEventsMode, Format, FormatSettings, Placement};
+use crate::config::{CloudEventsMode, Format, FormatSettings, Place, Placement};
 use crate::event::{Event, HeaderName, Position, header};
 use crate::mapper::{MappingError, RowError};
 use crate::template::TopicTemplate;
@@ -266,11 +266,57 @@ impl Formatter {
     /// A payload that must be JSON and is not, a field the format needs that is
     /// absent (named, never its value).
     pub fn render(&self, fields: EventFields) -> Result<Event, RowError> {
+        if let Some((name, _)) = fields
+            .headers
+            .iter()
+            .find(|(name, value)| self.reserved_header(name, value))
+        {
+            return Err(RowError::ReservedHeader {
+                name: name.to_string(),
+            });
+        }
         match &self.shape {
             Shape::Walbox => self.walbox(fields),
             Shape::DebeziumOutbox => self.debezium(fields),
             Shape::CloudEvents(ce) => self.cloudevents(ce, fields),
         }
+    }
+
+    /// Whether a source header named `name` (holding `value`) would stand beside
+    /// one walbox writes: the position headers (`walbox_*`), the event id's
+    /// header in any format (`event_id`, `ce_id`, and `ce_specversion`, which
+    /// marks a CloudEvent), a structured CloudEvent's content type, and the
+    /// names this format writes itself. A record with two values under one name
+    /// lets readers (verify, dead letters, consumers) take the application's for
+    /// walbox's, so such a row is refused. Names compare without case (NATS
+    /// headers do).
+    fn reserved_header(&self, name: &str, value: &[u8]) -> bool {
+        let name = name.to_ascii_lowercase();
+        let everywhere = name.starts_with("walbox_")
+            || name == header::EVENT_ID
+            || name == cloudevents::ID_HEADER
+            || name == cloudevents::SPEC_VERSION_HEADER
+            || (name == cloudevents::CONTENT_TYPE_HEADER
+                && value == cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes());
+        everywhere
+            || match &self.shape {
+                Shape::Walbox => [
+                    header::EVENT_TYPE,
+                    header::SCHEMA_VERSION,
+                    header::AGGREGATE_TYPE,
+                ]
+                .contains(&name.as_str()),
+                Shape::DebeziumOutbox => {
+                    name == debezium::ID_HEADER
+                        || self
+                            .placements
+                            .iter()
+                            .any(|p| p.place == Place::Header && p.name.eq_ignore_ascii_case(&name))
+                }
+                Shape::CloudEvents(_) => {
+                    name.starts_with("ce_") || name == cloudevents::CONTENT_TYPE_HEADER
+                }
+            }
     }
 
     /// The payload as JSON: checked when its source did not.
@@ -319,31 +365,30 @@ fn classify(e: &serde_json::Error) -> &'static str {
     }
 }
 
-/// The event id a published record carries, whatever its format: walbox's
-/// `event_id` header, Debezium's `id` header, the CloudEvents `ce_id` header, or
-/// the `id` of a structured CloudEvent in the value. `header` gives a header's
-/// value by name.
+/// The event id a published record carries, whatever its format. `header`
+/// gives a header's value by name. Source headers never use the names looked at
+/// here for another meaning ([`Formatter::render`] refuses them), so the first
+/// that applies is the record's: walbox's `event_id` header (also on every dead
+/// letter), a binary CloudEvent's `ce_id` (marked by `ce_specversion`), a
+/// structured CloudEvent's `id` in the value, Debezium's `id` header.
 pub fn record_event_id<'a>(
     header: impl Fn(&str) -> Option<&'a str>,
     value: Option<&[u8]>,
 ) -> Option<String> {
-    for name in [
-        header::EVENT_ID,
-        debezium::ID_HEADER,
-        cloudevents::ID_HEADER,
-    ] {
-        if let Some(id) = header(name) {
-            return Some(id.to_owned());
+    if let Some(id) = header(header::EVENT_ID) {
+        return Some(id.to_owned());
+    }
+    if header(cloudevents::SPEC_VERSION_HEADER).is_some() {
+        return header(cloudevents::ID_HEADER).map(str::to_owned);
+    }
+    if header(cloudevents::CONTENT_TYPE_HEADER) == Some(cloudevents::STRUCTURED_CONTENT_TYPE) {
+        #[derive(serde::Deserialize)]
+        struct Id {
+            id: String,
         }
+        return serde_json::from_slice::<Id>(value?).ok().map(|e| e.id);
     }
-    if header("content-type") != Some(cloudevents::STRUCTURED_CONTENT_TYPE) {
-        return None;
-    }
-    #[derive(serde::Deserialize)]
-    struct Id {
-        id: String,
-    }
-    serde_json::from_slice::<Id>(value?).ok().map(|e| e.id)
+    header(debezium::ID_HEADER).map(str::to_owned)
 }
 
 /// Appends the event id header under `name`.

@@ -1,12 +1,13 @@
 //! Unit tests of the formats, record by record: Debezium's outbox event router
 //! (the shapes its documentation shows) and CloudEvents (binary and structured).
 
-use bytes::Bytes;
-use walbox_pgoutput::{Lsn, Oid, Relation, RelationColumn, ReplicaIdentity, TupleValue};
+use walbox_pgoutput::{Oid, Relation, TupleValue};
+
+use crate::test_rows::{pos, relation_named, t};
 
 use super::cloudevents::pg_micros_rfc3339;
 use crate::config::{CloudEventsMode, Format, Place, Placement, TableConfig};
-use crate::event::{Event, Position};
+use crate::event::Event;
 use crate::mapper::{Mapper, MappingError};
 
 const UUID: Oid = 2950;
@@ -19,34 +20,7 @@ const BOOL: Oid = 16;
 const TIMESTAMPTZ: Oid = 1184;
 
 fn relation(columns: &[(&str, Oid)]) -> Relation {
-    Relation {
-        xid: None,
-        oid: 16_400,
-        namespace: "public".into(),
-        name: "outboxevent".into(),
-        replica_identity: ReplicaIdentity::Default,
-        columns: columns
-            .iter()
-            .map(|(n, t)| RelationColumn {
-                flags: 0,
-                name: (*n).into(),
-                type_oid: *t,
-                type_modifier: -1,
-            })
-            .collect(),
-    }
-}
-
-fn t(s: &str) -> TupleValue {
-    TupleValue::Text(Bytes::copy_from_slice(s.as_bytes()))
-}
-
-fn pos() -> Position {
-    Position {
-        commit_lsn: Lsn(0x16_B374_D848),
-        index: 3,
-        xid: 991,
-    }
+    relation_named("outboxevent", columns)
 }
 
 fn headers(e: &Event) -> Vec<(&str, &str)> {
@@ -525,5 +499,132 @@ fn the_event_id_is_found_in_every_format() {
     assert_eq!(
         crate::record_event_id(|_| None, Some(b"{\"id\":\"x\"}")),
         None
+    );
+}
+
+/// [`walbox_row`] with `headers` as its headers column.
+fn row_with_headers(headers: &str) -> Vec<TupleValue> {
+    let mut row = walbox_row();
+    row[5] = t(headers);
+    row
+}
+
+#[test]
+fn source_headers_named_like_walbox_s_own_are_refused_in_every_format() {
+    let formats = [
+        "format = \"walbox\"",
+        "format = \"debezium-outbox\"\n[columns]\naggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"",
+        "format = \"cloudevents\"",
+        "format = \"cloudevents\"\ncloudevents_mode = \"structured\"",
+    ];
+    for format in formats {
+        let cfg = config(&format!("table = \"public.outbox\"\n{format}"));
+        let m = Mapper::compile(&cfg, "p", &relation(WALBOX_TABLE)).unwrap();
+        // Any format: the position, the id headers of every format, the
+        // CloudEvents markers.
+        for name in [
+            "walbox_commit_lsn",
+            "WALBOX_INDEX",
+            "event_id",
+            "ce_id",
+            "ce_specversion",
+        ] {
+            let err = m
+                .map(
+                    &row_with_headers(&format!(r#"{{"{name}": "v-93kq"}}"#)),
+                    pos(),
+                )
+                .unwrap_err();
+            assert_eq!(err.class(), "reserved_header", "{format}: {name}");
+            assert!(err.to_string().contains(name), "{err}");
+            assert!(!err.to_string().contains("v-93kq"), "no value: {err}");
+        }
+        let structured = r#"{"content-type": "application/cloudevents+json"}"#;
+        assert!(
+            m.map(&row_with_headers(structured), pos()).is_err(),
+            "{format}"
+        );
+        // Names the others write pass in a format that does not write them.
+        let e = m
+            .map(
+                &row_with_headers(r#"{"traceparent": "t", "tenant": "acme"}"#),
+                pos(),
+            )
+            .unwrap();
+        assert_eq!(
+            crate::record_event_id(
+                |n| e
+                    .headers
+                    .iter()
+                    .find(|(k, _)| k == n)
+                    .and_then(|(_, v)| std::str::from_utf8(v).ok()),
+                Some(&e.value)
+            )
+            .as_deref(),
+            Some("7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11"),
+            "{format}"
+        );
+    }
+    let walbox = Mapper::compile(
+        &config("table = \"public.outbox\""),
+        "p",
+        &relation(WALBOX_TABLE),
+    )
+    .unwrap();
+    for (name, ok) in [("id", true), ("ce_source", true), ("event_type", false)] {
+        let row = row_with_headers(&format!(r#"{{"{name}": "v-93kq"}}"#));
+        assert_eq!(walbox.map(&row, pos()).is_ok(), ok, "walbox format: {name}");
+    }
+    let debezium = debezium(
+        "[columns]\naggregate_type = \"aggregate_type\"\naggregate_id = \"aggregate_id\"\nevent_type = \"event_type\"",
+        WALBOX_TABLE,
+    );
+    for (name, ok) in [("event_type", true), ("Id", false)] {
+        let row = row_with_headers(&format!(r#"{{"{name}": "v-93kq"}}"#));
+        assert_eq!(debezium.map(&row, pos()).is_ok(), ok, "debezium: {name}");
+    }
+    let binary = cloudevents("", WALBOX_TABLE).unwrap();
+    for (name, ok) in [
+        ("id", true),
+        ("event_type", true),
+        ("ce_source", false),
+        ("content-type", false),
+    ] {
+        let row = row_with_headers(&format!(r#"{{"{name}": "v-93kq"}}"#));
+        assert_eq!(binary.map(&row, pos()).is_ok(), ok, "cloudevents: {name}");
+    }
+}
+
+#[test]
+fn the_event_id_of_a_record_is_its_format_s_even_beside_other_id_names() {
+    // A binary CloudEvent whose source headers hold `id`: `ce_id` is the id.
+    let binary = cloudevents("", WALBOX_TABLE).unwrap();
+    let e = binary
+        .map(&row_with_headers(r#"{"id": "app-id"}"#), pos())
+        .unwrap();
+    let header = |n: &str| {
+        e.headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    };
+    assert_eq!(
+        crate::record_event_id(header, Some(&e.value)).as_deref(),
+        Some("7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11")
+    );
+    // A structured one with an `id` header: the value's id.
+    let structured = cloudevents("cloudevents_mode = \"structured\"", WALBOX_TABLE).unwrap();
+    let e = structured
+        .map(&row_with_headers(r#"{"id": "app-id"}"#), pos())
+        .unwrap();
+    let header = |n: &str| {
+        e.headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    };
+    assert_eq!(
+        crate::record_event_id(header, Some(&e.value)).as_deref(),
+        Some("7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11")
     );
 }

@@ -120,6 +120,16 @@ pub enum RowError {
         /// Why.
         reason: &'static str,
     },
+    /// The headers hold a name walbox writes itself (the position headers, the
+    /// event id's header of any format, a name the format writes).
+    #[error(
+        "the headers hold {name:?}, a header name walbox writes itself (walbox_*, event_id, \
+         ce_id, ce_specversion, or one of this format's headers); rename it in the application"
+    )]
+    ReservedHeader {
+        /// The header's name.
+        name: String,
+    },
     /// The change has a different number of columns than its Relation announced.
     #[error("row has {got} columns, the table has {expected}")]
     Shape {
@@ -141,6 +151,7 @@ impl RowError {
             Self::PayloadNotJson { .. } => "payload_not_json",
             Self::HeadersNotObject { .. } => "headers_not_object",
             Self::InvalidTopic { .. } => "invalid_topic",
+            Self::ReservedHeader { .. } => "reserved_header",
             Self::Shape { .. } => "row_shape",
         }
     }

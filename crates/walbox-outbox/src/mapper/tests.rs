@@ -1,33 +1,16 @@
 //! Unit tests of compiling mappings, mapping rows and dead letters.
 
 use bytes::Bytes;
-use walbox_pgoutput::{Lsn, Oid, Relation, RelationColumn, ReplicaIdentity, TupleValue};
+use walbox_pgoutput::{Oid, Relation, RelationColumn, TupleValue};
+
+use crate::test_rows::{pos, relation_named, t};
 
 use super::compile::{BYTEA, JSONB, TEXT};
 use super::value::{json_headers, rfc3339};
 use super::*;
 use crate::config::{ColumnNames, TableConfig};
-use crate::event::{Event, Position};
+use crate::event::Event;
 use crate::template::TopicTemplate;
-
-fn relation(columns: &[(&str, Oid)]) -> Relation {
-    Relation {
-        xid: None,
-        oid: 16_400,
-        namespace: "public".into(),
-        name: "outbox".into(),
-        replica_identity: ReplicaIdentity::Default,
-        columns: columns
-            .iter()
-            .map(|(n, t)| RelationColumn {
-                flags: 0,
-                name: (*n).into(),
-                type_oid: *t,
-                type_modifier: -1,
-            })
-            .collect(),
-    }
-}
 
 const STANDARD: &[(&str, Oid)] = &[
     ("id", 2950),
@@ -40,8 +23,8 @@ const STANDARD: &[(&str, Oid)] = &[
     ("schema_version", 23),
 ];
 
-fn t(s: &str) -> TupleValue {
-    TupleValue::Text(Bytes::copy_from_slice(s.as_bytes()))
+fn relation(columns: &[(&str, Oid)]) -> Relation {
+    relation_named("outbox", columns)
 }
 
 fn standard_row() -> Vec<TupleValue> {
@@ -55,14 +38,6 @@ fn standard_row() -> Vec<TupleValue> {
         t("2026-11-29 19:40:00.123456+00"),
         t("2"),
     ]
-}
-
-fn pos() -> Position {
-    Position {
-        commit_lsn: Lsn(0x16_B374_D848),
-        index: 3,
-        xid: 991,
-    }
 }
 
 fn header<'a>(e: &'a Event, name: &str) -> Option<&'a str> {

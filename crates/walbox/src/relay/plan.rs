@@ -34,7 +34,9 @@ pub(super) enum Plan {
 /// How to recover events that a slot no longer has.
 pub(super) const RECOVER: &str = "To publish them, create a new slot with a snapshot of the rows that \
     were not published (`walbox slot drop`, then `walbox setup --snapshot --snapshot-where \
-    \"...\"`); to continue without them, start once with --accept-slot-position";
+    \"...\"`); logical decoding messages ([[messages]]) are in no table, so no \
+    snapshot can bring them back; to continue without them, start once with \
+    --accept-slot-position";
 
 /// Decides where to start from the checkpoint, the slot and the options.
 pub(super) fn plan(
@@ -209,7 +211,8 @@ fn snapshot_without_its_slot(
     tracing::warn!(slot = %name, consistent_point = %point,
         "the slot of the unfinished snapshot was dropped; taking the snapshot again from a new \
          slot as asked (--accept-slot-position): outbox events committed after the old \
-         consistent point and deleted since are not published");
+         consistent point and deleted since, and every logical decoding message committed \
+         after it, are not published");
     Ok(Plan::Snapshot { resume: None })
 }
 
@@ -233,7 +236,8 @@ fn snapshot_resume(
             tracing::warn!(slot = %confirmed, consistent_point = %point,
                 "streaming the unfinished snapshot's slot from its position as asked \
                  (--accept-slot-position); outbox events committed between the consistent \
-                 point and it and deleted from the table since are not published");
+                 point and it and deleted from the table since, and the logical decoding messages \
+                 committed in that gap, are not published");
             return Ok(confirmed);
         }
         bail!(

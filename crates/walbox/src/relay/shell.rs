@@ -26,6 +26,7 @@ pub(super) const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 pub(super) fn core_config(config: &Config) -> Result<CoreConfig> {
     Ok(CoreConfig {
         tables: config.outbox.clone(),
+        messages: config.messages.clone(),
         ignore_tables: config
             .source
             .ignore_tables
@@ -174,10 +175,26 @@ impl<'a> Relay<'a> {
                     wal_end: Lsn(wal_end.0),
                 }
             }
-            ReplicationEvent::XLogData { data, .. } => WalMessage::Data(data),
-            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {
-                return Ok(());
-            }
+            ReplicationEvent::XLogData {
+                wal_start, data, ..
+            } => WalMessage::Data {
+                wal_start: Lsn(wal_start.0),
+                data,
+            },
+            // The client decodes logical decoding messages itself.
+            ReplicationEvent::Message {
+                transactional,
+                lsn,
+                prefix,
+                content,
+            } => WalMessage::Message(walbox_pgoutput::DecodingMessage {
+                xid: None,
+                flags: u8::from(transactional),
+                lsn: Lsn(lsn.0),
+                prefix,
+                content,
+            }),
+            ReplicationEvent::StoppedAt { .. } => return Ok(()),
         };
         self.core.on_wal(msg).map_err(core_error)?;
         if self.core.take_outbox_renamed()
@@ -292,6 +309,7 @@ impl<'a> Relay<'a> {
             ignored_deletes = s.ignored_deletes,
             ignored_truncates = s.ignored_truncates,
             ignored_unmapped = s.ignored_unmapped,
+            ignored_messages = s.ignored_messages,
             dead_lettered = s.dead_lettered,
             skipped = s.skipped,
             commit_to_ack_ms = %self.latency.window_summary(),

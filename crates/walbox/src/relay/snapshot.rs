@@ -156,6 +156,12 @@ pub(super) async fn take_snapshot(
         .await
         .map_err(classify_sql)?;
     let mut rows_total = 0u64;
+    if config.outbox.is_empty() {
+        tracing::info!(
+            "initial snapshot: nothing to publish, only [[messages]] are configured (logical \
+             decoding messages live in the WAL alone; there are no rows to read)"
+        );
+    }
     for table_cfg in &config.outbox {
         let (schema, name) = table_cfg.qualified();
         let table = catalog::table(&sql, schema, name)

@@ -112,6 +112,11 @@ pub(super) async fn stream(
         })
         .map_err(classify_replication)?;
     let tables: Vec<&str> = config.outbox.iter().map(|t| t.table.as_str()).collect();
+    let prefixes: Vec<&str> = config
+        .messages
+        .iter()
+        .flat_map(|m| m.prefixes.iter().map(String::as_str))
+        .collect();
     ctx.state(
         crate::metrics::State::Streaming,
         format!(
@@ -121,7 +126,7 @@ pub(super) async fn stream(
     );
     tracing::info!(slot = %config.source.slot, publication = %config.source.publication,
         start = %spec.start, stop_at = ?spec.stop_at.map(|l| l.to_string()), tables = ?tables,
-        "streaming");
+        message_prefixes = ?prefixes, "streaming");
 
     if let Some(end) = spec.stop_at {
         relay.core.stop_at(end);

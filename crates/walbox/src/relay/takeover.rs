@@ -35,7 +35,16 @@ pub(super) async fn check(
     if server == timeline {
         return Ok(());
     }
-    decide(ctx, sql, cp, server, slot, options.accept_slot_position).await
+    // The replication connection's check announces a good takeover.
+    let announce = false;
+    decide(
+        ctx,
+        cp,
+        server,
+        slot,
+        options.accept_slot_position,
+        announce,
+    )
 }
 
 /// The same decision where the timeline is authoritative: on a replication
@@ -58,42 +67,38 @@ pub(super) async fn check_identified(
         .map_err(classify_sql)?;
     decide(
         ctx,
-        &sql,
         cp,
         server_timeline,
         slot.as_ref(),
         accept_slot_position,
+        true,
     )
-    .await
 }
 
 /// [`check_takeover`] with the slot's synchronization state, as an error with
-/// the recovery steps.
-async fn decide(
+/// the recovery steps; a takeover that goes ahead is logged when `announce`.
+fn decide(
     ctx: Ctx<'_>,
-    sql: &tokio_postgres::Client,
     cp: &Checkpoint,
     server: u32,
     slot: Option<&SlotInfo>,
     accept_slot_position: bool,
+    announce: bool,
 ) -> Result<()> {
     let Some(timeline) = cp.timeline else {
         return Ok(());
     };
     let name = &ctx.config.source.slot;
-    let major = crate::failover::server_major(sql)
-        .await
-        .map_err(classify_sql)?;
-    let state = crate::failover::state(sql, major, name)
-        .await
-        .map_err(classify_sql)?;
     let on_server = slot.map(|s| SlotOnServer {
         confirmed: s.confirmed.unwrap_or(Lsn(0)),
-        synced: state.map(|s| s.synced),
+        synced: s.synced,
     });
     match check_takeover(name, timeline, cp.lsn, server, on_server) {
         Ok(Takeover::SameTimeline) => Ok(()),
         Ok(Takeover::Synced) => {
+            if !announce {
+                return Ok(());
+            }
             tracing::info!(slot = %name, from_timeline = timeline, to_timeline = server,
                 checkpoint = %cp.lsn,
                 "the server was promoted; its slot was synchronized from the old primary and \
@@ -115,6 +120,9 @@ async fn decide(
         Err(problem @ (TakeoverProblem::Ahead { .. } | TakeoverProblem::NotSynced { .. }))
             if accept_slot_position =>
         {
+            if !announce {
+                return Ok(());
+            }
             tracing::warn!(slot = %name, from_timeline = timeline, to_timeline = server,
                 checkpoint = %cp.lsn, problem = %problem,
                 "--accept-slot-position: resuming on the promoted server as told");

@@ -8,45 +8,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
-use walbox_outbox::TableConfig;
+use walbox_outbox::{MessageConfig, TableConfig};
 
-/// A value that may hold a password (a connection string): its `Debug` and
-/// `Display` forms are `<hidden>`; [`Secret::expose`] gives the text.
-#[derive(Clone, PartialEq, Eq, Deserialize)]
-#[serde(transparent)]
-pub struct Secret(String);
+mod errors;
+mod secret;
+#[cfg(test)]
+mod tests;
 
-impl Secret {
-    /// The text itself, for the code that uses it (never for printing).
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl From<String> for Secret {
-    fn from(s: String) -> Self {
-        Secret(s)
-    }
-}
-
-impl std::str::FromStr for Secret {
-    type Err = std::convert::Infallible;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(Secret(s.to_owned()))
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<hidden>")
-    }
-}
-
-impl std::fmt::Display for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<hidden>")
-    }
-}
+pub use secret::Secret;
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -58,9 +27,14 @@ pub struct Config {
     /// Where the WAL comes from.
     #[serde(default)]
     pub source: SourceConfig,
-    /// The outbox tables (`[[outbox]]`); one `public.outbox` with defaults if none.
+    /// The outbox tables (`[[outbox]]`); one `public.outbox` with defaults if
+    /// neither tables nor messages are configured.
     #[serde(default)]
     pub outbox: Vec<TableConfig>,
+    /// The table-less outbox (`[[messages]]`): prefixes of logical decoding
+    /// messages whose JSON content is an event.
+    #[serde(default)]
+    pub messages: Vec<MessageConfig>,
     /// Where events go.
     #[serde(default)]
     pub sink: SinkConfig,
@@ -570,72 +544,11 @@ pub struct Overrides {
     pub metrics_listen: Option<String>,
 }
 
-/// A deserializer's message with the values it quotes taken out: a string in
-/// double quotes (`invalid type: string "...", expected a boolean`) and the
-/// variant of `unknown variant `...``, which are what the file said and may be a
-/// password put under the wrong key. Names of keys and the expected forms stay.
-fn without_values(message: &str) -> String {
-    let mut out = String::with_capacity(message.len());
-    let mut chars = message.chars();
-    while let Some(c) = chars.next() {
-        if c == '"' {
-            // Skip to the closing quote, minding escapes.
-            let mut escaped = false;
-            for c in chars.by_ref() {
-                match (escaped, c) {
-                    (false, '\\') => escaped = true,
-                    (false, '"') => break,
-                    _ => escaped = false,
-                }
-            }
-            out.push_str("\"(a value)\"");
-        } else {
-            out.push(c);
-        }
-    }
-    if let Some(rest) = out.strip_prefix("unknown variant `")
-        && let Some(end) = rest.find('`')
-    {
-        return format!("unknown variant `(a value)`{}", &rest[end + 1..]);
-    }
-    out
-}
-
 impl Config {
     /// Parses a TOML document. An error names the line, column and problem but
     /// does not quote the line: it may hold a password.
     pub fn parse(text: &str, origin: &Path) -> Result<Self> {
-        toml::from_str(text).map_err(|e| {
-            let at = e.span().map_or_else(String::new, |span| {
-                let before = &text[..span.start.min(text.len())];
-                let line = before.matches('\n').count() + 1;
-                let line_start = before.rfind('\n').map_or(0, |i| i + 1);
-                let column = before.len() - line_start + 1;
-                // The key of the line, and the table it is in; never the value.
-                let this_line = text[line_start..].lines().next().unwrap_or_default();
-                let key = this_line
-                    .split_once('=')
-                    .map(|(k, _)| k.trim().trim_matches('"'))
-                    .filter(|k| !k.is_empty());
-                let table = before
-                    .lines()
-                    .rev()
-                    .map(str::trim)
-                    .find(|l| l.starts_with('['))
-                    .map(|l| l.trim_matches(|c| c == '[' || c == ']'));
-                let name = match (table, key) {
-                    (Some(t), Some(k)) => format!(" {t}.{k}"),
-                    (None, Some(k)) => format!(" {k}"),
-                    _ => String::new(),
-                };
-                format!("{name} at line {line}, column {column}")
-            });
-            anyhow::anyhow!(
-                "configuration {}{at}: {}",
-                origin.display(),
-                without_values(e.message().trim_end())
-            )
-        })
+        toml::from_str(text).map_err(|e| errors::parse_error(text, origin, &e))
     }
 
     /// Loads the file (if any) and applies the overrides.
@@ -683,7 +596,7 @@ impl Config {
         if let Some(v) = &o.metrics_listen {
             c.metrics.listen = Some(v.clone()).filter(|l| !l.is_empty());
         }
-        if c.outbox.is_empty() {
+        if c.outbox.is_empty() && (c.messages.is_empty() || o.table.is_some()) {
             c.outbox.push(TableConfig::new(
                 o.table.as_deref().unwrap_or("public.outbox"),
             ));
@@ -741,6 +654,14 @@ impl Config {
             self.sink.nats_sink()?;
         }
         self.dead_letter.template()?;
+        walbox_outbox::check_prefixes(&self.messages)
+            .map_err(|e| anyhow::anyhow!("[[messages]]: {e}"))?;
+        for (i, m) in self.messages.iter().enumerate() {
+            for prefix in &m.prefixes {
+                walbox_outbox::MessageMapper::compile(m, prefix, &self.producer)
+                    .with_context(|| format!("messages (section {} of [[messages]])", i + 1))?;
+            }
+        }
         for t in &self.outbox {
             // The format's settings, which need no table to check.
             walbox_outbox::Formatter::new(
@@ -772,231 +693,5 @@ impl Config {
             .as_ref()
             .map(Secret::expose)
             .context("no PostgreSQL connection string: set source.dsn, --dsn or WALBOX_DSN")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn full_file_parses() {
-        let c = Config::parse(
-            r#"
-            producer = "orders-service"
-            [source]
-            dsn = "host=db user=walbox dbname=app"
-            slot = "s"
-            publication = "p"
-            [[outbox]]
-            table = "public.outbox"
-            topic = "events.{aggregate_type}"
-            [outbox.columns]
-            payload = "body"
-            [sink]
-            type = "kafka"
-            create_topics = true
-            max_in_flight = 500
-            [sink.kafka]
-            "bootstrap.servers" = "k:9092"
-            "linger.ms" = 10
-            "enable.ssl.certificate.verification" = true
-            [shutdown]
-            timeout_ms = 5000
-            "#,
-            Path::new("t.toml"),
-        )
-        .unwrap();
-        assert_eq!(c.producer, "orders-service");
-        assert_eq!(c.outbox[0].columns.payload.as_deref(), Some("body"));
-        assert_eq!(c.sink.max_in_flight, 500);
-        let props = c.sink.kafka_properties().unwrap();
-        assert!(props.contains(&("linger.ms".into(), "10".into())));
-        assert!(props.contains(&("enable.ssl.certificate.verification".into(), "true".into())));
-        let kafka = c.sink.kafka_sink().unwrap();
-        assert_eq!(kafka.properties, props);
-        assert!(kafka.create_topics);
-        assert_eq!(kafka.max_in_flight, 500);
-        assert_eq!(
-            (kafka.topic_partitions, kafka.topic_replication),
-            (c.sink.topic_partitions, c.sink.topic_replication)
-        );
-    }
-
-    #[test]
-    fn unknown_keys_and_bad_values_name_the_key() {
-        let err = Config::parse("[source]\nslott = \"x\"", Path::new("t.toml")).unwrap_err();
-        assert!(format!("{err:#}").contains("slott"), "{err:#}");
-        let err =
-            Config::parse("[sink]\nmax_in_flight = \"many\"", Path::new("t.toml")).unwrap_err();
-        assert!(format!("{err:#}").contains("max_in_flight"), "{err:#}");
-        // The key and the allowed values, never what the file said.
-        let err = Config::parse("[sink]\ntype = \"pulsar\"", Path::new("t.toml")).unwrap_err();
-        let text = format!("{err:#}");
-        assert!(
-            text.contains("sink.type") && text.contains("unknown variant"),
-            "{text}"
-        );
-        assert!(!text.contains("pulsar"), "{text}");
-        let c = Config::parse(
-            "[dead_letter]\ntopic = \"{table}.dlq\"",
-            Path::new("t.toml"),
-        )
-        .unwrap();
-        let err = c.validate().unwrap_err();
-        assert!(err.to_string().contains("dead_letter.topic"), "{err}");
-        let err =
-            Config::parse("[dead_letter]\npolicy = \"ignore\"", Path::new("t.toml")).unwrap_err();
-        assert!(format!("{err:#}").contains("dead_letter.policy"), "{err:#}");
-        let err = Config::parse("bogus = 1", Path::new("t.toml")).unwrap_err();
-        assert!(format!("{err:#}").contains("bogus"), "{err:#}");
-        let c = Config::parse("[sink.kafka]\n\"x\" = [1]", Path::new("t.toml")).unwrap();
-        let err = c.validate().unwrap_err();
-        assert!(err.to_string().contains("sink.kafka.x"), "{err}");
-    }
-
-    #[test]
-    fn replay_windows_parse_with_units() {
-        use std::time::Duration;
-        let w = parse_replay_window;
-        assert_eq!(w("0").unwrap(), ReplayWindow::None);
-        assert_eq!(w("0s").unwrap(), ReplayWindow::None);
-        assert_eq!(
-            w("500ms").unwrap(),
-            ReplayWindow::Time(Duration::from_millis(500))
-        );
-        assert_eq!(
-            w("15min").unwrap(),
-            ReplayWindow::Time(Duration::from_secs(900))
-        );
-        assert_eq!(
-            w("2h").unwrap(),
-            ReplayWindow::Time(Duration::from_secs(7200))
-        );
-        assert_eq!(
-            w("7d").unwrap(),
-            ReplayWindow::Time(Duration::from_secs(604_800))
-        );
-        assert_eq!(w("64kB").unwrap(), ReplayWindow::Bytes(65_536));
-        assert_eq!(w("1GB").unwrap(), ReplayWindow::Bytes(1 << 30));
-        for bad in ["", "10", "ten min", "5 parsecs", "-1s", "1.5h"] {
-            assert!(w(bad).is_err(), "{bad:?} accepted");
-        }
-        let c =
-            Config::parse("[source]\nreplay_window = \"5 weeks\"", Path::new("t.toml")).unwrap();
-        let err = format!("{:#}", c.validate().unwrap_err());
-        assert!(
-            err.contains("source.replay_window") && err.contains("weeks"),
-            "{err}"
-        );
-        let c = Config::parse("[source]\nslot = \"Bad-Name\"", Path::new("t.toml")).unwrap();
-        assert!(
-            c.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("source.slot")
-        );
-        let err = Config::parse("[snapshot]\nmode = \"always\"", Path::new("t.toml")).unwrap_err();
-        let text = format!("{err:#}");
-        assert!(
-            text.contains("snapshot.mode") && text.contains("initial"),
-            "{text}"
-        );
-        let c = Config::parse(
-            "[snapshot]\nmode = \"initial\"\nwhere = \"published_at IS NULL\"\norder_by = [\"seq\"]",
-            Path::new("t.toml"),
-        )
-        .unwrap();
-        c.validate().unwrap();
-        assert_eq!(c.snapshot.mode, SnapshotMode::Initial);
-        assert_eq!(
-            c.checkpoint_store().path(),
-            Path::new("walbox-walbox.checkpoint.json")
-        );
-    }
-
-    #[test]
-    fn parse_errors_do_not_quote_a_value_under_the_wrong_key() {
-        for text in [
-            "[source]\nslot = \"s\"\n[snapshot]\nmode = \"pw-51ab\"\n",
-            "[sink]\ncreate_topics = \"pw-51ab\"\n",
-            "[sink]\ncreate_topics = \"pw-\\\"51ab\"\n",
-        ] {
-            let err = format!(
-                "{:#}",
-                Config::parse(text, Path::new("t.toml")).unwrap_err()
-            );
-            assert!(!err.contains("51ab"), "{err}");
-            assert!(err.contains("line"), "{err}");
-        }
-        assert_eq!(
-            without_values("invalid type: string \"x\\\"y\", expected a boolean"),
-            "invalid type: string \"(a value)\", expected a boolean"
-        );
-    }
-
-    #[test]
-    fn parse_errors_do_not_quote_the_line() {
-        let text = "[source]\ndsn = \"host=a password=pw-51ab\"\npasword = \"pw-51ab\"\n";
-        let err = format!(
-            "{:#}",
-            Config::parse(text, Path::new("t.toml")).unwrap_err()
-        );
-        assert!(err.contains("pasword") && err.contains("line 3"), "{err}");
-        assert!(!err.contains("pw-51ab"), "{err}");
-    }
-
-    #[test]
-    fn debug_forms_hide_the_dsn_and_secret_kafka_properties() {
-        let c = Config::parse(
-            r#"
-            [source]
-            dsn = "host=db user=walbox password=pw-c0ffee01"
-            [sink.kafka]
-            "bootstrap.servers" = "k:9092"
-            "sasl.username" = "walbox"
-            "sasl.password" = "pw-c0ffee02"
-            "ssl.key.password" = "pw-c0ffee03"
-            "sasl.oauthbearer.client.secret" = "pw-c0ffee04"
-            "#,
-            Path::new("t.toml"),
-        )
-        .unwrap();
-        let o = Overrides {
-            dsn: Some("password=pw-c0ffee05".parse().unwrap()),
-            ..Overrides::default()
-        };
-        let shown = format!("{c:?} {c:#?} {o:?}");
-        for n in 1..=5 {
-            let secret = format!("pw-c0ffee0{n}");
-            assert!(!shown.contains(&secret), "{secret} in {shown}");
-        }
-        assert!(
-            shown.contains("k:9092") && shown.contains("<hidden>"),
-            "{shown}"
-        );
-        assert_eq!(c.dsn().unwrap(), "host=db user=walbox password=pw-c0ffee01");
-    }
-
-    #[test]
-    fn overrides_win_over_the_file() {
-        let dir = std::env::temp_dir().join(format!("walbox-cfg-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("w.toml");
-        std::fs::write(&path, "[source]\nslot = \"from_file\"\ndsn = \"host=a\"").unwrap();
-        let c = Config::load(&Overrides {
-            config: Some(path),
-            slot: Some("from_flag".into()),
-            bootstrap_servers: Some("b:1".into()),
-            topic: Some("fixed".into()),
-            ..Overrides::default()
-        })
-        .unwrap();
-        assert_eq!(c.source.slot, "from_flag");
-        assert_eq!(c.dsn().unwrap(), "host=a");
-        assert_eq!(c.outbox[0].table, "public.outbox");
-        assert_eq!(c.outbox[0].topic, "fixed");
-        assert_eq!(c.sink.kafka["bootstrap.servers"].as_str(), Some("b:1"));
-        std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -1,0 +1,177 @@
+//! Logical decoding messages as the core sees them: a transactional message of a
+//! configured prefix is an event of its transaction exactly like an outbox
+//! insert (same index sequence, same resume skip, same dead letters); a
+//! non-transactional one has no commit order, so it is dead-lettered as a
+//! one-event unit of its own at its LSN; a prefix no section names is ignored.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use walbox_outbox::{Event, MessageConfig, MessageError, MessageMapper, Position};
+use walbox_pgoutput::DecodingMessage;
+
+use super::{Core, CoreConfig, Origin};
+use crate::error::CoreError;
+
+type Compiled = Arc<(MessageMapper, Arc<str>)>;
+
+impl Core {
+    /// The mapper of `prefix` when a section names it (compiled at its first
+    /// message).
+    fn message_mapper(&mut self, prefix: &str) -> Result<Option<Compiled>, CoreError> {
+        if let Some(m) = self.message_mappers.get(prefix) {
+            return Ok(Some(Arc::clone(m)));
+        }
+        let Some(cfg) = self
+            .cfg
+            .messages
+            .iter()
+            .find(|m| m.prefixes.iter().any(|p| p == prefix))
+        else {
+            return Ok(None);
+        };
+        let mapper = MessageMapper::compile(cfg, prefix, &self.cfg.producer)?;
+        tracing::info!(prefix, source = mapper.source(), "message prefix");
+        let source: Arc<str> = Arc::from(mapper.source());
+        let compiled = Arc::new((mapper, source));
+        self.message_mappers
+            .insert(prefix.to_owned(), Arc::clone(&compiled));
+        Ok(Some(compiled))
+    }
+
+    /// One logical decoding message.
+    pub(super) fn message(&mut self, m: DecodingMessage) -> Result<(), CoreError> {
+        let Some(compiled) = self.message_mapper(&m.prefix)? else {
+            self.stats.ignored_messages += 1;
+            if self.unknown_prefixes.insert(m.prefix.clone()) {
+                tracing::info!(prefix = %m.prefix, lsn = %m.lsn,
+                    "logical decoding messages of a prefix no [[messages]] section names are \
+                     ignored (counted as ignored_messages)");
+            }
+            return Ok(());
+        };
+        let (mapper, source) = &*compiled;
+        if m.transactional() {
+            let Some((position, id, committed)) =
+                self.next_in_txn("transactional message outside a transaction")?
+            else {
+                return Ok(());
+            };
+            let (event, dead_letter) = map_message(
+                mapper,
+                &m.content,
+                position,
+                Some(committed),
+                &self.cfg,
+                &mut self.stats.dead_lettered,
+            )?;
+            let origin = Origin {
+                table: Arc::clone(source),
+                dead_letter,
+                replaces: false,
+            };
+            self.queue(event, id, committed, origin);
+            return Ok(());
+        }
+        if self.txn.is_some() {
+            return Err(CoreError::Protocol(
+                "non-transactional message inside a transaction",
+            ));
+        }
+        // Its LSN is what the confirmed position becomes once its dead letter is
+        // acknowledged: a replay to that position includes it, as it includes a
+        // transaction whose commit ends there.
+        if self.stop_at.is_some_and(|end| m.lsn > end) {
+            self.reached_end = true;
+            return Ok(());
+        }
+        // No commit order: its own unit at its LSN, which the confirmed position
+        // passes once its dead letter is acknowledged (the server sends it again
+        // after a restart from before it).
+        let position = Position {
+            commit_lsn: m.lsn,
+            index: 0,
+            xid: 0,
+        };
+        let dead = dead_letter(
+            mapper,
+            &m.content,
+            position,
+            &MessageError::NonTransactional,
+            &self.cfg,
+            &mut self.stats.dead_lettered,
+        )?;
+        let unit = self.tracker.begin(m.lsn);
+        let origin = Origin {
+            table: Arc::clone(source),
+            dead_letter: true,
+            replaces: false,
+        };
+        self.queue(dead, unit, 0, origin);
+        self.tracker.commit(unit, m.lsn);
+        Ok(())
+    }
+}
+
+/// Maps a message's content, or builds its dead letter (counting it; then
+/// `true`), or stops under the stop policy.
+fn map_message(
+    mapper: &MessageMapper,
+    content: &Bytes,
+    position: Position,
+    commit_time: Option<i64>,
+    cfg: &CoreConfig,
+    dead_lettered: &mut u64,
+) -> Result<(Event, bool), CoreError> {
+    match mapper.map(content, position, commit_time) {
+        Ok(event) => Ok((event, false)),
+        Err(e) => dead_letter(mapper, content, position, &e, cfg, dead_lettered).map(|d| (d, true)),
+    }
+}
+
+/// The dead letter of a message that cannot be published (counted), or the
+/// stop under the stop policy.
+fn dead_letter(
+    mapper: &MessageMapper,
+    content: &Bytes,
+    position: Position,
+    error: &MessageError,
+    cfg: &CoreConfig,
+    dead_lettered: &mut u64,
+) -> Result<Event, CoreError> {
+    let dead = mapper.dead_letter(content, position, error, &cfg.dead_letter_topic);
+    if cfg.stop_on_poison {
+        return Err(CoreError::Poison {
+            event_id: dead.event_id,
+            position,
+            table: mapper.source().to_owned(),
+            class: error.class(),
+            reason: error.to_string(),
+        });
+    }
+    tracing::warn!(
+        source = mapper.source(),
+        event_id = %dead.event_id,
+        position = %format_args!("{}#{}", position.commit_lsn, position.index),
+        class = error.class(),
+        reason = %error,
+        topic = %dead.topic,
+        "dead-lettered"
+    );
+    *dead_lettered += 1;
+    Ok(dead)
+}
+
+impl CoreConfig {
+    /// Every configured message prefix, in configuration order.
+    #[must_use]
+    pub fn message_prefixes(&self) -> Vec<&str> {
+        self.messages
+            .iter()
+            .flat_map(|m: &MessageConfig| m.prefixes.iter().map(String::as_str))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,318 @@
+//! The settings of the NATS sink (`[sink.nats]`), their checks, and the
+//! connection they describe (TLS and credentials).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::SinkError;
+use crate::secrets::Hidden;
+
+/// Where JetStream keeps a created stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NatsStorage {
+    /// On disk.
+    #[default]
+    File,
+    /// In memory.
+    Memory,
+}
+
+/// Settings of the NATS sink (`[sink.nats]`). Its `Debug` form hides the
+/// password, the token and the NKey seed.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSinkConfig {
+    /// Server URLs (`nats://host:4222`, `tls://host:4222`).
+    #[serde(default = "default_servers")]
+    pub servers: Vec<String>,
+    /// The stream that holds walbox's subjects.
+    #[serde(default = "default_stream")]
+    pub stream: String,
+    /// Create the stream when it does not exist, with `subjects`, `storage`,
+    /// `replicas` and `duplicate_window_s`.
+    #[serde(default)]
+    pub create_stream: bool,
+    /// Subjects of a created stream; they must cover every topic and dead-letter
+    /// topic walbox publishes to.
+    #[serde(default = "default_subjects")]
+    pub subjects: Vec<String>,
+    /// Storage of a created stream.
+    #[serde(default)]
+    pub storage: NatsStorage,
+    /// Replicas of a created stream.
+    #[serde(default = "default_replicas")]
+    pub replicas: usize,
+    /// The duplicate window, in seconds: a created stream gets it, an existing
+    /// one must keep message ids at least this long. Exactly once into the
+    /// stream holds for outages shorter than it.
+    #[serde(default = "default_duplicate_window_s")]
+    pub duplicate_window_s: u64,
+    /// How long to wait for a PubAck, in ms.
+    #[serde(default = "default_ack_timeout_ms")]
+    pub ack_timeout_ms: u64,
+    /// How long to wait for a connection, in ms.
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Refuse a connection without TLS.
+    #[serde(default)]
+    pub tls_required: bool,
+    /// CA certificates (PEM) that sign the server's certificate.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate (PEM), with `client_key`.
+    #[serde(default)]
+    pub client_cert: Option<PathBuf>,
+    /// Client private key (PEM), with `client_cert`.
+    #[serde(default)]
+    pub client_key: Option<PathBuf>,
+    /// User name, with `password`.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Password, with `user`.
+    #[serde(default)]
+    pub password: Option<String>,
+    /// Token.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// NKey seed (`SU...`).
+    #[serde(default)]
+    pub nkey_seed: Option<String>,
+    /// A credentials file (JWT and NKey seed).
+    #[serde(default)]
+    pub creds_file: Option<PathBuf>,
+    /// Most events in flight (the relay's bound); set from `sink.max_in_flight`.
+    #[serde(skip, default = "default_max_in_flight")]
+    pub max_in_flight: usize,
+}
+
+fn default_servers() -> Vec<String> {
+    vec!["nats://127.0.0.1:4222".into()]
+}
+fn default_stream() -> String {
+    "OUTBOX".into()
+}
+fn default_subjects() -> Vec<String> {
+    vec!["outbox.>".into()]
+}
+fn default_replicas() -> usize {
+    1
+}
+fn default_duplicate_window_s() -> u64 {
+    120
+}
+fn default_ack_timeout_ms() -> u64 {
+    10_000
+}
+fn default_connect_timeout_ms() -> u64 {
+    5_000
+}
+fn default_max_in_flight() -> usize {
+    10_000
+}
+
+impl Default for NatsSinkConfig {
+    fn default() -> Self {
+        NatsSinkConfig {
+            servers: default_servers(),
+            stream: default_stream(),
+            create_stream: false,
+            subjects: default_subjects(),
+            storage: NatsStorage::default(),
+            replicas: default_replicas(),
+            duplicate_window_s: default_duplicate_window_s(),
+            ack_timeout_ms: default_ack_timeout_ms(),
+            connect_timeout_ms: default_connect_timeout_ms(),
+            tls_required: false,
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
+            user: None,
+            password: None,
+            token: None,
+            nkey_seed: None,
+            creds_file: None,
+            max_in_flight: default_max_in_flight(),
+        }
+    }
+}
+
+impl std::fmt::Debug for NatsSinkConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hide = |s: &Option<String>| s.as_ref().map(|_| Hidden);
+        f.debug_struct("NatsSinkConfig")
+            .field("servers", &self.servers)
+            .field("stream", &self.stream)
+            .field("create_stream", &self.create_stream)
+            .field("subjects", &self.subjects)
+            .field("storage", &self.storage)
+            .field("replicas", &self.replicas)
+            .field("duplicate_window_s", &self.duplicate_window_s)
+            .field("ack_timeout_ms", &self.ack_timeout_ms)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("tls_required", &self.tls_required)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
+            .field("client_key", &self.client_key)
+            .field("user", &self.user)
+            .field("password", &hide(&self.password))
+            .field("token", &hide(&self.token))
+            .field("nkey_seed", &hide(&self.nkey_seed))
+            .field("creds_file", &self.creds_file)
+            .field("max_in_flight", &self.max_in_flight)
+            .finish()
+    }
+}
+
+impl NatsSinkConfig {
+    /// Checks the settings that need no server.
+    pub fn validate(&self) -> Result<(), SinkError> {
+        let bad = |m: &str| Err(SinkError::Config(format!("sink.nats.{m}")));
+        if self.servers.is_empty() {
+            return bad("servers: name at least one server (nats://host:4222)");
+        }
+        if self.stream.is_empty() || self.stream.contains(['.', ' ', '*', '>']) {
+            return bad("stream: a stream name without '.', ' ', '*' or '>'");
+        }
+        if self.duplicate_window_s == 0 {
+            return bad(
+                "duplicate_window_s: must be at least 1 (without it a replay is stored twice)",
+            );
+        }
+        if self.client_cert.is_some() != self.client_key.is_some() {
+            return bad("client_cert and client_key: set both or neither");
+        }
+        if self.user.is_some() != self.password.is_some() {
+            return bad("user and password: set both or neither");
+        }
+        let methods = [
+            self.user.is_some(),
+            self.token.is_some(),
+            self.nkey_seed.is_some(),
+            self.creds_file.is_some(),
+        ];
+        if methods.into_iter().filter(|m| *m).count() > 1 {
+            return bad("user/password, token, nkey_seed and creds_file: set one of them");
+        }
+        if self.create_stream && self.subjects.is_empty() {
+            return bad("subjects: a created stream needs subjects (e.g. [\"outbox.>\"])");
+        }
+        Ok(())
+    }
+
+    pub(super) fn duplicate_window(&self) -> Duration {
+        Duration::from_secs(self.duplicate_window_s)
+    }
+
+    /// The user the credentials name, for errors: never a secret.
+    fn who(&self) -> String {
+        if let Some(u) = &self.user {
+            format!("user {u:?}")
+        } else if self.token.is_some() {
+            "a token".into()
+        } else if self.nkey_seed.is_some() {
+            "an NKey".into()
+        } else if let Some(f) = &self.creds_file {
+            format!("credentials file {}", f.display())
+        } else {
+            "no credentials".into()
+        }
+    }
+
+    /// Connects to the servers with the configured TLS and credentials.
+    pub async fn connect(&self) -> Result<async_nats::Client, SinkError> {
+        self.validate()?;
+        let mut options = async_nats::ConnectOptions::new()
+            .name("walbox")
+            .connection_timeout(Duration::from_millis(self.connect_timeout_ms))
+            .require_tls(self.tls_required);
+        if let Some(ca) = &self.ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&self.client_cert, &self.client_key) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        if let (Some(user), Some(password)) = (&self.user, &self.password) {
+            options = options.user_and_password(user.clone(), password.clone());
+        }
+        if let Some(token) = &self.token {
+            options = options.token(token.clone());
+        }
+        if let Some(seed) = &self.nkey_seed {
+            options = options.nkey(seed.clone());
+        }
+        if let Some(file) = &self.creds_file {
+            options = options.credentials_file(file).await.map_err(|e| {
+                SinkError::Config(format!(
+                    "sink.nats.creds_file: reading {}: {e}",
+                    file.display()
+                ))
+            })?;
+        }
+        let servers = self
+            .servers
+            .iter()
+            .map(|s| s.parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| SinkError::Config(format!("sink.nats.servers: {e}")))?;
+        options.connect(servers).await.map_err(|e| {
+            use async_nats::ConnectErrorKind as K;
+            match e.kind() {
+                K::AuthorizationViolation | K::Authentication => SinkError::NatsAuthentication {
+                    who: self.who(),
+                    reason: e.to_string(),
+                },
+                K::Tls => SinkError::Config(format!(
+                    "nats TLS: {e}; check tls_required, ca_file, client_cert and client_key in \
+                     [sink.nats]"
+                )),
+                K::ServerParse => SinkError::Config(format!("sink.nats.servers: {e}")),
+                _ => SinkError::Nats(format!("connecting to {}: {e}", self.servers.join(", "))),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_print_no_secret_and_conflicts_are_named() {
+        let c = NatsSinkConfig {
+            user: Some("walbox".into()),
+            password: Some("pw-51c3e0".into()),
+            ..NatsSinkConfig::default()
+        };
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("pw-51c3e0") && shown.contains("walbox"),
+            "{shown}"
+        );
+        let c = NatsSinkConfig {
+            token: Some("tk-77d1".into()),
+            nkey_seed: Some("SUAB-9f".into()),
+            ..NatsSinkConfig::default()
+        };
+        let shown = format!("{c:?}");
+        assert!(
+            !shown.contains("tk-77d1") && !shown.contains("SUAB-9f"),
+            "{shown}"
+        );
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("set one of them"), "{err}");
+        assert!(!err.contains("tk-77d1"), "{err}");
+        let c = NatsSinkConfig {
+            duplicate_window_s: 0,
+            ..NatsSinkConfig::default()
+        };
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("duplicate_window_s")
+        );
+    }
+}

@@ -1,0 +1,316 @@
+//! The NATS JetStream sink: each event is published to the subject its topic
+//! names (topics are `.`-separated, as subjects are) with `Nats-Msg-Id` = the
+//! event id (a dead letter's: the event id followed by `.dlq`), so that the
+//! stream drops a replay within its duplicate window; an
+//! event counts as delivered only on the server's PubAck (a duplicate PubAck
+//! once the message the stream holds under that id is the one walbox
+//! published: see [`duplicate`]).
+//!
+//! Publications are chained: each one carries `Nats-Expected-Last-Msg-Id`, the
+//! id of the one published before it to the same stream in this session, so
+//! that when one is lost (a connection dropped under it) no later one is
+//! stored before it; the session fails and the relay publishes again from its
+//! acknowledged position. The server checks duplicates before the chain, so a
+//! replay passes.
+//!
+//! The first publication of a session carries no expectation, on purpose. A
+//! session starts at the acknowledged position, so every event walbox
+//! published before it is in the stream; a publication of an earlier session
+//! still in flight is chained to its predecessor, or is that session's first,
+//! whose predecessors were all stored before it: either way it lands only
+//! where the replay puts the same event, or is dropped as a duplicate. An
+//! expectation read from the stream at session start (its last sequence)
+//! would include whatever another publisher wrote before it, so it would not
+//! keep that publisher out, only narrow the moment it could write. walbox must
+//! be the only publisher on its stream; another one is noticed within a
+//! session (the next publication is refused, the session restarts), not
+//! across sessions. A message
+//! larger than the stream's `max_msg_size` or the server's `max_payload` is
+//! refused here, before it is sent (it goes to a dead letter), so that no
+//! message the stream refuses ever stands in the chain. A publication that
+//! fails before it is sent (the client's queue full for longer than the PubAck
+//! timeout) ends what the session sends: every later event fails at once,
+//! unsent, with the same class, since one sent after it would be chained to
+//! the one before it and could be stored before it.
+
+mod config;
+mod duplicate;
+mod headers;
+mod publish;
+mod stream;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use tokio::sync::mpsc;
+use walbox_outbox::Event;
+
+pub use config::{NatsSinkConfig, NatsStorage};
+pub use headers::KEY_HEADER;
+pub(crate) use headers::base64_decode;
+pub use headers::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER};
+use headers::{
+    headers_of, is_dead_letter, msg_id, percent_encode, sanitized_subject, valid_subject, wire_len,
+};
+use publish::{Outcome, Pending, classify, report};
+use stream::{check_window, ensure_stream};
+
+use crate::{Deliveries, Delivery, DeliveryClass, Sink, SinkError};
+
+/// A connected session.
+struct Session {
+    js: jetstream::Context,
+    acks: mpsc::UnboundedSender<Pending>,
+}
+
+/// Publishes events to JetStream, one subject per topic.
+pub struct NatsSink {
+    config: NatsSinkConfig,
+    session: Option<Session>,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+    /// The stream of each subject checked so far.
+    subjects: HashMap<String, String>,
+    /// The largest message each stream takes (negative: no limit).
+    max_size: HashMap<String, i32>,
+    /// Per stream, the id of the last event published to it in this session.
+    last_id: HashMap<String, String>,
+    /// Sent, not yet reported.
+    in_flight: Arc<AtomicUsize>,
+    aborted: bool,
+    /// A publication of this session failed before it was sent: the class
+    /// and reason every later event fails with, unsent.
+    unsent: Option<(DeliveryClass, String)>,
+}
+
+impl std::fmt::Debug for NatsSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsSink")
+            .field("stream", &self.config.stream)
+            .field("subjects", &self.subjects)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsSink {
+    /// A sink with these settings; it connects on its first event. Returns the
+    /// sink and the receiver of its deliveries.
+    pub fn new(config: NatsSinkConfig) -> Result<(Self, Deliveries), SinkError> {
+        config.validate()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        Ok((
+            NatsSink {
+                config,
+                session: None,
+                deliveries: tx,
+                subjects: HashMap::new(),
+                max_size: HashMap::new(),
+                last_id: HashMap::new(),
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                aborted: false,
+                unsent: None,
+            },
+            rx,
+        ))
+    }
+
+    async fn session(&mut self) -> Result<&Session, SinkError> {
+        if self.session.is_none() {
+            let client = self.config.connect().await?;
+            let js = jetstream::ContextBuilder::new()
+                .timeout(Duration::from_millis(self.config.ack_timeout_ms))
+                .max_ack_inflight(self.config.max_in_flight.max(1))
+                .build(client);
+            ensure_stream(&js, &self.config).await?;
+            let (acks, rx) = mpsc::unbounded_channel();
+            tokio::spawn(report(
+                js.clone(),
+                rx,
+                self.deliveries.clone(),
+                self.in_flight.clone(),
+            ));
+            self.session = Some(Session { js, acks });
+        }
+        Ok(self.session.as_ref().expect("connected above"))
+    }
+
+    /// The stream that holds `subject`, checked once.
+    async fn stream_of(&mut self, subject: &str) -> Result<String, SinkError> {
+        if let Some(s) = self.subjects.get(subject) {
+            return Ok(s.clone());
+        }
+        let config = self.config.clone();
+        let js = self.session().await?.js.clone();
+        let name = js.stream_by_subject(subject).await.map_err(|e| {
+            use jetstream::context::GetStreamByNameErrorKind as K;
+            match e.kind() {
+                K::NotFound => SinkError::MissingStream {
+                    subject: subject.to_owned(),
+                    stream: config.stream.clone(),
+                },
+                _ => SinkError::Nats(format!("looking up the stream of {subject}: {e}")),
+            }
+        })?;
+        if !self.max_size.contains_key(&name) {
+            let max = check_window(&js, &name, &config).await?;
+            self.max_size.insert(name.clone(), max);
+        }
+        self.subjects.insert(subject.to_owned(), name.clone());
+        Ok(name)
+    }
+
+    fn queue(&self, p: Pending) {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if let Some(s) = &self.session
+            && s.acks.send(p).is_ok()
+        {
+            return;
+        }
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Sink for NatsSink {
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        let dead_letter = is_dead_letter(&event);
+        let subject = if dead_letter && !valid_subject(&event.topic) {
+            sanitized_subject(&event.topic)
+        } else {
+            event.topic.clone()
+        };
+        let mut pending = Pending {
+            token,
+            event_id: event.event_id.clone(),
+            subject: subject.clone(),
+            outcome: Outcome::Failed(DeliveryClass::BrokerError, String::new()),
+            key: event.key.clone(),
+            headers: event
+                .headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_vec()))
+                .collect(),
+            value_len: event.value.len(),
+            sent: None,
+        };
+        if let Some((class, reason)) = self.unsent.clone() {
+            self.session().await?;
+            pending.outcome = Outcome::Failed(class, reason);
+            self.queue(pending);
+            return Ok(());
+        }
+        if !valid_subject(&subject) {
+            self.session().await?;
+            pending.outcome = Outcome::Failed(
+                DeliveryClass::InvalidTopic,
+                format!(
+                    "{subject:?} is not a NATS subject (an empty token, a wildcard or white \
+                     space); its dead letter goes to {:?}; fix the row or the topic template",
+                    sanitized_subject(&format!("{subject}.dlq"))
+                ),
+            );
+            self.queue(pending);
+            return Ok(());
+        }
+        let stream = self.stream_of(&subject).await?;
+        let headers = match headers_of(&event, self.last_id.get(&stream).map(String::as_str)) {
+            Ok(h) => {
+                if !h.dropped.is_empty() {
+                    let names: Vec<String> = h.dropped.iter().map(|n| percent_encode(n)).collect();
+                    tracing::warn!(
+                        event_id = event.event_id,
+                        subject,
+                        dropped = names.join(","),
+                        "dead letter published without the headers NATS cannot carry (named in \
+                         walbox_dropped_headers)"
+                    );
+                }
+                h.map
+            }
+            Err(reason) => {
+                pending.outcome = Outcome::Failed(DeliveryClass::InvalidRecord, reason);
+                self.queue(pending);
+                return Ok(());
+            }
+        };
+        let size = wire_len(&headers) + event.value.len();
+        let max_payload = self.session().await?.js.client().server_info().max_payload;
+        let limit = match self.max_size.get(&stream) {
+            Some(m) if *m >= 0 => max_payload.min(usize::try_from(*m).unwrap_or(usize::MAX)),
+            _ => max_payload,
+        };
+        if size > limit {
+            pending.outcome = Outcome::Failed(
+                DeliveryClass::MessageTooLarge,
+                format!(
+                    "{size} bytes (headers and value) is more than stream {stream} or the server \
+                     takes ({limit} bytes)"
+                ),
+            );
+            self.queue(pending);
+            return Ok(());
+        }
+        let js = self.session().await?.js.clone();
+        let id = msg_id(&event);
+        pending.sent = Some(duplicate::Sent {
+            subject: subject.clone(),
+            msg_id: id.clone(),
+            key: headers.get(KEY_HEADER).map(|v| v.as_str().to_owned()),
+        });
+        let publish = jetstream::message::PublishMessage::build()
+            .payload(event.value.clone())
+            .headers(headers);
+        pending.outcome = match js.send_publish(subject, publish).await {
+            Ok(fut) => {
+                self.last_id.insert(stream, id);
+                Outcome::Wait(fut)
+            }
+            Err(e) => {
+                let text = e.to_string();
+                let class = classify(e.kind(), &text);
+                // A later publication would be chained to the one before this
+                // unsent one, which the server may still store: it would land
+                // after a gap. Nothing more goes out in this session.
+                let later = if class.is_about_the_message() || class.is_final() {
+                    DeliveryClass::BrokerError
+                } else {
+                    class
+                };
+                self.unsent = Some((
+                    later,
+                    format!(
+                        "not sent: event {} of this session was not sent ({text}), and a later \
+                         publication could be stored before it; walbox publishes again from \
+                         its acknowledged position",
+                        event.event_id
+                    ),
+                ));
+                Outcome::Failed(class, text)
+            }
+        };
+        self.queue(pending);
+        Ok(())
+    }
+
+    fn abort(&mut self) {
+        // Nothing more is published in this session; what was sent is
+        // reported as the server answers.
+        self.aborted = true;
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        let deadline = Instant::now() + timeout;
+        if let Some(s) = &self.session {
+            let client = s.js.client();
+            let _ = tokio::time::timeout(timeout, client.flush()).await;
+        }
+        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+}

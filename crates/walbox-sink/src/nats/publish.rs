@@ -1,0 +1,138 @@
+//! The outcome of each publication: the PubAck awaited in publishing order,
+//! a duplicate checked, a failure classified, and a [`Delivery`] reported for
+//! each.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use async_nats::jetstream::{
+    self,
+    context::{PublishAckFuture, PublishErrorKind},
+};
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::duplicate::{self, Sent};
+use crate::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
+
+/// One publication waiting for its outcome, in publishing order.
+pub(super) struct Pending {
+    pub(super) token: usize,
+    pub(super) event_id: String,
+    pub(super) subject: String,
+    pub(super) outcome: Outcome,
+    /// The record without its value, for a dead letter.
+    pub(super) key: Option<Bytes>,
+    pub(super) headers: Vec<(String, Vec<u8>)>,
+    pub(super) value_len: usize,
+    /// What was published, for a PubAck marked duplicate.
+    pub(super) sent: Option<Sent>,
+}
+
+pub(super) enum Outcome {
+    Wait(PublishAckFuture),
+    Failed(DeliveryClass, String),
+}
+
+/// The class of a failed publication.
+pub(super) fn classify(kind: PublishErrorKind, text: &str) -> DeliveryClass {
+    match kind {
+        PublishErrorKind::MaxPayloadExceeded => DeliveryClass::MessageTooLarge,
+        PublishErrorKind::TimedOut => DeliveryClass::Timeout,
+        PublishErrorKind::StreamNotFound => DeliveryClass::UnknownTopic,
+        _ if text.contains("message size exceeds maximum") => DeliveryClass::MessageTooLarge,
+        _ if text.contains("ermission") || text.contains("authorization") => {
+            DeliveryClass::Authorization
+        }
+        _ => DeliveryClass::BrokerError,
+    }
+}
+
+/// Why a chained publication was refused, and what walbox does about it.
+const NOT_CHAINED: &str = "the stream's last message is not the one walbox published before \
+     this one: another publisher wrote to the stream (walbox must be its only publisher), or \
+     an earlier publication was lost; walbox publishes again from its acknowledged position";
+
+/// Reports outcomes in publishing order.
+pub(super) async fn report(
+    js: jetstream::Context,
+    mut rx: mpsc::UnboundedReceiver<Pending>,
+    tx: mpsc::UnboundedSender<Delivery>,
+    in_flight: Arc<AtomicUsize>,
+) {
+    while let Some(p) = rx.recv().await {
+        let failed = match p.outcome {
+            Outcome::Wait(fut) => match fut.await {
+                Ok(ack) => match (&p.sent, ack.duplicate) {
+                    (Some(sent), true) => {
+                        duplicate::check(&js, &ack, &p.event_id, sent).await.err()
+                    }
+                    _ => None,
+                },
+                Err(e) => {
+                    let text = match std::error::Error::source(&e) {
+                        Some(s) => format!("{e}: {s}"),
+                        None => e.to_string(),
+                    };
+                    let text = if e.kind() == PublishErrorKind::WrongLastMessageId {
+                        format!("{text}: {NOT_CHAINED}")
+                    } else {
+                        text
+                    };
+                    Some((classify(e.kind(), &text), text))
+                }
+            },
+            Outcome::Failed(class, reason) => Some((class, reason)),
+        };
+        let result = match failed {
+            None => Ok(()),
+            Some((class, reason)) => {
+                let rejected = class.is_about_the_message().then(|| RejectedRecord {
+                    key: p.key.map(|k| k.to_vec()),
+                    headers: p.headers,
+                    value_len: p.value_len,
+                });
+                Err(DeliveryError {
+                    event_id: p.event_id,
+                    topic: p.subject,
+                    class,
+                    reason,
+                    rejected,
+                })
+            }
+        };
+        let _ = tx.send(Delivery {
+            token: p.token,
+            result,
+        });
+        in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failures_are_classified() {
+        assert_eq!(
+            classify(PublishErrorKind::MaxPayloadExceeded, ""),
+            DeliveryClass::MessageTooLarge
+        );
+        assert_eq!(
+            classify(
+                PublishErrorKind::Other,
+                "publish failed: message size exceeds maximum allowed"
+            ),
+            DeliveryClass::MessageTooLarge
+        );
+        assert_eq!(
+            classify(PublishErrorKind::TimedOut, ""),
+            DeliveryClass::Timeout
+        );
+        assert_eq!(
+            classify(PublishErrorKind::WrongLastMessageId, ""),
+            DeliveryClass::BrokerError
+        );
+    }
+}

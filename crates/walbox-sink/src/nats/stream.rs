@@ -1,0 +1,88 @@
+//! The stream walbox publishes to: checked (its duplicate window) or created
+//! at the start of a session.
+
+use async_nats::jetstream;
+
+use super::{NatsSinkConfig, NatsStorage};
+use crate::SinkError;
+
+/// Checks the configured stream, or creates it.
+pub(super) async fn ensure_stream(
+    js: &jetstream::Context,
+    config: &NatsSinkConfig,
+) -> Result<(), SinkError> {
+    match js.get_stream(&config.stream).await {
+        Ok(_) => check_window(js, &config.stream, config).await.map(drop),
+        Err(e)
+            if matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(ref j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            if !config.create_stream {
+                return Err(SinkError::MissingStream {
+                    subject: config.subjects.join(", "),
+                    stream: config.stream.clone(),
+                });
+            }
+            js.create_stream(jetstream::stream::Config {
+                name: config.stream.clone(),
+                subjects: config.subjects.clone(),
+                storage: match config.storage {
+                    NatsStorage::File => jetstream::stream::StorageType::File,
+                    NatsStorage::Memory => jetstream::stream::StorageType::Memory,
+                },
+                num_replicas: config.replicas,
+                duplicate_window: config.duplicate_window(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| SinkError::CreateTopic {
+                topic: config.stream.clone(),
+                reason: e.to_string(),
+            })?;
+            tracing::info!(
+                stream = config.stream,
+                subjects = ?config.subjects,
+                duplicate_window_s = config.duplicate_window_s,
+                "created stream"
+            );
+            Ok(())
+        }
+        Err(e) => Err(SinkError::Nats(format!(
+            "looking up stream {}: {e}",
+            config.stream
+        ))),
+    }
+}
+
+/// Checks that stream `name` keeps message ids at least as long as configured;
+/// returns its largest message size (negative: no limit).
+pub(super) async fn check_window(
+    js: &jetstream::Context,
+    name: &str,
+    config: &NatsSinkConfig,
+) -> Result<i32, SinkError> {
+    let mut stream = js
+        .get_stream(name)
+        .await
+        .map_err(|e| SinkError::Nats(format!("looking up stream {name}: {e}")))?;
+    let info = stream
+        .info()
+        .await
+        .map_err(|e| SinkError::Nats(format!("reading stream {name}'s settings: {e}")))?;
+    let window = info.config.duplicate_window;
+    if window < config.duplicate_window() {
+        return Err(SinkError::Config(format!(
+            "stream {name} keeps message ids for {} s, less than sink.nats.duplicate_window_s = \
+             {}: a replay after a longer outage would be stored twice; raise the stream's \
+             duplicate window (nats stream edit {name} --dupe-window {}s) or lower \
+             duplicate_window_s",
+            window.as_secs(),
+            config.duplicate_window_s,
+            config.duplicate_window_s
+        )));
+    }
+    Ok(info.config.max_message_size)
+}

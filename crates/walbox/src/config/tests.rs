@@ -1,0 +1,257 @@
+use super::errors::without_values;
+use super::*;
+
+#[test]
+fn full_file_parses() {
+    let c = Config::parse(
+        r#"
+        producer = "orders-service"
+        [source]
+        dsn = "host=db user=walbox dbname=app"
+        slot = "s"
+        publication = "p"
+        [[outbox]]
+        table = "public.outbox"
+        topic = "events.{aggregate_type}"
+        [outbox.columns]
+        payload = "body"
+        [sink]
+        type = "kafka"
+        create_topics = true
+        max_in_flight = 500
+        [sink.kafka]
+        "bootstrap.servers" = "k:9092"
+        "linger.ms" = 10
+        "enable.ssl.certificate.verification" = true
+        [shutdown]
+        timeout_ms = 5000
+        "#,
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert_eq!(c.producer, "orders-service");
+    assert_eq!(c.outbox[0].columns.payload.as_deref(), Some("body"));
+    assert_eq!(c.sink.max_in_flight, 500);
+    let props = c.sink.kafka_properties().unwrap();
+    assert!(props.contains(&("linger.ms".into(), "10".into())));
+    assert!(props.contains(&("enable.ssl.certificate.verification".into(), "true".into())));
+    let kafka = c.sink.kafka_sink().unwrap();
+    assert_eq!(kafka.properties, props);
+    assert!(kafka.create_topics);
+    assert_eq!(kafka.max_in_flight, 500);
+    assert_eq!(
+        (kafka.topic_partitions, kafka.topic_replication),
+        (c.sink.topic_partitions, c.sink.topic_replication)
+    );
+}
+
+#[test]
+fn unknown_keys_and_bad_values_name_the_key() {
+    let err = Config::parse("[source]\nslott = \"x\"", Path::new("t.toml")).unwrap_err();
+    assert!(format!("{err:#}").contains("slott"), "{err:#}");
+    let err = Config::parse("[sink]\nmax_in_flight = \"many\"", Path::new("t.toml")).unwrap_err();
+    assert!(format!("{err:#}").contains("max_in_flight"), "{err:#}");
+    // The key and the allowed values, never what the file said.
+    let err = Config::parse("[sink]\ntype = \"pulsar\"", Path::new("t.toml")).unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("sink.type") && text.contains("unknown variant"),
+        "{text}"
+    );
+    assert!(!text.contains("pulsar"), "{text}");
+    let c = Config::parse(
+        "[dead_letter]\ntopic = \"{table}.dlq\"",
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    let err = c.validate().unwrap_err();
+    assert!(err.to_string().contains("dead_letter.topic"), "{err}");
+    let err = Config::parse("[dead_letter]\npolicy = \"ignore\"", Path::new("t.toml")).unwrap_err();
+    assert!(format!("{err:#}").contains("dead_letter.policy"), "{err:#}");
+    let err = Config::parse("bogus = 1", Path::new("t.toml")).unwrap_err();
+    assert!(format!("{err:#}").contains("bogus"), "{err:#}");
+    let c = Config::parse("[sink.kafka]\n\"x\" = [1]", Path::new("t.toml")).unwrap();
+    let err = c.validate().unwrap_err();
+    assert!(err.to_string().contains("sink.kafka.x"), "{err}");
+}
+
+#[test]
+fn replay_windows_parse_with_units() {
+    use std::time::Duration;
+    let w = parse_replay_window;
+    assert_eq!(w("0").unwrap(), ReplayWindow::None);
+    assert_eq!(w("0s").unwrap(), ReplayWindow::None);
+    assert_eq!(
+        w("500ms").unwrap(),
+        ReplayWindow::Time(Duration::from_millis(500))
+    );
+    assert_eq!(
+        w("15min").unwrap(),
+        ReplayWindow::Time(Duration::from_secs(900))
+    );
+    assert_eq!(
+        w("2h").unwrap(),
+        ReplayWindow::Time(Duration::from_secs(7200))
+    );
+    assert_eq!(
+        w("7d").unwrap(),
+        ReplayWindow::Time(Duration::from_secs(604_800))
+    );
+    assert_eq!(w("64kB").unwrap(), ReplayWindow::Bytes(65_536));
+    assert_eq!(w("1GB").unwrap(), ReplayWindow::Bytes(1 << 30));
+    for bad in ["", "10", "ten min", "5 parsecs", "-1s", "1.5h"] {
+        assert!(w(bad).is_err(), "{bad:?} accepted");
+    }
+    let c = Config::parse("[source]\nreplay_window = \"5 weeks\"", Path::new("t.toml")).unwrap();
+    let err = format!("{:#}", c.validate().unwrap_err());
+    assert!(
+        err.contains("source.replay_window") && err.contains("weeks"),
+        "{err}"
+    );
+    let c = Config::parse("[source]\nslot = \"Bad-Name\"", Path::new("t.toml")).unwrap();
+    assert!(
+        c.validate()
+            .unwrap_err()
+            .to_string()
+            .contains("source.slot")
+    );
+    let err = Config::parse("[snapshot]\nmode = \"always\"", Path::new("t.toml")).unwrap_err();
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("snapshot.mode") && text.contains("initial"),
+        "{text}"
+    );
+    let c = Config::parse(
+        "[snapshot]\nmode = \"initial\"\nwhere = \"published_at IS NULL\"\norder_by = [\"seq\"]",
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.snapshot.mode, SnapshotMode::Initial);
+    assert_eq!(
+        c.checkpoint_store().path(),
+        Path::new("walbox-walbox.checkpoint.json")
+    );
+}
+
+#[test]
+fn parse_errors_do_not_quote_a_value_under_the_wrong_key() {
+    for text in [
+        "[source]\nslot = \"s\"\n[snapshot]\nmode = \"pw-51ab\"\n",
+        "[sink]\ncreate_topics = \"pw-51ab\"\n",
+        "[sink]\ncreate_topics = \"pw-\\\"51ab\"\n",
+    ] {
+        let err = format!(
+            "{:#}",
+            Config::parse(text, Path::new("t.toml")).unwrap_err()
+        );
+        assert!(!err.contains("51ab"), "{err}");
+        assert!(err.contains("line"), "{err}");
+    }
+    assert_eq!(
+        without_values("invalid type: string \"x\\\"y\", expected a boolean"),
+        "invalid type: string \"(a value)\", expected a boolean"
+    );
+}
+
+#[test]
+fn parse_errors_do_not_quote_the_line() {
+    let text = "[source]\ndsn = \"host=a password=pw-51ab\"\npasword = \"pw-51ab\"\n";
+    let err = format!(
+        "{:#}",
+        Config::parse(text, Path::new("t.toml")).unwrap_err()
+    );
+    assert!(err.contains("pasword") && err.contains("line 3"), "{err}");
+    assert!(!err.contains("pw-51ab"), "{err}");
+}
+
+#[test]
+fn debug_forms_hide_the_dsn_and_secret_kafka_properties() {
+    let c = Config::parse(
+        r#"
+        [source]
+        dsn = "host=db user=walbox password=pw-c0ffee01"
+        [sink.kafka]
+        "bootstrap.servers" = "k:9092"
+        "sasl.username" = "walbox"
+        "sasl.password" = "pw-c0ffee02"
+        "ssl.key.password" = "pw-c0ffee03"
+        "sasl.oauthbearer.client.secret" = "pw-c0ffee04"
+        "#,
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    let o = Overrides {
+        dsn: Some("password=pw-c0ffee05".parse().unwrap()),
+        ..Overrides::default()
+    };
+    let shown = format!("{c:?} {c:#?} {o:?}");
+    for n in 1..=5 {
+        let secret = format!("pw-c0ffee0{n}");
+        assert!(!shown.contains(&secret), "{secret} in {shown}");
+    }
+    assert!(
+        shown.contains("k:9092") && shown.contains("<hidden>"),
+        "{shown}"
+    );
+    assert_eq!(c.dsn().unwrap(), "host=db user=walbox password=pw-c0ffee01");
+}
+
+#[test]
+fn overrides_win_over_the_file() {
+    let dir = std::env::temp_dir().join(format!("walbox-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.toml");
+    std::fs::write(&path, "[source]\nslot = \"from_file\"\ndsn = \"host=a\"").unwrap();
+    let c = Config::load(&Overrides {
+        config: Some(path),
+        slot: Some("from_flag".into()),
+        bootstrap_servers: Some("b:1".into()),
+        topic: Some("fixed".into()),
+        ..Overrides::default()
+    })
+    .unwrap();
+    assert_eq!(c.source.slot, "from_flag");
+    assert_eq!(c.dsn().unwrap(), "host=a");
+    assert_eq!(c.outbox[0].table, "public.outbox");
+    assert_eq!(c.outbox[0].topic, "fixed");
+    assert_eq!(c.sink.kafka["bootstrap.servers"].as_str(), Some("b:1"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn messages_alone_configure_no_table_and_are_validated_by_key() {
+    let dir = std::env::temp_dir().join(format!("walbox-msg-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let load = |text: &str| {
+        let path = dir.join("m.toml");
+        std::fs::write(&path, text).unwrap();
+        Config::load(&Overrides {
+            config: Some(path),
+            ..Overrides::default()
+        })
+    };
+    let c = load("[[messages]]\nprefix = \"walbox\"\n[[messages]]\nprefixes = [\"a\", \"b\"]\nformat = \"cloudevents\"").unwrap();
+    assert!(c.outbox.is_empty(), "no default table beside [[messages]]");
+    assert_eq!(c.messages.len(), 2);
+    assert_eq!(c.messages[1].prefixes, ["a", "b"]);
+
+    let err = |text: &str| format!("{:#}", load(text).unwrap_err());
+    let e = err("[[messages]]\nprefix = \"a\"\n[[messages]]\nprefix = \"a\"");
+    assert!(
+        e.contains("[[messages]]: prefix") && e.contains("configured twice"),
+        "{e}"
+    );
+    let e = err("[[messages]]\nprefix = \"a\"\ncolour = \"red\"");
+    assert!(e.contains("unknown field") && e.contains("colour"), "{e}");
+    let e = err("[[messages]]\ntopic = \"t\"");
+    assert!(e.contains("[[messages]]: no prefix"), "{e}");
+    let e = err("[[messages]]\nprefix = \"a\"\ntopic = \"a b\"");
+    assert!(
+        e.contains("section 1 of [[messages]]") && e.contains("message:a"),
+        "{e}"
+    );
+    let e = err("[[messages]]\nprefix = \"a\"\n[messages.fields]\nkey = \"k\"");
+    assert!(e.contains("unknown field") && e.contains("key"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
