@@ -35,41 +35,63 @@ pub struct Rejected {
     pub value_len: usize,
 }
 
+impl Rejected {
+    /// The value of header `name`, when it is text.
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    }
+
+    /// The source position its headers carry (zero where one is missing).
+    fn position(&self) -> Position {
+        Position {
+            commit_lsn: self
+                .header(walbox_outbox::header::COMMIT_LSN)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(Lsn(0)),
+            index: self
+                .header(walbox_outbox::header::INDEX)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+            xid: self
+                .header(walbox_outbox::header::XID)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        }
+    }
+
+    /// Its headers as an event's.
+    fn event_headers(&self) -> Vec<(walbox_outbox::HeaderName, bytes::Bytes)> {
+        self.headers
+            .iter()
+            .map(|(k, v)| (k.clone().into(), bytes::Bytes::from(v.clone())))
+            .collect()
+    }
+}
+
 impl Failure {
     /// The dead letter that takes the refused event's place: its key and
     /// headers, the failure's class and reason, and a value that describes it
-    /// (the value itself is what was refused). `None` when there is no record,
-    /// or the record is a dead letter already.
+    /// (the value itself is what was refused). A refused dead letter (a poison
+    /// row's columns or a message's content too large for the broker) is sent
+    /// again with the same headers and only that description as its value, marked
+    /// `walbox_value_omitted`. `None` when there is no record, or the record is
+    /// such a reduced dead letter already (its headers alone are refused).
     #[must_use]
     pub fn dead_letter(&self, template: &TopicTemplate) -> Option<Event> {
         use walbox_outbox::dead_letter_header as dl;
         let record = self.rejected.as_ref()?;
-        if record.headers.iter().any(|(k, _)| k == dl::ERROR_CLASS) {
+        if record.headers.iter().any(|(k, _)| k == dl::VALUE_OMITTED) {
             return None;
         }
-        let header = |name: &str| {
-            record
-                .headers
-                .iter()
-                .find(|(k, _)| k == name)
-                .and_then(|(_, v)| std::str::from_utf8(v).ok())
-        };
-        let position = Position {
-            commit_lsn: header(walbox_outbox::header::COMMIT_LSN)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(Lsn(0)),
-            index: header(walbox_outbox::header::INDEX)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-            xid: header(walbox_outbox::header::XID)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-        };
-        let mut headers: Vec<(walbox_outbox::HeaderName, bytes::Bytes)> = record
-            .headers
-            .iter()
-            .map(|(k, v)| (k.clone().into(), bytes::Bytes::from(v.clone())))
-            .collect();
+        if record.headers.iter().any(|(k, _)| k == dl::ERROR_CLASS) {
+            return Some(self.reduced_dead_letter(record));
+        }
+        let header = |name: &str| record.header(name);
+        let position = record.position();
+        let mut headers = record.event_headers();
         if header(walbox_outbox::header::EVENT_ID).is_none() && !self.event_id.is_empty() {
             // A format that names the id otherwise: dead letters carry it as
             // in every format.
@@ -103,6 +125,36 @@ impl Failure {
             headers,
             position,
         })
+    }
+}
+
+impl Failure {
+    /// A refused dead letter again, its value left out: it keeps its topic, key,
+    /// headers (the first refusal's class and reason among them) and position.
+    fn reduced_dead_letter(&self, record: &Rejected) -> Event {
+        use walbox_outbox::dead_letter_header as dl;
+        let header = |name: &str| record.header(name);
+        let position = record.position();
+        let mut headers = record.event_headers();
+        headers.push((
+            dl::VALUE_OMITTED.into(),
+            bytes::Bytes::from_static(self.class.as_bytes()),
+        ));
+        let value = serde_json::json!({
+            "topic": header(dl::SOURCE_TOPIC),
+            "value_bytes": record.value_len,
+            "value": null,
+        })
+        .to_string();
+        Event {
+            event_id: self.event_id.clone(),
+            topic: self.topic.clone(),
+            key: record.key.clone().map(bytes::Bytes::from),
+            value: bytes::Bytes::from(value),
+            json_value: true,
+            headers,
+            position,
+        }
     }
 }
 
@@ -242,5 +294,45 @@ mod tests {
             .dead_letter(&template)
             .unwrap();
         assert_eq!(event_id_headers(&dead), [b"e-1"]);
+    }
+
+    #[test]
+    fn a_refused_dead_letter_is_sent_again_without_its_value_and_then_no_more() {
+        let template = TopicTemplate::parse("{topic}.dlq").unwrap();
+        let mut letter = refused(&[
+            ("event_id", "e-1"),
+            ("walbox_commit_lsn", "0/FA"),
+            ("walbox_error_class", "non_transactional_message"),
+            ("walbox_error", "non-transactional message"),
+            ("walbox_source_topic", "outbox.event.Order"),
+        ]);
+        letter.topic = "outbox.event.Order.dlq".into();
+        let reduced = letter.dead_letter(&template).expect("a smaller letter");
+        // Same topic (not `.dlq.dlq`), key, position and first reason; the value
+        // only says what was left out.
+        assert_eq!(reduced.topic, "outbox.event.Order.dlq");
+        assert_eq!(reduced.key.as_deref(), Some(&b"1"[..]));
+        assert_eq!(reduced.position.commit_lsn, Lsn(250));
+        let header = |name: &str| {
+            reduced
+                .headers
+                .iter()
+                .filter(|(k, _)| k == name)
+                .map(|(_, v)| v.as_ref())
+                .collect::<Vec<&[u8]>>()
+        };
+        assert_eq!(header("walbox_error_class"), [b"non_transactional_message"]);
+        assert_eq!(header("walbox_value_omitted"), [b"message_too_large"]);
+        let value: serde_json::Value = serde_json::from_slice(&reduced.value).unwrap();
+        assert_eq!(value["value_bytes"], 2_000_000);
+        assert_eq!(value["topic"], "outbox.event.Order");
+        assert!(value["value"].is_null());
+        // Refused again (its headers alone too large): nothing smaller is left.
+        let mut again = refused(&[
+            ("walbox_error_class", "non_transactional_message"),
+            ("walbox_value_omitted", "message_too_large"),
+        ]);
+        again.topic = reduced.topic;
+        assert!(again.dead_letter(&template).is_none());
     }
 }

@@ -15,6 +15,10 @@ use crate::error::CoreError;
 
 type Compiled = Arc<(MessageMapper, Arc<str>)>;
 
+/// How many ignored prefixes are named in the log (and remembered, so that each
+/// is named once); an application writing a prefix per message costs no more.
+pub(super) const IGNORED_PREFIXES_NAMED: usize = 64;
+
 impl Core {
     /// The mapper of `prefix` when a section names it (compiled at its first
     /// message).
@@ -43,10 +47,18 @@ impl Core {
     pub(super) fn message(&mut self, m: DecodingMessage) -> Result<(), CoreError> {
         let Some(compiled) = self.message_mapper(&m.prefix)? else {
             self.stats.ignored_messages += 1;
-            if self.unknown_prefixes.insert(m.prefix.clone()) {
+            let named = self.unknown_prefixes.len();
+            if named < IGNORED_PREFIXES_NAMED && !self.unknown_prefixes.contains(&m.prefix) {
+                self.unknown_prefixes.insert(m.prefix.clone());
                 tracing::info!(prefix = %m.prefix, lsn = %m.lsn,
                     "logical decoding messages of a prefix no [[messages]] section names are \
                      ignored (counted as ignored_messages)");
+                if named + 1 == IGNORED_PREFIXES_NAMED {
+                    tracing::info!(
+                        "{IGNORED_PREFIXES_NAMED} ignored prefixes named; messages of further \
+                         prefixes are ignored and counted without being named"
+                    );
+                }
             }
             return Ok(());
         };

@@ -22,6 +22,9 @@ pub mod dead_letter_header {
     pub const SOURCE_TOPIC: &str = "walbox_source_topic";
     /// How many times walbox tried to publish the row.
     pub const ATTEMPTS: &str = "walbox_attempts";
+    /// On a dead letter that was itself refused for what it is (too large): the
+    /// class of that refusal; its value then only describes what was left out.
+    pub const VALUE_OMITTED: &str = "walbox_value_omitted";
 }
 
 impl Mapper {

@@ -443,3 +443,56 @@ fn a_held_insert_never_stops_reading_when_nothing_else_is_in_flight() {
     assert_eq!(drain(&mut c).len(), 1);
     assert!(c.full());
 }
+
+#[test]
+fn a_non_transactional_message_whose_dead_letter_is_refused_is_dead_lettered_without_its_content() {
+    use crate::error::{Failure, Rejected};
+    let mut c = core(false);
+    let big = format!(
+        r#"{{"id":"m","aggregate_type":"order","aggregate_id":"k","event_type":"T","payload":{{"s":"{}"}}}}"#,
+        "x".repeat(100_000)
+    );
+    c.on_wal(message("walbox", false, 250, &big)).unwrap();
+    let (dead, token, _) = drain(&mut c).pop().unwrap();
+    let refused = Failure {
+        event_id: dead.event_id.clone(),
+        topic: dead.topic.clone(),
+        class: "message_too_large",
+        reason: "too large".into(),
+        about_message: true,
+        lasting: false,
+        rejected: Some(Rejected {
+            key: dead.key.as_ref().map(|k| k.to_vec()),
+            headers: dead
+                .headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_vec()))
+                .collect(),
+            value_len: dead.value.len(),
+        }),
+    };
+    c.on_delivery(token, Outcome::Failed(refused))
+        .expect("a smaller letter takes its place");
+    let (smaller, token, origin) = drain(&mut c).pop().unwrap();
+    assert!(origin.dead_letter);
+    assert_eq!(smaller.topic, dead.topic);
+    assert!(smaller.value.len() < 200, "{}", smaller.value.len());
+    assert_eq!(c.confirmed(), Lsn(100));
+    c.on_delivery(token, Outcome::Acked).unwrap();
+    assert_eq!(c.confirmed(), Lsn(250));
+}
+
+#[test]
+fn ignored_prefixes_are_remembered_in_bounded_memory() {
+    let mut c = core(false);
+    for i in 0..10_000u64 {
+        c.on_wal(message(&format!("audit.{i}"), false, 200 + i, "x"))
+            .unwrap();
+    }
+    assert_eq!(c.stats().ignored_messages, 10_000);
+    assert_eq!(
+        c.unknown_prefixes.len(),
+        super::super::message::IGNORED_PREFIXES_NAMED
+    );
+    assert!(drain(&mut c).is_empty());
+}
