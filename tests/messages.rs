@@ -310,6 +310,73 @@ async fn bad_contents_are_dead_lettered_naming_the_field_and_later_events_flow()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_replay_rebuilds_a_message_from_its_dead_letter_not_from_the_outbox_table() {
+    let (pg, broker, db) = servers().await;
+    let env = env_with(&pg, &broker, true, "");
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    // A row and a message under the same id; the message names its key in a
+    // field the mapping does not know yet, so it is dead-lettered.
+    let id = "6f1c1a8e-1f38-4c55-9a3a-0d7f3c2b9a11";
+    let content = serde_json::json!({
+        "id": id,
+        "aggregate_type": "order",
+        "key": "msg-key",
+        "event_type": "E",
+        "payload": {"from": "message"},
+    });
+    db.batch_execute(
+        &[
+            "BEGIN;".to_owned(),
+            format!(
+                "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('{id}', 'order', 'row-key', 'E', '{{\"from\": \"row\"}}');"
+            ),
+            emit(true, "walbox", &content.to_string()),
+            "COMMIT;".to_owned(),
+        ]
+        .concat(),
+    )
+    .await
+    .unwrap();
+    let last = current_lsn(&db).await;
+    wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
+    let dead = read_topic(&broker.bootstrap(), "outbox.order.dlq", 1).await;
+    walbox.stop();
+    assert_eq!(dead[0].header("walbox_error_class"), Some("missing_field"));
+    assert_eq!(
+        dead[0].header("walbox_source_message_prefix"),
+        Some("walbox")
+    );
+
+    // The mapping fixed, the default replay (the table's dead-letter topics,
+    // this one among them) rebuilds the message from the content its letter
+    // holds, not the row that has its id.
+    let mut fixed = walbox_env(&pg, &broker);
+    fixed.push((
+        "WALBOX_CONFIG",
+        messages_config(&pg, true, "[messages.fields]\naggregate_id = \"key\""),
+    ));
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &fixed);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("replayed 1 dead letters"), "{out}");
+    let records = read_topic(&broker.bootstrap(), TOPIC, 2).await;
+    assert_eq!(records.len(), 2);
+    let keyed = |k: &[u8]| {
+        let of_key: Vec<&Record> = records
+            .iter()
+            .filter(|r| r.key.as_deref() == Some(k))
+            .collect();
+        assert_eq!(of_key.len(), 1, "one record of key {k:?}");
+        of_key[0]
+    };
+    let replayed = keyed(b"msg-key");
+    assert_eq!(replayed.header("event_id"), Some(id));
+    assert_eq!(index(replayed), 1, "the message's own position");
+    assert_eq!(json(replayed)["payload"]["from"], "message");
+    assert_eq!(json(keyed(b"row-key"))["payload"]["from"], "row");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cloudevents_prefix_gets_ce_headers() {
     let (pg, broker, db) = servers().await;
     let env = env_with(

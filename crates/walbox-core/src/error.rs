@@ -73,14 +73,16 @@ impl Rejected {
 
 impl Failure {
     /// The dead letter that takes the refused event's place: its key and
-    /// headers, the failure's class and reason, and a value that describes it
+    /// headers, the failure's class and reason, where it came from (`source`: a
+    /// table's `schema.name` or a message prefix's source name, so that `dlq
+    /// replay` knows what to rebuild it from), and a value that describes it
     /// (the value itself is what was refused). A refused dead letter (a poison
     /// row's columns or a message's content too large for the broker) is sent
     /// again with the same headers and only that description as its value, marked
     /// `walbox_value_omitted`. `None` when there is no record, or the record is
     /// such a reduced dead letter already (its headers alone are refused).
     #[must_use]
-    pub fn dead_letter(&self, template: &TopicTemplate) -> Option<Event> {
+    pub fn dead_letter(&self, template: &TopicTemplate, source: &str) -> Option<Event> {
         use walbox_outbox::dead_letter_header as dl;
         let record = self.rejected.as_ref()?;
         if record.headers.iter().any(|(k, _)| k == dl::VALUE_OMITTED) {
@@ -110,6 +112,13 @@ impl Failure {
             bytes::Bytes::from(self.topic.clone()),
         ));
         headers.push((dl::ATTEMPTS.into(), bytes::Bytes::from_static(b"1")));
+        let (name, origin) = match walbox_outbox::MessageConfig::prefix_of(source) {
+            Some(prefix) => (walbox_outbox::SOURCE_MESSAGE_PREFIX, prefix),
+            None => (dl::SOURCE_TABLE, source),
+        };
+        if header(name).is_none() {
+            headers.push((name.into(), bytes::Bytes::from(origin.to_owned())));
+        }
         let value = serde_json::json!({
             "topic": self.topic,
             "value_bytes": record.value_len,
@@ -284,14 +293,33 @@ mod tests {
         let template = TopicTemplate::parse("{topic}.dlq").unwrap();
         // Debezium's format names the id `id`: the dead letter adds `event_id`.
         let dead = refused(&[("id", "e-1"), ("walbox_index", "4")])
-            .dead_letter(&template)
+            .dead_letter(&template, "public.outbox")
             .unwrap();
         assert_eq!(event_id_headers(&dead), [b"e-1"]);
         assert_eq!(dead.position.index, 4);
+        let source = |e: &Event, name: &str| {
+            e.headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(
+            source(&dead, "walbox_source_table").as_deref(),
+            Some(&b"public.outbox"[..])
+        );
+        // A message's record names its prefix, for `dlq replay`.
+        let message = refused(&[("id", "e-1")])
+            .dead_letter(&template, "message:walbox")
+            .unwrap();
+        assert_eq!(
+            source(&message, "walbox_source_message_prefix").as_deref(),
+            Some(&b"walbox"[..])
+        );
+        assert_eq!(source(&message, "walbox_source_table"), None);
         assert_eq!(dead.topic, "outbox.event.Order.dlq");
         // walbox's format has it already: not twice.
         let dead = refused(&[("event_id", "e-1")])
-            .dead_letter(&template)
+            .dead_letter(&template, "public.outbox")
             .unwrap();
         assert_eq!(event_id_headers(&dead), [b"e-1"]);
     }
@@ -307,7 +335,9 @@ mod tests {
             ("walbox_source_topic", "outbox.event.Order"),
         ]);
         letter.topic = "outbox.event.Order.dlq".into();
-        let reduced = letter.dead_letter(&template).expect("a smaller letter");
+        let reduced = letter
+            .dead_letter(&template, "message:walbox")
+            .expect("a smaller letter");
         // Same topic (not `.dlq.dlq`), key, position and first reason; the value
         // only says what was left out.
         assert_eq!(reduced.topic, "outbox.event.Order.dlq");
@@ -333,6 +363,6 @@ mod tests {
             ("walbox_value_omitted", "message_too_large"),
         ]);
         again.topic = reduced.topic;
-        assert!(again.dead_letter(&template).is_none());
+        assert!(again.dead_letter(&template, "message:walbox").is_none());
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
-use walbox_outbox::{Mapper, Position, TableConfig, dead_letter_header, header};
+use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{DurableLetters, KafkaSink, NatsSink, Sink};
 
@@ -51,6 +51,9 @@ struct DeadLetter {
     position: Position,
     /// The row's columns as the dead letter recorded them, when it did.
     columns: Option<serde_json::Map<String, serde_json::Value>>,
+    /// For a logical decoding message's dead letter: its prefix, and its content
+    /// when the letter holds it as text.
+    message: Option<(String, Option<String>)>,
 }
 
 impl DeadLetter {
@@ -75,16 +78,30 @@ fn parse(r: &walbox_sink::RecordView<'_>) -> DeadLetter {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0),
     };
+    let table = r
+        .header(dead_letter_header::SOURCE_TABLE)
+        .map(str::to_owned)
+        .or_else(|| value.as_ref()?.get("table")?.as_str().map(str::to_owned));
+    let prefix = r
+        .header(walbox_outbox::SOURCE_MESSAGE_PREFIX)
+        .map(str::to_owned)
+        .or_else(|| value.as_ref()?.get("prefix")?.as_str().map(str::to_owned))
+        .filter(|_| table.is_none());
+    let message = prefix.map(|prefix| {
+        let content = value
+            .as_ref()
+            .filter(|v| v.get("content_encoding").is_none())
+            .and_then(|v| v.get("content")?.as_str().map(str::to_owned));
+        (prefix, content)
+    });
     DeadLetter {
         partition: r.partition(),
         offset: r.offset(),
         event_id: r.header(header::EVENT_ID).unwrap_or_default().to_owned(),
-        table: r
-            .header(dead_letter_header::SOURCE_TABLE)
-            .map(str::to_owned)
-            .or_else(|| value.as_ref()?.get("table")?.as_str().map(str::to_owned)),
+        table,
         position,
         columns: value.and_then(|v| v.get("columns")?.as_object().cloned()),
+        message,
     }
 }
 
@@ -139,9 +156,19 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         bail!("no dead-letter topic to replay: name one with --dlq-topic");
     }
     let group = format!("walbox-dlq-replay.{}", config.source.slot);
+    let mut messages = HashMap::new();
+    for m in &config.messages {
+        for prefix in &m.prefixes {
+            messages.insert(
+                prefix.clone(),
+                MessageMapper::compile(m, prefix, &config.producer)?,
+            );
+        }
+    }
     let mut run = Run {
         sql: &sql,
         targets: &targets,
+        messages: &messages,
         args: &args,
         replayed: 0,
         failing: 0,
@@ -252,6 +279,7 @@ const TIMEOUT: Duration = Duration::from_secs(60);
 struct Run<'a> {
     sql: &'a tokio_postgres::Client,
     targets: &'a HashMap<String, Target<'a>>,
+    messages: &'a HashMap<String, MessageMapper>,
     args: &'a ReplayArgs,
     replayed: u64,
     failing: u64,
@@ -271,7 +299,15 @@ impl Run<'_> {
         let mut failed = HashSet::new();
         let mut sent = 0usize;
         for letter in letters {
-            match rebuild(self.sql, self.targets, letter, self.args.from_table).await {
+            match rebuild(
+                self.sql,
+                self.targets,
+                self.messages,
+                letter,
+                self.args.from_table,
+            )
+            .await
+            {
                 Ok(event) => {
                     println_out(&format!(
                         "{} event {} to {} (from {dlq} offset {}:{})",
@@ -320,9 +356,13 @@ impl Run<'_> {
 async fn rebuild(
     sql: &tokio_postgres::Client,
     targets: &HashMap<String, Target<'_>>,
+    messages: &HashMap<String, MessageMapper>,
     letter: &DeadLetter,
     from_table: bool,
 ) -> Result<walbox_outbox::Event> {
+    if let Some((prefix, content)) = &letter.message {
+        return rebuild_message(messages, prefix, content.as_deref(), letter);
+    }
     let table = match &letter.table {
         Some(t) => t.clone(),
         None if targets.len() == 1 => targets.keys().next().cloned().unwrap_or_default(),
@@ -369,6 +409,30 @@ async fn rebuild(
     target
         .mapper
         .map(&row, letter.position)
+        .map_err(|e| anyhow::anyhow!("{} ({})", e, e.class()))
+}
+
+/// The event a logical decoding message's dead letter stands for, mapped again
+/// from the content it recorded with the prefix's current mapping. A message is
+/// in no table: without its content in the letter there is nothing to rebuild.
+fn rebuild_message(
+    messages: &HashMap<String, MessageMapper>,
+    prefix: &str,
+    content: Option<&str>,
+    letter: &DeadLetter,
+) -> Result<walbox_outbox::Event> {
+    let mapper = messages
+        .get(prefix)
+        .with_context(|| format!("prefix {prefix:?} is not a configured [[messages]] prefix"))?;
+    let content = content.with_context(|| {
+        format!(
+            "the dead letter does not hold the message's content as text (left out as too \
+             large, or not UTF-8); a message of prefix {prefix:?} is in no table to read it \
+             from"
+        )
+    })?;
+    mapper
+        .map(&Bytes::from(content.to_owned()), letter.position, None)
         .map_err(|e| anyhow::anyhow!("{} ({})", e, e.class()))
 }
 

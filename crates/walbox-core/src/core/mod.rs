@@ -731,7 +731,7 @@ impl Core {
             Outcome::Failed(f) => {
                 if f.about_message
                     && !self.cfg.stop_on_poison
-                    && let Some(dead) = f.dead_letter(&self.cfg.dead_letter_topic)
+                    && let Some(dead) = f.dead_letter(&self.cfg.dead_letter_topic, &table)
                 {
                     // Refused for what it is (too large): its dead letter takes its
                     // place; the position passes it once that is acknowledged.

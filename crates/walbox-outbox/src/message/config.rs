@@ -127,6 +127,12 @@ impl MessageConfig {
     pub fn is_message_source(source: &str) -> bool {
         source.starts_with(MESSAGE_SOURCE)
     }
+
+    /// The prefix a message source name stands for; `None` for a table.
+    #[must_use]
+    pub fn prefix_of(source: &str) -> Option<&str> {
+        source.strip_prefix(MESSAGE_SOURCE)
+    }
 }
 
 /// What a message source name starts with (a table name has no colon).
