@@ -313,30 +313,6 @@ async fn a_standby_waits_for_the_slot_and_takes_over_when_the_holder_dies() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_start_while_the_slot_is_held_waits_a_moment_for_a_holder_that_dies() {
-    let (pg, broker, db) = start().await;
-    let (env, mut first) = Walbox::set_up_and_run(&pg, &broker);
-    write_events(&pg, 1, 5, 10, 10).await;
-    wait_caught_up(&db).await;
-    // A walbox restarted right after a crash finds the slot held by the dead
-    // one's walsender; it waits for the release instead of failing.
-    let mut second = Walbox::spawn(&["run"], &env);
-    walbox_testkit::wait_until("the restart to wait", Duration::from_secs(30), || {
-        second
-            .log()
-            .contains("waiting a moment for it to be released")
-            .then_some(())
-    })
-    .unwrap();
-    first.kill9();
-    write_events_from(&pg, 1, 5, 10, 10, 10).await;
-    let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, 100, "restart").await;
-    assert_per_key_order(&records, true);
-    assert!(second.log().contains("taking over"), "{}", second.log());
-    second.stop();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_inside_a_large_transaction_skips_its_acknowledged_events() {
     let (pg, broker, db) = start().await;
     let env = walbox_env(&pg, &broker);

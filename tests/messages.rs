@@ -310,7 +310,7 @@ async fn bad_contents_are_dead_lettered_naming_the_field_and_later_events_flow()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dlq_replay_rebuilds_a_message_from_its_dead_letter_not_from_the_outbox_table() {
+async fn dlq_replay_rebuilds_a_message_from_its_dead_letter_and_never_a_non_transactional_one() {
     let (pg, broker, db) = servers().await;
     let env = env_with(&pg, &broker, true, "");
     let mut walbox = Walbox::spawn(&["run"], &env);
@@ -333,6 +333,11 @@ async fn dlq_replay_rebuilds_a_message_from_its_dead_letter_not_from_the_outbox_
             ),
             emit(true, "walbox", &content.to_string()),
             "COMMIT;".to_owned(),
+            // A non-transactional message of a transaction that rolls back: a
+            // well-formed event, dead-lettered for having no commit order.
+            "BEGIN;".to_owned(),
+            emit(false, "walbox", &event_content("nt-1", "nt-key", 0)),
+            "ROLLBACK;".to_owned(),
         ]
         .concat(),
     )
@@ -340,12 +345,19 @@ async fn dlq_replay_rebuilds_a_message_from_its_dead_letter_not_from_the_outbox_
     .unwrap();
     let last = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
-    let dead = read_topic(&broker.bootstrap(), "outbox.order.dlq", 1).await;
+    let dead = read_topic(&broker.bootstrap(), "outbox.order.dlq", 2).await;
     walbox.stop();
-    assert_eq!(dead[0].header("walbox_error_class"), Some("missing_field"));
+    let classes: HashSet<&str> = dead
+        .iter()
+        .map(|r| r.header("walbox_error_class").unwrap())
+        .collect();
     assert_eq!(
-        dead[0].header("walbox_source_message_prefix"),
-        Some("walbox")
+        classes,
+        HashSet::from(["missing_field", "non_transactional_message"])
+    );
+    assert!(
+        dead.iter()
+            .all(|r| r.header("walbox_source_message_prefix") == Some("walbox"))
     );
 
     // The mapping fixed, the default replay (the table's dead-letter topics,
@@ -358,7 +370,22 @@ async fn dlq_replay_rebuilds_a_message_from_its_dead_letter_not_from_the_outbox_
     ));
     let (code, out, err) = walbox_cmd(&["dlq", "replay"], &fixed);
     assert_eq!(code, Some(0), "{out}{err}");
-    assert!(out.contains("replayed 1 dead letters"), "{out}");
+    assert!(
+        out.contains("replayed 1 dead letters; 0 still failing (left in place); 1 not replayable"),
+        "{out}"
+    );
+    assert!(
+        out.contains("not replayable, left in place: event nt-1"),
+        "{out}"
+    );
+    // Both letters are done: a second run has nothing left.
+    let (code, again, err) = walbox_cmd(&["dlq", "replay"], &fixed);
+    assert_eq!(code, Some(0), "{again}{err}");
+    assert!(
+        again
+            .contains("replayed 0 dead letters; 0 still failing (left in place); 0 not replayable"),
+        "{again}"
+    );
     let records = read_topic(&broker.bootstrap(), TOPIC, 2).await;
     assert_eq!(records.len(), 2);
     let keyed = |k: &[u8]| {
@@ -374,6 +401,10 @@ async fn dlq_replay_rebuilds_a_message_from_its_dead_letter_not_from_the_outbox_
     assert_eq!(index(replayed), 1, "the message's own position");
     assert_eq!(json(replayed)["payload"]["from"], "message");
     assert_eq!(json(keyed(b"row-key"))["payload"]["from"], "row");
+    assert!(
+        records.iter().all(|r| r.header("event_id") != Some("nt-1")),
+        "a non-transactional message is never published"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

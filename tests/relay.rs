@@ -206,6 +206,7 @@ async fn kill_9_at_several_points_loses_nothing() {
         };
         tokio::join!(write, kill);
         assert!(!walbox.running(), "round {round}: killed");
+        wait_slot_released(&db, "walbox").await;
     }
     let mut last_run = Walbox::spawn(&["run"], &env);
     let records = assert_all_delivered(&db, &broker.bootstrap(), TOPIC, total, "kill -9").await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use walbox_testkit::PgCluster;
 
-use super::{Walbox, checkpoint, confirmed_lsn};
+use super::{Walbox, checkpoint, confirmed_lsn, wait_slot_released};
 
 /// A pseudo-random number below `n` (fault timing, not synchronisation).
 pub fn random_below(n: u64) -> u64 {
@@ -80,5 +80,6 @@ pub async fn kill_9_rounds(
         .unwrap_or_else(|e| panic!("round {round}: {e}\n{}", walbox.log()));
         std::thread::sleep(Duration::from_millis(random_below(400)));
         walbox.kill9();
+        wait_slot_released(db, "walbox").await;
     }
 }

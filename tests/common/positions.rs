@@ -40,6 +40,29 @@ pub async fn confirmed_lsn(db: &tokio_postgres::Client, slot: &str) -> walbox_pg
     s.parse().unwrap()
 }
 
+/// Waits until no walsender holds `slot`: after a walbox is killed its
+/// walsender holds the slot until it notices, and a walbox started before that
+/// is refused ("in use by pid"), as a supervisor's restart delay avoids.
+pub async fn wait_slot_released(db: &tokio_postgres::Client, slot: &str) {
+    walbox_testkit::wait_until_async(
+        "the killed walbox's walsender to release the slot",
+        Duration::from_secs(60),
+        || async {
+            let active: bool = db
+                .query_one(
+                    "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (!active).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+}
+
 /// Waits until the slot's confirmed position reaches `target`.
 pub async fn wait_confirmed(
     db: &tokio_postgres::Client,

@@ -3,6 +3,10 @@
 use walbox_outbox::{Event, MappingError, Position, TopicTemplate};
 use walbox_pgoutput::{DecodeError, Lsn, Oid};
 
+/// The class of a refusal for size (the sinks' `message_too_large`): the one
+/// refusal of a dead letter that sending it without its value can help.
+pub const TOO_LARGE: &str = "message_too_large";
+
 /// A failed delivery, as the sink reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
@@ -76,11 +80,12 @@ impl Failure {
     /// headers, the failure's class and reason, where it came from (`source`: a
     /// table's `schema.name` or a message prefix's source name, so that `dlq
     /// replay` knows what to rebuild it from), and a value that describes it
-    /// (the value itself is what was refused). A refused dead letter (a poison
-    /// row's columns or a message's content too large for the broker) is sent
-    /// again with the same headers and only that description as its value, marked
-    /// `walbox_value_omitted`. `None` when there is no record, or the record is
-    /// such a reduced dead letter already (its headers alone are refused).
+    /// (the value itself is what was refused). A dead letter refused for its size
+    /// (a poison row's columns or a message's content too large for the broker)
+    /// is sent again with the same headers and only that description as its
+    /// value, marked `walbox_value_omitted`. `None` when there is no record, the
+    /// record is a dead letter refused for something else, or such a reduced dead
+    /// letter already (its headers alone are refused).
     #[must_use]
     pub fn dead_letter(&self, template: &TopicTemplate, source: &str) -> Option<Event> {
         use walbox_outbox::dead_letter_header as dl;
@@ -88,8 +93,9 @@ impl Failure {
         if record.headers.iter().any(|(k, _)| k == dl::VALUE_OMITTED) {
             return None;
         }
-        if record.headers.iter().any(|(k, _)| k == dl::ERROR_CLASS) {
-            return Some(self.reduced_dead_letter(record));
+        if self.is_dead_letter() {
+            // Only a size can be helped by leaving the value out.
+            return (self.class == TOO_LARGE).then(|| self.reduced_dead_letter(record));
         }
         let header = |name: &str| record.header(name);
         let position = record.position();
@@ -138,6 +144,15 @@ impl Failure {
 }
 
 impl Failure {
+    /// Whether the refused record is a dead letter already (counted as one).
+    #[must_use]
+    pub fn is_dead_letter(&self) -> bool {
+        use walbox_outbox::dead_letter_header as dl;
+        self.rejected
+            .as_ref()
+            .is_some_and(|r| r.headers.iter().any(|(k, _)| k == dl::ERROR_CLASS))
+    }
+
     /// A refused dead letter again, its value left out: it keeps its topic, key,
     /// headers (the first refusal's class and reason among them) and position.
     fn reduced_dead_letter(&self, record: &Rejected) -> Event {
@@ -357,6 +372,10 @@ mod tests {
         assert_eq!(value["value_bytes"], 2_000_000);
         assert_eq!(value["topic"], "outbox.event.Order");
         assert!(value["value"].is_null());
+        // A dead letter refused for something a smaller value cannot help.
+        let mut invalid = letter.clone();
+        invalid.class = "invalid_topic";
+        assert!(invalid.dead_letter(&template, "message:walbox").is_none());
         // Refused again (its headers alone too large): nothing smaller is left.
         let mut again = refused(&[
             ("walbox_error_class", "non_transactional_message"),

@@ -54,9 +54,27 @@ struct DeadLetter {
     /// For a logical decoding message's dead letter: its prefix, and its content
     /// when the letter holds it as text.
     message: Option<(String, Option<String>)>,
+    /// Why it was dead-lettered (`walbox_error_class`).
+    class: Option<String>,
 }
 
 impl DeadLetter {
+    /// Why this letter can never become its event again, whatever is fixed: a
+    /// non-transactional message has no commit order (its transaction may even
+    /// have rolled back), and a message is in no table, so a letter that does
+    /// not hold its content has nothing to rebuild it from.
+    fn never_replayable(&self) -> Option<&'static str> {
+        let (_, content) = self.message.as_ref()?;
+        let non_transactional = walbox_outbox::MessageError::NonTransactional.class();
+        if self.class.as_deref() == Some(non_transactional) || self.position.xid == 0 {
+            Some("a non-transactional message: it has no commit order and is never an event")
+        } else if content.is_none() {
+            Some("a message whose content the letter does not hold (too large, or not UTF-8)")
+        } else {
+            None
+        }
+    }
+
     fn offset_key(&self) -> (i32, i64) {
         (self.partition, self.offset)
     }
@@ -102,6 +120,7 @@ fn parse(r: &walbox_sink::RecordView<'_>) -> DeadLetter {
         position,
         columns: value.and_then(|v| v.get("columns")?.as_object().cloned()),
         message,
+        class: r.header(dead_letter_header::ERROR_CLASS).map(str::to_owned),
     }
 }
 
@@ -172,6 +191,7 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         args: &args,
         replayed: 0,
         failing: 0,
+        kept: 0,
     };
     match config.sink.kind {
         SinkKind::Kafka => {
@@ -247,9 +267,10 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
-    let (replayed, failing) = (run.replayed, run.failing);
+    let (replayed, failing, kept) = (run.replayed, run.failing, run.kept);
     println_out(&format!(
-        "{} {replayed} dead letters; {failing} still failing (left in place)",
+        "{} {replayed} dead letters; {failing} still failing (left in place); {kept} not \
+         replayable (left in place)",
         if args.dry_run {
             "would replay"
         } else {
@@ -283,6 +304,8 @@ struct Run<'a> {
     args: &'a ReplayArgs,
     replayed: u64,
     failing: u64,
+    /// Letters that can never be replayed: done, and left in place.
+    kept: u64,
 }
 
 impl Run<'_> {
@@ -299,6 +322,14 @@ impl Run<'_> {
         let mut failed = HashSet::new();
         let mut sent = 0usize;
         for letter in letters {
+            if let Some(why) = letter.never_replayable() {
+                println_out(&format!(
+                    "not replayable, left in place: event {} ({dlq} offset {}:{}): {why}",
+                    letter.event_id, letter.partition, letter.offset
+                ));
+                self.kept += 1;
+                continue;
+            }
             match rebuild(
                 self.sql,
                 self.targets,

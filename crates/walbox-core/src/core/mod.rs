@@ -743,7 +743,10 @@ impl Core {
                         dead_letter_topic = %dead.topic,
                         "dead-lettered"
                     );
-                    self.stats.dead_lettered += 1;
+                    if !f.is_dead_letter() {
+                        // A dead letter sent again smaller was counted already.
+                        self.stats.dead_lettered += 1;
+                    }
                     let token =
                         self.ledger
                             .insert(ticket, dead.size(), committed, Arc::clone(&table));

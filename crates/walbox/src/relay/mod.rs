@@ -360,25 +360,21 @@ async fn session(
         .await
         .map_err(classify_sql)?;
     if let Some(info) = slot.clone()
-        && info.active_pid.is_some()
+        && let Some(pid) = info.active_pid
     {
-        let until = (!options.wait_for_slot)
-            .then(|| tokio::time::Instant::now() + plan::SLOT_RELEASE_GRACE);
-        match wait_for_slot(&sql, slot_name, info, until, signals).await? {
-            Some(crate::slot::SlotInfo {
-                active_pid: Some(pid),
-                ..
-            }) => {
-                let e = anyhow!(
-                    "slot {slot_name:?} is in use by pid {pid} (another walbox?); stop it, or \
-                     start this one with --wait-for-slot to take over when it ends"
-                );
-                // After a lost connection the old walsender can hold the slot a little
-                // longer; at first start a holder is another reader.
-                return Err(if attempt > 0 { transient(e) } else { e });
+        if options.wait_for_slot {
+            match wait_for_slot(&sql, slot_name, info, signals).await? {
+                Some(free) => slot = Some(free),
+                None => return Ok(()),
             }
-            Some(free) => slot = Some(free),
-            None => return Ok(()),
+        } else {
+            let e = anyhow!(
+                "slot {slot_name:?} is in use by pid {pid} (another walbox?); stop it, or start \
+                 this one with --wait-for-slot to take over when it ends"
+            );
+            // After a lost connection the old walsender can hold the slot a little
+            // longer; at first start a holder is another reader.
+            return Err(if attempt > 0 { transient(e) } else { e });
         }
     }
     takeover::check(ctx, &sql, saved.as_ref(), slot.as_ref(), options).await?;

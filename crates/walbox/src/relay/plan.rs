@@ -289,37 +289,22 @@ pub async fn where_run_starts(
     ))
 }
 
-/// Waits while another reader holds the slot: without limit for `--wait-for-slot`
-/// (`until` = `None`), or until `until` (the grace at start, when the holder may be
-/// the walsender of a walbox that has just died). `None` when a stop signal came
-/// first; otherwise the slot as last seen, still held when the grace ran out.
+/// Waits while another reader holds the slot (`--wait-for-slot`); `None` when a
+/// stop signal came first.
 pub(super) async fn wait_for_slot(
     sql: &tokio_postgres::Client,
     slot: &str,
     mut info: SlotInfo,
-    until: Option<tokio::time::Instant>,
     signals: &mut mpsc::UnboundedReceiver<()>,
 ) -> Result<Option<SlotInfo>> {
     let mut logged = false;
     while let Some(pid) = info.active_pid {
-        if until.is_some_and(|t| tokio::time::Instant::now() >= t) {
-            return Ok(Some(info));
-        }
         if !logged {
-            match until {
-                None => tracing::info!(
-                    slot,
-                    pid,
-                    "slot in use; waiting for it to be released (--wait-for-slot)"
-                ),
-                Some(_) => tracing::info!(
-                    slot,
-                    pid,
-                    grace_s = SLOT_RELEASE_GRACE.as_secs(),
-                    "slot in use; waiting a moment for it to be released (the walsender of a \
-                     reader that has just ended holds it until it notices)"
-                ),
-            }
+            tracing::info!(
+                slot,
+                pid,
+                "slot in use; waiting for it to be released (--wait-for-slot)"
+            );
             logged = true;
         }
         tokio::select! {
@@ -336,11 +321,6 @@ pub(super) async fn wait_for_slot(
     }
     Ok(Some(info))
 }
-
-/// How long a start without `--wait-for-slot` waits for a held slot to be
-/// released before it refuses: a walbox killed a moment ago leaves a walsender
-/// that holds the slot until it notices its client is gone.
-pub(super) const SLOT_RELEASE_GRACE: Duration = Duration::from_secs(10);
 
 /// How often `--wait-for-slot` looks at the slot.
 const SLOT_POLL: Duration = Duration::from_millis(500);

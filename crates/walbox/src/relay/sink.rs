@@ -93,3 +93,14 @@ pub(super) fn failure(e: DeliveryError) -> walbox_core::Failure {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_core_knows_the_sinks_class_of_a_refusal_for_size() {
+        assert_eq!(
+            walbox_sink::DeliveryClass::MessageTooLarge.as_str(),
+            walbox_core::TOO_LARGE
+        );
+    }
+}

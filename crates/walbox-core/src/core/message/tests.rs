@@ -480,6 +480,11 @@ fn a_non_transactional_message_whose_dead_letter_is_refused_is_dead_lettered_wit
     assert_eq!(c.confirmed(), Lsn(100));
     c.on_delivery(token, Outcome::Acked).unwrap();
     assert_eq!(c.confirmed(), Lsn(250));
+    assert_eq!(
+        c.stats().dead_lettered,
+        1,
+        "one event, one dead letter counted"
+    );
 }
 
 #[test]
