@@ -10,6 +10,7 @@ use bytes::Bytes;
 use walbox_outbox::{Event, MessageConfig, MessageError, MessageMapper, Position};
 use walbox_pgoutput::DecodingMessage;
 
+use super::poison::Refused;
 use super::{Core, CoreConfig, Origin};
 use crate::error::CoreError;
 
@@ -152,26 +153,13 @@ fn dead_letter(
     dead_lettered: &mut u64,
 ) -> Result<Event, CoreError> {
     let dead = mapper.dead_letter(content, position, error, &cfg.dead_letter_topic);
-    if cfg.stop_on_poison {
-        return Err(CoreError::Poison {
-            event_id: dead.event_id,
-            position,
-            table: mapper.source().to_owned(),
-            class: error.class(),
-            reason: error.to_string(),
-        });
-    }
-    tracing::warn!(
-        source = mapper.source(),
-        event_id = %dead.event_id,
-        position = %format_args!("{}#{}", position.commit_lsn, position.index),
-        class = error.class(),
-        reason = %error,
-        topic = %dead.topic,
-        "dead-lettered"
-    );
-    *dead_lettered += 1;
-    Ok(dead)
+    let refused = Refused {
+        source: mapper.source(),
+        position,
+        class: error.class(),
+        reason: error,
+    };
+    refused.take(dead, cfg, dead_lettered)
 }
 
 impl CoreConfig {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use walbox_outbox::{Event, Mapper, MessageConfig, Position, TableConfig, TopicTemplate};
-use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, TupleValue, Xid};
+use walbox_pgoutput::{Decoder, LogicalMessage, Lsn, Oid, Xid};
 
 use crate::ack::{AckTracker, TxnId};
 use crate::checkpoint::{Checkpoint, Partial};
@@ -22,8 +22,11 @@ use crate::holdback::{Holdback, ReplayWindow};
 use crate::ledger::Ledger;
 
 mod message;
+mod poison;
 mod progress;
 mod snapshot;
+
+use poison::map_row;
 
 /// What the core needs to know of the configuration.
 #[derive(Debug, Clone)]
@@ -768,45 +771,6 @@ impl Core {
                     failure: Box::new(f),
                 })
             }
-        }
-    }
-}
-
-/// Maps `row` (of a transaction committed at `commit_time`, when known), or
-/// builds its dead letter (counting it; then `true`), or stops under the stop
-/// policy.
-pub(super) fn map_row(
-    mapper: &Mapper,
-    row: &[TupleValue],
-    position: Position,
-    commit_time: Option<i64>,
-    cfg: &CoreConfig,
-    dead_lettered: &mut u64,
-) -> Result<(Event, bool), CoreError> {
-    match mapper.map_at(row, position, commit_time) {
-        Ok(event) => Ok((event, false)),
-        Err(e) => {
-            let dead = mapper.dead_letter(row, position, &e, &cfg.dead_letter_topic);
-            if cfg.stop_on_poison {
-                return Err(CoreError::Poison {
-                    event_id: dead.event_id,
-                    position,
-                    table: mapper.table().to_owned(),
-                    class: e.class(),
-                    reason: e.to_string(),
-                });
-            }
-            tracing::warn!(
-                table = mapper.table(),
-                event_id = %dead.event_id,
-                position = %format_args!("{}#{}", position.commit_lsn, position.index),
-                class = e.class(),
-                reason = %e,
-                topic = %dead.topic,
-                "dead-lettered"
-            );
-            *dead_lettered += 1;
-            Ok((dead, true))
         }
     }
 }

@@ -7,7 +7,8 @@ use walbox_pgoutput::{Lsn, TupleValue};
 
 use std::sync::Arc;
 
-use super::{Core, Origin, map_row};
+use super::poison::map_row;
+use super::{Core, Origin};
 use crate::ack::AckTracker;
 use crate::error::CoreError;
 
