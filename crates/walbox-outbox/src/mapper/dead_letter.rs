@@ -7,7 +7,7 @@ use walbox_pgoutput::TupleValue;
 use super::map::push_position;
 use super::value::text;
 use super::{Mapper, RowError};
-use crate::event::{Event, Position, header};
+use crate::event::{Event, HeaderName, Position, header};
 use crate::template::TopicTemplate;
 
 /// Header names of dead-letter records.
@@ -75,37 +75,67 @@ impl Mapper {
             })
             .collect();
         let value = serde_json::json!({ "table": self.table, "columns": columns }).to_string();
-        let mut headers = vec![
-            (header::EVENT_ID.into(), Bytes::from(event_id.clone())),
+        Letter {
+            event_id,
+            topic,
+            key,
+            value,
+            class: error.class(),
+            reason: error.to_string(),
+            source: (dead_letter_header::SOURCE_TABLE, self.table.clone()),
+            intended,
+            position,
+        }
+        .into_event()
+    }
+}
+
+/// A dead letter's parts, for a row's and a message's alike.
+pub(crate) struct Letter {
+    pub event_id: String,
+    pub topic: String,
+    pub key: Option<Bytes>,
+    /// The value's JSON text.
+    pub value: String,
+    pub class: &'static str,
+    /// The reason, naming the field or column, never its value.
+    pub reason: String,
+    /// The header naming where it came from, and its value.
+    pub source: (&'static str, String),
+    /// The topic the event was meant for, when it could be named.
+    pub intended: Option<String>,
+    pub position: Position,
+}
+
+impl Letter {
+    /// The record: headers event id, error class and reason, source, intended
+    /// topic, position, attempts.
+    pub(crate) fn into_event(self) -> Event {
+        let mut headers: Vec<(HeaderName, Bytes)> = vec![
+            (header::EVENT_ID.into(), Bytes::from(self.event_id.clone())),
             (
                 dead_letter_header::ERROR_CLASS.into(),
-                Bytes::from_static(error.class().as_bytes()),
+                Bytes::from_static(self.class.as_bytes()),
             ),
-            (
-                dead_letter_header::ERROR.into(),
-                Bytes::from(error.to_string()),
-            ),
-            (
-                dead_letter_header::SOURCE_TABLE.into(),
-                Bytes::from(self.table.clone()),
-            ),
+            (dead_letter_header::ERROR.into(), Bytes::from(self.reason)),
+            (self.source.0.into(), Bytes::from(self.source.1)),
         ];
-        if let Some(t) = intended {
+        if let Some(t) = self.intended {
             headers.push((dead_letter_header::SOURCE_TOPIC.into(), Bytes::from(t)));
         }
-        push_position(&mut headers, position);
+        push_position(&mut headers, self.position);
         headers.push((
             dead_letter_header::ATTEMPTS.into(),
             Bytes::from_static(b"1"),
         ));
         Event {
-            event_id,
-            topic,
-            key,
-            value: Bytes::from(value),
+            event_id: self.event_id,
+            topic: self.topic,
+            key: self.key,
+            value: Bytes::from(self.value),
             json_value: true,
             headers,
-            position,
+            position: self.position,
         }
     }
 }

@@ -21,6 +21,7 @@ mod value;
 use crate::format::{ExtraKind, Formatter};
 use crate::template::TopicTemplate;
 
+pub(crate) use dead_letter::Letter;
 pub use dead_letter::dead_letter_header;
 pub use error::{MappingError, RowError};
 pub(crate) use value::rfc3339;

@@ -20,11 +20,11 @@ use std::ops::Range;
 use bytes::Bytes;
 
 use crate::config::{ColumnNames, Format};
-use crate::event::{Event, HeaderName, Position, header};
+use crate::event::{Event, HeaderName, Position};
 use crate::format::{
-    EventFields, Extra, ExtraKind, FieldNames, Formatter, Payload, PayloadKind, Text, push_position,
+    EventFields, Extra, ExtraKind, FieldNames, Formatter, Payload, PayloadKind, Text,
 };
-use crate::mapper::{MappingError, RowError, dead_letter_header};
+use crate::mapper::{Letter, MappingError, RowError};
 use crate::template::{TopicTemplate, validate_topic};
 
 pub use config::{MessageConfig, check_prefixes};
@@ -572,38 +572,18 @@ impl MessageMapper {
                 "content_encoding": "base64",
             }),
         };
-        let mut headers: Vec<(HeaderName, Bytes)> = vec![
-            (header::EVENT_ID.into(), Bytes::from(event_id.clone())),
-            (
-                dead_letter_header::ERROR_CLASS.into(),
-                Bytes::from_static(error.class().as_bytes()),
-            ),
-            (
-                dead_letter_header::ERROR.into(),
-                Bytes::from(error.to_string()),
-            ),
-            (
-                SOURCE_MESSAGE_PREFIX.into(),
-                Bytes::from(self.prefix.clone()),
-            ),
-        ];
-        if let Some(t) = intended {
-            headers.push((dead_letter_header::SOURCE_TOPIC.into(), Bytes::from(t)));
-        }
-        push_position(&mut headers, position);
-        headers.push((
-            dead_letter_header::ATTEMPTS.into(),
-            Bytes::from_static(b"1"),
-        ));
-        Event {
+        Letter {
             event_id,
             topic,
             key,
-            value: Bytes::from(value.to_string()),
-            json_value: true,
-            headers,
+            value: value.to_string(),
+            class: error.class(),
+            reason: error.to_string(),
+            source: (SOURCE_MESSAGE_PREFIX, self.prefix.clone()),
+            intended,
             position,
         }
+        .into_event()
     }
 }
 
