@@ -5,7 +5,7 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 60
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all build release deps demo test test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay fuzz clean
+.PHONY: all build release deps demo test test-vendor test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay fuzz clean
 
 # PostgreSQL majors the end-to-end tests run on: `make test` runs the whole suite on
 # the first and the end-to-end tests again on the others; `make test-matrix` runs
@@ -35,9 +35,15 @@ demo: deps
 test: deps fmt-check clippy
 	WALBOX_PG_VERSION=$(firstword $(PG_VERSIONS)) $(CARGO) test --workspace --all-targets --no-fail-fast
 	$(CARGO) test --workspace --doc
+	$(MAKE) --no-print-directory test-vendor
 	@for v in $(wordlist 2,99,$(PG_VERSIONS)); do \
 	  $(MAKE) --no-print-directory test-e2e PG_VERSION=$$v || exit 1; \
 	done
+
+## The unit tests of the pgwire-replication copy walbox carries (outside the
+## workspace, with its own lock file).
+test-vendor:
+	$(CARGO) test --locked --manifest-path vendor/pgwire-replication/Cargo.toml --lib
 
 ## The end-to-end tests (the ones that start PostgreSQL) on one major: PG_VERSION=17.
 PG_VERSION ?= 15

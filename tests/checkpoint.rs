@@ -340,6 +340,7 @@ async fn a_restart_inside_a_large_transaction_skips_its_acknowledged_events() {
     )
     .unwrap();
     walbox.kill9();
+    wait_slot_released(&db, "walbox").await;
     let saved = checkpoint(&pg).unwrap().partial.unwrap();
     assert!(saved.events < 30_000, "killed inside the transaction");
 

@@ -160,6 +160,7 @@ async fn a_config_change_inside_a_partly_acknowledged_transaction_sends_it_whole
         "no partly acknowledged transaction seen in five tries"
     );
     walbox.kill9();
+    wait_slot_released(&db, "walbox").await;
     let partial = checkpoint(&pg).unwrap().partial.unwrap();
     assert!(partial.events < 20_000);
 

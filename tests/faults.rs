@@ -49,6 +49,7 @@ async fn a_transaction_open_across_a_restart_is_published_when_it_commits() {
     write_events(&pg, 2, 10, 10, 10).await;
     wait_caught_up(&db).await;
     walbox.kill9();
+    wait_slot_released(&db, "walbox").await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     write_events_from(&pg, 1, 10, 10, 10, 10).await;
     long.batch_execute("COMMIT").await.unwrap();

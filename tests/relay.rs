@@ -171,6 +171,28 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
         "{}",
         walbox.log()
     );
+    // A clean exit waits for the server to end the stream: the slot is free
+    // and at the position walbox reported, with no wait for its walsender.
+    let log = walbox.log();
+    let reported = log
+        .lines()
+        .filter(|l| l.contains("stopped"))
+        .find_map(|l| l.split("reported=").nth(1)?.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no reported position in the log: {log}"))
+        .to_owned();
+    let slot = db
+        .query_one(
+            "SELECT active, confirmed_flush_lsn::text FROM pg_replication_slots \
+             WHERE slot_name = 'walbox'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(
+        !slot.get::<_, bool>(0),
+        "slot still held after a clean exit"
+    );
+    assert_eq!(slot.get::<_, String>(1), reported, "{log}");
 
     let mut again = Walbox::spawn(&["run"], &env);
     let last = current_lsn(&db).await;

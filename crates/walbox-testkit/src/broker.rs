@@ -329,7 +329,8 @@ impl Tansu {
                 return Some(Err(status));
             }
             TcpStream::connect(&addr).ok().map(|_| Ok(()))
-        })?;
+        })
+        .inspect_err(|_| self.abandon())?;
         if let Err(status) = listening {
             self.child = None;
             return Err(TestkitError::Exited {
@@ -346,13 +347,23 @@ impl Tansu {
                 config.set(k, v);
             }
         }
-        let consumer: BaseConsumer = config.create()?;
+        let consumer: BaseConsumer = config.create().inspect_err(|_| self.abandon())?;
         wait_until(
             "the broker to answer metadata requests",
             BROKER_TIMEOUT,
             || consumer.fetch_metadata(None, Duration::from_secs(2)).ok(),
-        )?;
+        )
+        .inspect_err(|_| self.abandon())?;
         Ok(())
+    }
+
+    /// Kills a broker that did not come up, so that a retry on another port
+    /// never runs beside it on the same storage.
+    fn abandon(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = signal_group(&child, Signal::SIGKILL);
+            let _ = process::wait_group_gone(&mut child, "tansu broker", BROKER_TIMEOUT);
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use tempfile::TempDir;
 
 mod standby;
 
-use crate::process::{self, command, give_to, log_tail, server_user, signal_group};
+use crate::process::{self, command, give_to, log_tail, server_user};
 use crate::{Result, TestkitError, TlsFiles, wait_until};
 
 /// How long a server may take to start or stop before the kit gives up.
@@ -440,8 +440,7 @@ impl PgCluster {
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
-        signal_group(&child, Signal::SIGKILL)?;
-        process::wait_group_gone(&mut child, "postgres", SERVER_TIMEOUT)
+        process::kill_tree(&mut child, "postgres", SERVER_TIMEOUT)
     }
 
     /// Starts a stopped or killed server again on the same port.
@@ -517,8 +516,7 @@ impl PgCluster {
 impl Drop for PgCluster {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            let _ = signal_group(&child, Signal::SIGKILL);
-            let _ = process::wait_group_gone(&mut child, "postgres", SERVER_TIMEOUT);
+            let _ = process::kill_tree(&mut child, "postgres", SERVER_TIMEOUT);
         }
         // TempDir removes the files.
     }

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use nix::sys::signal::{Signal, killpg};
+use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::{Pid, Uid, User, chown};
 
 use crate::{Result, TestkitError, wait_until};
@@ -126,6 +126,68 @@ pub(crate) fn wait_group_gone(child: &mut Child, what: &str, timeout: Duration) 
     })?;
     let _ = child.wait();
     Ok(())
+}
+
+/// Kills `child` and every process it started with SIGKILL, and waits until all
+/// of them are gone.
+///
+/// PostgreSQL's backends each call `setsid()`, so they are not in the
+/// postmaster's process group: a SIGKILL to the group leaves them running until
+/// they notice the postmaster is gone, and a server started again meanwhile
+/// refuses to run while they still hold its shared memory. The postmaster is
+/// stopped first (it forks nothing more), its children are read from `/proc`,
+/// then all are killed.
+pub(crate) fn kill_tree(child: &mut Child, what: &str, timeout: Duration) -> Result<()> {
+    let leader = Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX));
+    let _ = kill(leader, Signal::SIGSTOP);
+    // The stop takes effect when the kernel next schedules it; only then is the
+    // list of its children final.
+    let _ = wait_until(&format!("{what} to stop"), timeout, || {
+        stat_fields(leader)
+            .is_none_or(|(state, _)| matches!(state, 'T' | 't' | 'Z' | 'X'))
+            .then_some(())
+    });
+    let children = children_of(leader);
+    for pid in &children {
+        let _ = kill(*pid, Signal::SIGKILL);
+    }
+    signal_group(child, Signal::SIGKILL)?;
+    wait_group_gone(child, what, timeout)?;
+    wait_until(
+        &format!("the processes {what} started to exit"),
+        timeout,
+        || children.iter().all(|pid| !alive(*pid)).then_some(()),
+    )
+}
+
+/// The processes whose parent is `parent`, from `/proc/<pid>/stat`.
+fn children_of(parent: Pid) -> Vec<Pid> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            stat_fields(Pid::from_raw(*pid)).is_some_and(|(_, ppid)| ppid == parent.as_raw())
+        })
+        .map(Pid::from_raw)
+        .collect()
+}
+
+/// State and parent of `pid` from `/proc/<pid>/stat` (the fields after the
+/// command name, which is in parentheses and may hold spaces).
+fn stat_fields(pid: Pid) -> Option<(char, i32)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = text.get(text.rfind(')')? + 1..)?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    Some((state, ppid))
+}
+
+/// Whether `pid` still runs: a zombie holds no memory and no files any more.
+fn alive(pid: Pid) -> bool {
+    stat_fields(pid).is_some_and(|(state, _)| state != 'Z' && state != 'X')
 }
 
 /// The server log at `path`, opened for appending, twice: for stdout and stderr.

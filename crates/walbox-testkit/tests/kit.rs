@@ -71,6 +71,64 @@ async fn cluster_is_logical_unprivileged_and_survives_restarts_and_kills() {
     assert_eq!(count(&db).await, 150);
 }
 
+/// Backends are not in the postmaster's process group, and one busy in a long
+/// query notices the postmaster's death only when it next waits: a kill -9 that
+/// left it running would make the next start fail on the shared memory it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_takes_every_backend_with_it_even_one_busy_in_a_query() {
+    let mut pg = PgCluster::start().unwrap();
+    let busy = pg.connect("postgres").await.unwrap();
+    let pid: i32 = busy
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let query = tokio::spawn(async move {
+        busy.query_one("SELECT count(*) FROM generate_series(1, 10000000000)", &[])
+            .await
+    });
+    let db = pg.connect("postgres").await.unwrap();
+    let admin = &db;
+    walbox_testkit::wait_until_async(
+        "the busy query to run",
+        Duration::from_secs(30),
+        move || async move {
+            let active: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active'",
+                    &[&pid],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (active == 1).then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    drop(db);
+
+    pg.kill9().unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .next();
+    assert!(
+        matches!(state, None | Some("Z" | "X")),
+        "backend {pid} still runs after kill -9: {stat}"
+    );
+    pg.start_again().unwrap();
+    assert!(
+        query.await.unwrap().is_err(),
+        "the busy query died with its server"
+    );
+    let db = pg.connect("postgres").await.unwrap();
+    assert_eq!(show(&db, "port").await, pg.port().to_string());
+}
+
 #[test]
 fn cluster_files_are_removed_on_drop_and_on_panic() {
     let pg = PgCluster::start().unwrap();

@@ -18,6 +18,12 @@ use crate::protocol::replication::{
     encode_standby_status_update, parse_copy_data, ReplicationCopyData, PG_EPOCH_MICROS,
 };
 
+/// How long a stopping worker waits for the server to end the replication
+/// command after its CopyDone (see `WorkerState::await_stream_end`). A server
+/// still decoding a large transaction may not answer sooner; the connection is
+/// then closed, which ends the walsender too, only later.
+pub const STREAM_END_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// Shared replication progress updated by the consumer and read by the worker.
 ///
 /// The applied LSN lives in a lock-free [`ProgressCell`] so progress updates
@@ -452,12 +458,50 @@ impl WorkerState {
         &mut self,
         stream: &mut BufReader<S>,
     ) -> Result<()> {
+        // Cancellation-safe message reader, partial reads survive dropped futures.
+        let mut reader = MessageReader::new().with_max_message_size(self.cfg.max_message_size);
+        self.stream_messages(stream, &mut reader).await?;
+        // Every clean end of `stream_messages` has sent CopyDone.
+        Self::await_stream_end(stream, &mut reader).await;
+        Ok(())
+    }
+
+    /// After the client's CopyDone, reads (and drops) what the server still
+    /// sends until it ends the command, answers with an error, or closes the
+    /// connection, for at most [`STREAM_END_WAIT`].
+    ///
+    /// The walsender releases the slot before it completes the command, after
+    /// it has applied every status update sent before the CopyDone. A client
+    /// that leaves only then lets the next `START_REPLICATION` on the slot start
+    /// at once and find the position it reported, instead of racing a walsender
+    /// that still holds the slot.
+    async fn await_stream_end<S: AsyncRead + AsyncWrite + Unpin>(
+        stream: &mut BufReader<S>,
+        reader: &mut MessageReader,
+    ) {
+        let _ = tokio::time::timeout(STREAM_END_WAIT, async {
+            loop {
+                match reader.read(stream).await {
+                    Ok(msg) if matches!(msg.tag, b'C' | b'E' | b'Z') => return,
+                    Ok(_) => {}
+                    Err(_) => return,
+                }
+            }
+        })
+        .await;
+    }
+
+    /// The streaming part of [`stream_loop`](Self::stream_loop): returns `Ok`
+    /// once it has sent CopyDone.
+    async fn stream_messages<S: AsyncRead + AsyncWrite + Unpin>(
+        &mut self,
+        stream: &mut BufReader<S>,
+        reader: &mut MessageReader,
+    ) -> Result<()> {
         let mut last_status_sent = Instant::now() - self.cfg.status_interval;
         let mut last_applied = self.progress.load_applied();
         // Wakes the wait phase when the consumer raises the applied LSN.
         let mut applied_rx = self.progress.subscribe();
-        // Cancellation-safe message reader, partial reads survive dropped futures.
-        let mut reader = MessageReader::new().with_max_message_size(self.cfg.max_message_size);
         // How many messages to process in the tight loop before checking
         // stop signal and sending periodic status feedback.
         const DRAIN_BATCH: usize = 256;
@@ -1824,6 +1868,16 @@ mod tests {
             }
         }
 
+        /// Reads until the worker's CopyDone, skipping anything else.
+        async fn copy_done(&mut self) {
+            loop {
+                let msg = self.reader.read(&mut self.end).await.expect("stream open");
+                if msg.tag == b'c' {
+                    return;
+                }
+            }
+        }
+
         /// No status update arrives within `within`.
         async fn quiet(&mut self, within: std::time::Duration) -> bool {
             tokio::time::timeout(within, self.status()).await.is_err()
@@ -2040,11 +2094,54 @@ mod tests {
         progress.update_applied(Lsn(900)); // pending until the interval passes
         let t = Instant::now();
         r.stop.send(true).unwrap();
+        r.server.copy_done().await;
+        r.server.send(&frame(b'C', b"COPY 0\0")).await;
         let ended = tokio::time::timeout(SECOND, r.task)
             .await
             .expect("the worker ends without waiting for the timer");
         assert!(ended.unwrap().is_ok());
         assert!(t.elapsed() < SECOND);
+    }
+
+    /// The walsender releases the slot only when it ends the command: the
+    /// worker ends after that, dropping what the server sent after its CopyDone.
+    #[tokio::test(start_paused = true)]
+    async fn a_stopping_worker_ends_when_the_server_ends_the_command() {
+        let progress = Arc::new(SharedProgress::new(Lsn(0)));
+        let mut r = run_stream(&progress, 64 * 1024);
+        assert_eq!(r.server.status().await.applied, 0);
+        r.stop.send(true).unwrap();
+        r.server.copy_done().await;
+        // The server still sends what it decoded before it read the CopyDone.
+        r.server.send(&keepalive_frame(100, false)).await;
+        r.server.send(&frame(b'c', b"")).await;
+        tokio::time::sleep(STREAM_END_WAIT / 2).await;
+        assert!(
+            !r.task.is_finished(),
+            "the server has not ended the command"
+        );
+        r.server.send(&frame(b'C', b"COPY 0\0")).await;
+        let ended = tokio::time::timeout(SECOND, r.task)
+            .await
+            .expect("the worker ends once the command is complete");
+        assert!(ended.unwrap().is_ok());
+    }
+
+    /// A server that never answers the goodbye holds a stopping worker for
+    /// [`STREAM_END_WAIT`] at most.
+    #[tokio::test(start_paused = true)]
+    async fn a_stopping_worker_waits_for_a_silent_server_only_so_long() {
+        let progress = Arc::new(SharedProgress::new(Lsn(0)));
+        let mut r = run_stream(&progress, 64 * 1024);
+        assert_eq!(r.server.status().await.applied, 0);
+        let t = Instant::now();
+        r.stop.send(true).unwrap();
+        r.server.copy_done().await;
+        let ended = tokio::time::timeout(STREAM_END_WAIT + SECOND, r.task)
+            .await
+            .expect("the worker gives up on a silent server");
+        assert!(ended.unwrap().is_ok());
+        assert!(t.elapsed() >= STREAM_END_WAIT);
     }
 
     /// Raises from another thread race the worker clearing its signal and
