@@ -480,11 +480,25 @@ impl WorkerState {
         reader: &mut MessageReader,
     ) {
         let _ = tokio::time::timeout(STREAM_END_WAIT, async {
+            let mut server_done = false;
             loop {
-                match reader.read(stream).await {
-                    Ok(msg) if matches!(msg.tag, b'C' | b'E' | b'Z') => return,
-                    Ok(_) => {}
-                    Err(_) => return,
+                let Ok(msg) = reader.read(stream).await else {
+                    return;
+                };
+                match msg.tag {
+                    b'C' | b'Z' => return,
+                    // The walsender reports the error before it releases the
+                    // slot: read on to ReadyForQuery.
+                    b'E' => tracing::warn!(
+                        error = %PgWireError::Server(parse_error_response(&msg.payload)),
+                        "the server ended the replication stream with an error after the stop"
+                    ),
+                    b'c' => server_done = true,
+                    // WAL after the server's own CopyDone: it is replaying a
+                    // transaction and ends the command only after its commit.
+                    // Closing the connection ends the walsender sooner.
+                    b'd' if server_done && msg.payload.first() == Some(&b'w') => return,
+                    _ => {}
                 }
             }
         })
@@ -1755,6 +1769,8 @@ mod tests {
         );
 
         let _ = stop_tx.send(true);
+        // The scripted server ends the stream (no CommandComplete to wait for).
+        drop(test_end);
         let _ = worker_task.await;
     }
 
@@ -1823,6 +1839,8 @@ mod tests {
         );
 
         let _ = stop_tx.send(true);
+        // The scripted server ends the stream (no CommandComplete to wait for).
+        drop(test_end);
         let _ = worker_task.await;
     }
 
@@ -2124,6 +2142,54 @@ mod tests {
         let ended = tokio::time::timeout(SECOND, r.task)
             .await
             .expect("the worker ends once the command is complete");
+        assert!(ended.unwrap().is_ok());
+    }
+
+    /// WAL after the server's own CopyDone means the walsender is replaying a
+    /// transaction to its commit before it ends the command: the worker leaves
+    /// at once rather than reading the rest of it.
+    #[tokio::test(start_paused = true)]
+    async fn a_stopping_worker_leaves_a_server_replaying_a_transaction() {
+        let progress = Arc::new(SharedProgress::new(Lsn(0)));
+        let mut r = run_stream(&progress, 64 * 1024);
+        assert_eq!(r.server.status().await.applied, 0);
+        let t = Instant::now();
+        r.stop.send(true).unwrap();
+        r.server.copy_done().await;
+        r.server.send(&xlog_frame(100, b"Idummy")).await;
+        r.server.send(&frame(b'c', b"")).await;
+        r.server.send(&xlog_frame(200, b"Idummy")).await;
+        let ended = tokio::time::timeout(SECOND, r.task)
+            .await
+            .expect("the worker leaves without the rest of the transaction");
+        assert!(ended.unwrap().is_ok());
+        assert!(t.elapsed() < SECOND);
+    }
+
+    /// An error after the stop is reported, and the worker reads on to
+    /// ReadyForQuery: the walsender releases the slot after the report.
+    #[tokio::test(start_paused = true)]
+    async fn a_stopping_worker_reads_past_an_error_to_ready_for_query() {
+        let progress = Arc::new(SharedProgress::new(Lsn(0)));
+        let mut r = run_stream(&progress, 64 * 1024);
+        assert_eq!(r.server.status().await.applied, 0);
+        r.stop.send(true).unwrap();
+        r.server.copy_done().await;
+        r.server
+            .send(&frame(
+                b'E',
+                b"SERROR\0C42704\0Mpublication does not exist\0\0",
+            ))
+            .await;
+        tokio::time::sleep(STREAM_END_WAIT / 2).await;
+        assert!(
+            !r.task.is_finished(),
+            "ended on the error, before ReadyForQuery"
+        );
+        r.server.send(&frame(b'Z', b"I")).await;
+        let ended = tokio::time::timeout(SECOND, r.task)
+            .await
+            .expect("the worker ends at ReadyForQuery");
         assert!(ended.unwrap().is_ok());
     }
 
