@@ -289,12 +289,12 @@ async fn the_rules_and_the_dashboard_use_only_metrics_walbox_exports() {
     // A walbox that has published, dead-lettered and lost a session, so that
     // every labelled series exists.
     let (pg, broker, db) = servers().await;
-    let addr = format!("127.0.0.1:{}", free_port());
     let mut env = walbox_env(&pg, &broker);
     env.push(("WALBOX_TOPIC", "outbox.{aggregate_type}".into()));
-    env.push(("WALBOX_METRICS_LISTEN", addr.clone()));
+    env.push(("WALBOX_METRICS_LISTEN", "127.0.0.1:0".into()));
     setup(&env);
     let walbox = Walbox::spawn(&["run"], &env);
+    let addr = walbox.metrics_addr();
     db.batch_execute(
         "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
          VALUES ('order', 'k1', 'E', '{\"seq\": 0}'), ('bad topic!', 'k2', 'E', '{\"seq\": 0}');",

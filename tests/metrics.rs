@@ -12,7 +12,7 @@ use common::*;
 use walbox_testkit::prometheus::get_status;
 use walbox_testkit::{Prometheus, StopMode, wait_until, wait_until_async};
 
-/// A port on 127.0.0.1 that was free a moment ago.
+/// A port on 127.0.0.1 nothing listened on a moment ago.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -21,12 +21,12 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// `walbox run` with the metrics endpoint on a free port; returns it and its
-/// address.
+/// `walbox run` with the metrics endpoint on a port the system picks; returns
+/// it and the endpoint's address.
 fn run_with_metrics(env: &mut Vec<(&'static str, String)>) -> (Walbox, String) {
-    let addr = format!("127.0.0.1:{}", free_port());
-    env.push(("WALBOX_METRICS_LISTEN", addr.clone()));
+    env.push(("WALBOX_METRICS_LISTEN", "127.0.0.1:0".into()));
     let walbox = Walbox::spawn(&["run"], env);
+    let addr = walbox.metrics_addr();
     (walbox, addr)
 }
 

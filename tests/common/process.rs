@@ -62,6 +62,23 @@ impl Walbox {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The metrics endpoint's address, from the line walbox logs once it has
+    /// bound it: with `WALBOX_METRICS_LISTEN=127.0.0.1:0` the system picks the
+    /// port, and no other server can take it between a pick and the bind.
+    pub fn metrics_addr(&self) -> String {
+        wait_until("walbox to serve /metrics", Duration::from_secs(60), || {
+            self.log()
+                .lines()
+                .find(|l| l.contains("serving /metrics"))?
+                .split("addr=")
+                .nth(1)?
+                .split_whitespace()
+                .next()
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|e| panic!("{e}; log:\n{}", self.log()))
+    }
+
     /// Sends `signal` to the process.
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
         let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
