@@ -67,14 +67,7 @@ impl Walbox {
     /// port, and no other server can take it between a pick and the bind.
     pub fn metrics_addr(&self) -> String {
         wait_until("walbox to serve /metrics", Duration::from_secs(60), || {
-            self.log()
-                .lines()
-                .find(|l| l.contains("serving /metrics"))?
-                .split("addr=")
-                .nth(1)?
-                .split_whitespace()
-                .next()
-                .map(str::to_owned)
+            log_field(&self.log(), "serving /metrics", "addr")
         })
         .unwrap_or_else(|e| panic!("{e}; log:\n{}", self.log()))
     }
@@ -202,4 +195,14 @@ pub fn json_lines(output: &str) -> Vec<serde_json::Value> {
         .filter(|l| l.starts_with("{\"topic\""))
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
+}
+
+/// The value of `field` (`field=value`) on the first text log line holding
+/// `message`.
+pub fn log_field(log: &str, message: &str, field: &str) -> Option<String> {
+    let key = format!(" {field}=");
+    log.lines()
+        .filter(|l| l.contains(message))
+        .find_map(|l| l.split(key.as_str()).nth(1)?.split_whitespace().next())
+        .map(str::to_owned)
 }

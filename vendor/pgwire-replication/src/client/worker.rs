@@ -18,10 +18,9 @@ use crate::protocol::replication::{
     encode_standby_status_update, parse_copy_data, ReplicationCopyData, PG_EPOCH_MICROS,
 };
 
-/// How long a stopping worker waits for the server to end the replication
-/// command after its CopyDone (see `WorkerState::await_stream_end`). A server
-/// still decoding a large transaction may not answer sooner; the connection is
-/// then closed, which ends the walsender too, only later.
+/// How long a stopping worker waits at most for the server to end the
+/// replication command after its CopyDone (see `WorkerState::await_stream_end`);
+/// the connection is then closed, which ends the walsender too, only later.
 pub const STREAM_END_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Shared replication progress updated by the consumer and read by the worker.
