@@ -174,12 +174,8 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
     // A clean exit waits for the server to end the stream: the slot is free
     // and at the position walbox reported, with no wait for its walsender.
     let log = walbox.log();
-    let reported = log
-        .lines()
-        .filter(|l| l.contains("stopped"))
-        .find_map(|l| l.split("reported=").nth(1)?.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no reported position in the log: {log}"))
-        .to_owned();
+    let reported = log_field(&log, "stopped", "reported")
+        .unwrap_or_else(|| panic!("no reported position in the log: {log}"));
     let slot = db
         .query_one(
             "SELECT active, confirmed_flush_lsn::text FROM pg_replication_slots \
@@ -194,10 +190,12 @@ async fn sigterm_mid_stream_then_restart_loses_and_repeats_nothing() {
     );
     assert_eq!(slot.get::<_, String>(1), reported, "{log}");
 
+    // Writes while no walbox runs are published by the next one.
+    write_events_from(&pg, 1, 10, 10, 10, 20).await;
     let mut again = Walbox::spawn(&["run"], &env);
     let last = current_lsn(&db).await;
     wait_confirmed(&db, "walbox", last, Duration::from_secs(60)).await;
-    let records = read_topic(&broker.bootstrap(), TOPIC, 2_000).await;
+    let records = read_topic(&broker.bootstrap(), TOPIC, 2_100).await;
     let ids = outbox_ids(&db).await;
     let (missing, dup) = audit(&ids, &records);
     assert!(missing.is_empty(), "{} missing", missing.len());
