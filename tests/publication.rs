@@ -294,15 +294,51 @@ async fn publications_that_leave_events_out_are_refused_by_setup_doctor_and_run(
     );
 }
 
+/// Every id once at least; duplicates are copies of the same event; per key,
+/// the first copies carry `seq` in order from 0.
+fn assert_first_copies_complete_in_order(lines: &[serde_json::Value], ids: &[String]) {
+    let mut first: HashMap<&str, &serde_json::Value> = HashMap::new();
+    let mut next: HashMap<String, i64> = HashMap::new();
+    for l in lines {
+        let id = l["headers"]["event_id"].as_str().unwrap();
+        if let Some(earlier) = first.get(id) {
+            assert_eq!(
+                earlier["value"]["payload"], l["value"]["payload"],
+                "a duplicate of {id} differs"
+            );
+            continue;
+        }
+        first.insert(id, l);
+        let key = l["key"].as_str().unwrap().to_owned();
+        let seq = l["value"]["payload"]["seq"].as_i64().unwrap();
+        let expected = next.entry(key.clone()).or_insert(0);
+        assert_eq!(seq, *expected, "key {key}: first copies out of order");
+        *expected += 1;
+    }
+    let got: HashSet<&str> = first.keys().copied().collect();
+    let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
+    let missing: Vec<&&str> = want.difference(&got).collect();
+    assert!(missing.is_empty(), "{} events never published", missing.len());
+    assert_eq!(got.len(), want.len(), "published events that were never inserted");
+}
+
+/// The user's whole sequence: the outbox table is swapped for a new one while
+/// walbox streams and the application writes to the new one; walbox stops
+/// before the slot passes the swap and names the fix; a restart refuses with it;
+/// the user applies it (`walbox setup`) and writes more while walbox is down;
+/// walbox starts again. The new table's rows written before the fix are in no
+/// slot (pgoutput decoded them against the publication of that moment): the
+/// new start takes a snapshot of the new table first, and every event of the
+/// window reaches the sink, each key's first copies in commit order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_table_swapped_while_streaming_stops_walbox_before_the_slot_passes_it() {
+async fn a_table_swapped_while_streaming_is_caught_up_by_a_snapshot_after_the_advised_fix() {
     let pg = PgCluster::start().unwrap();
     let db = pg.connect("postgres").await.unwrap();
     db.batch_execute(OUTBOX_DDL).await.unwrap();
     let env = env(&pg);
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
-    let ids = insert(&db, "outbox", 10, 0, 10, "now()").await;
+    let mut ids = insert(&db, "outbox", 10, 0, 10, "now()").await;
     wait_events(&mut walbox, TOPIC, ids.len());
     wait_caught_up(&db).await;
     // The swap; the WAL position read inside it, just before its commit.
@@ -316,13 +352,17 @@ async fn a_table_swapped_while_streaming_stops_walbox_before_the_slot_passes_it(
     let before_commit = current_lsn(&db).await;
     db.batch_execute("COMMIT").await.unwrap();
     // The new table's events never reach walbox.
-    insert(&db, "outbox", 10, 10, 20, "now()").await;
+    ids.extend(insert(&db, "outbox", 10, 10, 10, "now()").await);
     let status = walbox.wait(Duration::from_secs(60));
     let log = walbox.log();
     assert_eq!(status.code(), Some(1), "{log}");
     assert!(
         log.contains("outbox table public.outbox is not in publication walbox_outbox"),
         "{log}"
+    );
+    assert!(
+        log.contains("rows inserted and deleted again in that window"),
+        "the stop says what a snapshot cannot bring back:\n{log}"
     );
     // The swap's commit record starts at or after `before_commit`: a position
     // up to there has not passed it (transactions that end after the position
@@ -333,7 +373,7 @@ async fn a_table_swapped_while_streaming_stops_walbox_before_the_slot_passes_it(
         "slot at {confirmed}, the swap commits after {before_commit}"
     );
     assert!(checkpoint(&pg).unwrap().lsn <= before_commit);
-    assert_complete_in_order(&events(&walbox, TOPIC), &ids);
+    let mut published = events(&walbox, TOPIC);
     // A restart refuses, with the fix.
     let mut again = Walbox::spawn(&["run"], &env);
     assert_eq!(again.wait(Duration::from_secs(60)).code(), Some(1));
@@ -344,6 +384,47 @@ async fn a_table_swapped_while_streaming_stops_walbox_before_the_slot_passes_it(
         "{}",
         again.log()
     );
+    // The fix walbox names; the application goes on writing meanwhile.
+    setup(&env);
+    ids.extend(insert(&db, "outbox", 10, 20, 10, "now()").await);
+    let mut last = Walbox::spawn(&["run"], &env);
+    ids.extend(insert(&db, "outbox", 10, 30, 5, "now()").await);
+    let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
+    walbox_testkit::wait_until("every event", Duration::from_secs(90), || {
+        assert!(last.running(), "walbox exited:\n{}", last.log());
+        let got: HashSet<String> = events(&last, TOPIC)
+            .iter()
+            .map(|l| l["headers"]["event_id"].as_str().unwrap().to_owned())
+            .collect();
+        let seen = published
+            .iter()
+            .map(|l| l["headers"]["event_id"].as_str().unwrap())
+            .chain(got.iter().map(String::as_str))
+            .filter(|id| want.contains(id))
+            .collect::<HashSet<_>>()
+            .len();
+        (seen == want.len()).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", last.log()));
+    let log = last.log();
+    assert!(
+        log.contains("outbox table has a new identity"),
+        "the start names the table and the snapshot:\n{log}"
+    );
+    published.extend(events(&last, TOPIC));
+    assert_first_copies_complete_in_order(&published, &ids);
+    // Once the snapshot is acknowledged the slot moves on, and a restart
+    // streams without another one.
+    wait_caught_up(&db).await;
+    last.stop();
+    let cp = checkpoint(&pg).unwrap();
+    assert!(!cp.snapshot_interrupted(), "{cp:?}");
+    let mut fourth = Walbox::spawn(&["run"], &env);
+    let more = insert(&db, "outbox", 10, 35, 1, "now()").await;
+    let lines = wait_events(&mut fourth, TOPIC, more.len());
+    assert_eq!(lines.len(), more.len(), "only the new events:\n{}", fourth.log());
+    assert!(!fourth.log().contains("new identity"), "{}", fourth.log());
+    fourth.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -592,3 +592,130 @@ async fn a_uuid_keyed_outbox_is_snapshotted_in_per_key_commit_order_by_default()
         "{out}\n{err}"
     );
 }
+
+/// One row for each key, with `seq`, in one transaction.
+async fn round(db: &tokio_postgres::Client, seq: i64) {
+    db.execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 'order', 'order-' || k, 'OrderPlaced', jsonb_build_object('seq', $1::bigint)
+         FROM generate_series(0::bigint, $2::bigint - 1) k",
+        &[&seq, &KEYS],
+    )
+    .await
+    .unwrap();
+}
+
+/// Per key, the first copies of the stdout sink's events carry `seq` 0, 1, ...
+/// up to `rounds - 1`, and every row of the table was published.
+async fn assert_every_row_in_key_order(
+    db: &tokio_postgres::Client,
+    lines: &[serde_json::Value],
+    rounds: i64,
+) {
+    let mut next: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for l in lines {
+        if !seen.insert(l["headers"]["event_id"].as_str().unwrap().to_owned()) {
+            continue;
+        }
+        let key = l["key"].as_str().unwrap().to_owned();
+        let seq = l["value"]["payload"]["seq"].as_i64().unwrap();
+        let expected = next.entry(key.clone()).or_insert(0);
+        assert_eq!(seq, *expected, "key {key}: first copies out of order");
+        *expected += 1;
+    }
+    assert_eq!(next.len(), usize::try_from(KEYS).unwrap());
+    assert!(next.values().all(|n| *n == rounds), "{next:?}");
+    assert_eq!(seen, outbox_ids(db).await);
+}
+
+/// Waits until walbox has written `n` distinct events.
+fn wait_distinct(walbox: &mut Walbox, n: usize) -> Vec<serde_json::Value> {
+    walbox_testkit::wait_until(&format!("{n} events"), Duration::from_secs(90), || {
+        assert!(walbox.running(), "walbox exited:\n{}", walbox.log());
+        let lines = json_lines(&walbox.log());
+        let distinct: std::collections::HashSet<&str> = lines
+            .iter()
+            .map(|l| l["headers"]["event_id"].as_str().unwrap())
+            .collect();
+        (distinct.len() >= n).then_some(lines)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()))
+}
+
+/// A new user whose configuration asks for an initial snapshot follows
+/// walbox's own messages: `run` refuses (no publication) and says to run
+/// `walbox setup`; setup leaves the slot to `run`, saying so; rows go in
+/// meanwhile; `run` then publishes every row the table held, before the stream.
+/// Another user had made the slot by hand (`walbox slot create`), before more
+/// rows went in: `run` with the initial mode does not adopt it silently, it
+/// takes the snapshot from a temporary slot first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_mode_initial_publishes_the_existing_rows_after_setup_or_a_slot_made_without_one()
+{
+    let pg = PgCluster::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    db.batch_execute("ALTER TABLE outbox ADD COLUMN seq bigserial")
+        .await
+        .unwrap();
+    existing_rows(&db, 5 * KEYS).await;
+    let cfg = config_file(
+        &pg,
+        "initial.toml",
+        "[snapshot]\nmode = \"initial\"\norder_by = [\"seq\"]\n",
+    );
+    let env_for = |slot: &str, checkpoint: &str| -> Vec<(&'static str, String)> {
+        vec![
+            ("WALBOX_DSN", pg.conninfo("postgres")),
+            ("WALBOX_SINK", "stdout".into()),
+            ("WALBOX_SLOT", slot.into()),
+            ("WALBOX_PUBLICATION", "walbox_outbox".into()),
+            (
+                "WALBOX_CHECKPOINT",
+                pg.client_dir().join(checkpoint).display().to_string(),
+            ),
+            ("WALBOX_CONFIG", cfg.clone()),
+        ]
+    };
+    let env = env_for("walbox", "walbox.json");
+    let cmd = |args: &'static [&'static str], env: Vec<(&'static str, String)>| {
+        tokio::task::spawn_blocking(move || walbox_cmd(args, &env))
+    };
+    // 1. The first start refuses, naming the command.
+    let (code, _, err) = cmd(&["run"], env.clone()).await.unwrap();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("walbox setup"), "{err}");
+    // 2. The command it names.
+    let (code, out, err) = cmd(&["setup"], env.clone()).await.unwrap();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("slot walbox not created") && out.contains("`walbox run` creates it"),
+        "setup says what it left to run:\n{out}"
+    );
+    // Something happens before the start.
+    round(&db, 5).await;
+    // 3. The start publishes every row, then streams.
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    round(&db, 6).await;
+    let lines = wait_distinct(&mut walbox, usize::try_from(7 * KEYS).unwrap());
+    assert_every_row_in_key_order(&db, &lines, 7).await;
+    walbox.stop();
+
+    // A slot made without a snapshot, rows written after it, then `run`.
+    let env_b = env_for("walbox_b", "walbox_b.json");
+    let (code, out, err) = cmd(&["slot", "create"], env_b.clone()).await.unwrap();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("created slot walbox_b"), "{out}");
+    round(&db, 7).await;
+    let mut walbox = Walbox::spawn(&["run"], &env_b);
+    round(&db, 8).await;
+    let lines = wait_distinct(&mut walbox, usize::try_from(9 * KEYS).unwrap());
+    assert_every_row_in_key_order(&db, &lines, 9).await;
+    assert!(
+        walbox.log().contains("no snapshot was taken on it"),
+        "{}",
+        walbox.log()
+    );
+    walbox.stop();
+}

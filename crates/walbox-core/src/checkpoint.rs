@@ -8,6 +8,7 @@
 //! finished. It is written before a position is reported to the server, so the
 //! server never holds a position walbox could forget.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -43,9 +44,44 @@ pub struct Checkpoint {
     /// events that are all acknowledged. A restart skips them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial: Option<Partial>,
-    /// The initial snapshot, when walbox created the slot with one.
+    /// The initial snapshot, when walbox created the slot with one; or the
+    /// snapshot of outbox tables whose identity changed (see `tables`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<SnapshotState>,
+    /// The outbox tables (`schema.name`) the slot has covered since this
+    /// position, each with the identity it had then: every insert into that
+    /// table (that oid, in that publication membership) committed after `lsn`
+    /// is in the slot's stream. A configured table whose identity is another
+    /// one now (swapped for a new table, added to the publication afresh, or
+    /// configured since) may hold rows the slot never decoded: the next start
+    /// takes a snapshot of it before it streams past it. Empty in files written
+    /// before it was recorded: the tables as they are then are recorded.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tables: BTreeMap<String, TableIdentity>,
+}
+
+/// What makes an outbox table the one whose inserts the slot decodes: the
+/// relation's oid, and the catalog row that puts it in the publication
+/// (`pg_publication_rel`, or `pg_publication_namespace` for a schema, or the
+/// publication itself when it is `FOR ALL TABLES`). A table dropped from the
+/// publication and added again has a new membership; a table renamed away and
+/// replaced by a new one of the same name has a new oid. pgoutput decodes a
+/// change against the publication as it was when the change was written, so
+/// inserts into a table before it (that oid) joined the publication are in no
+/// slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableIdentity {
+    /// The relation's oid (`pg_class.oid`).
+    pub oid: u32,
+    /// The oid of the catalog row that makes it a member of the publication.
+    pub membership: u32,
+}
+
+impl std::fmt::Display for TableIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "oid {} (publication membership {})", self.oid, self.membership)
+    }
 }
 
 /// The acknowledged beginning of one transaction: the resume position is the
@@ -81,6 +117,12 @@ pub struct SnapshotState {
     pub complete: bool,
     /// Rows published by the snapshot (when complete).
     pub rows: u64,
+    /// The tables the snapshot reads, with the identity each had when it was
+    /// planned (read again when it is taken); empty in files written before it
+    /// was recorded: every configured table. Once complete, these identities
+    /// are recorded in the checkpoint's `tables`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tables: BTreeMap<String, TableIdentity>,
 }
 
 impl Checkpoint {
@@ -267,7 +309,21 @@ mod tests {
                 consistent_point: Some("0/16B0000".parse().unwrap()),
                 complete: false,
                 rows: 0,
+                tables: BTreeMap::from([(
+                    "public.outbox".into(),
+                    TableIdentity {
+                        oid: 16_390,
+                        membership: 16_401,
+                    },
+                )]),
             }),
+            tables: BTreeMap::from([(
+                "public.outbox".into(),
+                TableIdentity {
+                    oid: 16_384,
+                    membership: 16_395,
+                },
+            )]),
         }
     }
 
@@ -322,5 +378,23 @@ mod tests {
         v["lsn"] = "zz".into();
         fs::write(store.path(), v.to_string()).unwrap();
         assert!(matches!(store.load(), Err(CheckpointError::Invalid { .. })));
+    }
+
+    #[test]
+    fn files_written_before_table_identities_load_without_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointFile::new(dir.path().join("cp.json"));
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v.as_object_mut().unwrap().remove("tables");
+        v["snapshot"].as_object_mut().unwrap().remove("tables");
+        fs::write(store.path(), v.to_string()).unwrap();
+        let cp = store.load().unwrap().unwrap();
+        assert!(cp.tables.is_empty());
+        assert!(cp.snapshot.unwrap().tables.is_empty());
+        let text = serde_json::to_string(&sample()).unwrap();
+        assert!(
+            text.contains(r#""tables":{"public.outbox":{"oid":16384,"membership":16395}}"#),
+            "{text}"
+        );
     }
 }

@@ -37,6 +37,7 @@ mod timeline;
 pub use ack::{AckTracker, Ticket, TxnId};
 pub use checkpoint::{
     CHECKPOINT_VERSION, Checkpoint, CheckpointError, CheckpointFile, Partial, SnapshotState,
+    TableIdentity,
 };
 pub use core::{Core, CoreConfig, Origin, Outcome, Stats, WalMessage};
 pub use error::{CoreError, Failure, Rejected, TOO_LARGE};

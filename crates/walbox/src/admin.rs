@@ -131,6 +131,33 @@ pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
     Ok(())
 }
 
+/// `walbox setup` with `snapshot.mode = "initial"` (no `--snapshot`): the slot
+/// is left to `walbox run`, which creates it with the snapshot; this says so,
+/// and what `run` will do with a slot that exists already.
+pub async fn say_run_takes_the_snapshot(config: &Config) -> Result<()> {
+    let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
+    let sql = conn.connect().await?;
+    let slot = &config.source.slot;
+    let line = match (
+        crate::slot::info(&sql, slot).await?,
+        config.checkpoint_store().load()?,
+    ) {
+        (None, _) => format!(
+            "slot {slot} not created: with snapshot.mode = \"initial\", `walbox run` creates it \
+             with a snapshot and publishes the rows already in the outbox first (`walbox setup \
+             --snapshot` does that now instead)"
+        ),
+        (Some(_), None) => format!(
+            "slot {slot} exists, with no snapshot taken on it: with snapshot.mode = \"initial\", \
+             `walbox run` takes the snapshot from a temporary slot first, then streams slot \
+             {slot} (set snapshot.mode = \"never\" to stream without the rows already there)"
+        ),
+        (Some(_), Some(_)) => format!("slot {slot} exists"),
+    };
+    println_out(&line);
+    Ok(())
+}
+
 /// Drops the slot; refuses while a reader holds it.
 pub async fn drop_slot(config: &Config) -> Result<()> {
     let conn = ConnParams::parse(config.dsn()?)?;

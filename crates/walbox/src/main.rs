@@ -305,7 +305,14 @@ fn main() -> std::process::ExitCode {
             }
             Command::Setup(a) => {
                 let config = config::Config::load(&a.overrides)?;
-                admin::setup(&config, !a.snapshot).await?;
+                // With snapshot.mode = "initial", `run` creates the slot with
+                // the snapshot: a slot created here without one would leave the
+                // rows already in the outbox out.
+                let initial = config.snapshot.mode == config::SnapshotMode::Initial;
+                admin::setup(&config, !a.snapshot && !initial).await?;
+                if initial && !a.snapshot {
+                    admin::say_run_takes_the_snapshot(&config).await?;
+                }
                 if a.snapshot {
                     relay::setup_snapshot(&config).await?;
                 }

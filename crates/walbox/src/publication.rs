@@ -12,12 +12,14 @@
 //! server stay at or below the WAL position of the last passing check, so a
 //! change of the publication is found before the slot passes it.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tokio::sync::{Notify, watch};
+use walbox_core::TableIdentity;
 use walbox_outbox::{Mapper, TableConfig};
 use walbox_pgoutput::{Lsn, Relation};
 
@@ -159,7 +161,13 @@ impl fmt::Display for Problem {
                 f,
                 "outbox table {table} is not in publication {publication} (a table that was \
                  renamed or replaced is not followed by the publication), so its events do not \
-                 reach walbox: ALTER PUBLICATION {} ADD TABLE {}",
+                 reach walbox: ALTER PUBLICATION {} ADD TABLE {} (or `walbox setup`). When \
+                 walbox has published from a table of this name before (it was swapped for a \
+                 new one), its next start after the fix takes a snapshot of the new table \
+                 before it streams on, because the slot has none of the rows written to it \
+                 before it joined the publication: those the table still holds then are \
+                 published; rows inserted and deleted again in that window (an outbox that \
+                 deletes its rows) cannot be",
                 ident(publication),
                 quoted(table)
             ),
@@ -384,6 +392,46 @@ pub async fn fetch(
         flags,
         tables: found,
     })
+}
+
+/// The identity of each configured outbox table that exists: its oid and the
+/// catalog row that makes it a member of `publication` (0 when none does), read
+/// in whatever transaction `sql` is in. walbox records them in its checkpoint;
+/// a table whose identity changes between sessions may hold rows no slot has.
+pub async fn identities(
+    sql: &tokio_postgres::Client,
+    publication: &str,
+    tables: &[TableConfig],
+) -> Result<BTreeMap<String, TableIdentity>> {
+    let mut found = BTreeMap::new();
+    for config in tables {
+        let (schema, name) = config.qualified();
+        let row = sql
+            .query_opt(
+                "SELECT c.oid,
+                        coalesce(pr.oid, pn.oid, CASE WHEN p.puballtables THEN p.oid END, 0::oid)
+                 FROM pg_class c
+                 JOIN pg_namespace n ON n.oid = c.relnamespace
+                 LEFT JOIN pg_publication p ON p.pubname = $3
+                 LEFT JOIN pg_publication_rel pr ON pr.prpubid = p.oid AND pr.prrelid = c.oid
+                 LEFT JOIN pg_publication_namespace pn
+                        ON pn.pnpubid = p.oid AND pn.pnnspid = c.relnamespace
+                 WHERE n.nspname = $1 AND c.relname = $2",
+                &[&schema, &name, &publication],
+            )
+            .await
+            .with_context(|| format!("reading the identity of {schema}.{name}"))?;
+        if let Some(row) = row {
+            found.insert(
+                format!("{schema}.{name}"),
+                TableIdentity {
+                    oid: row.get(0),
+                    membership: row.get(1),
+                },
+            );
+        }
+    }
+    Ok(found)
 }
 
 /// The problems as one error message, a line each.

@@ -227,6 +227,12 @@ pub struct Core {
     reported: Lsn,
     /// A mapped relation came with another name since the last look.
     renamed: bool,
+    /// Relations (by oid) whose first insert ends reading before its
+    /// transaction: outbox tables with a new identity, whose earlier rows only
+    /// a snapshot can bring (see [`Core::pause_before`]).
+    pause_before: HashMap<Oid, String>,
+    /// Reading ended before a transaction with an insert into one of them.
+    paused: bool,
     /// Outbox inserts not yet taken, all at one WAL start (a multi-insert
     /// record, as `COPY` writes, gives each of its rows its start): a message
     /// that ends there was written before them (see [`Core::in_wal_order`]).
@@ -266,6 +272,8 @@ impl Core {
             skipped_base: None,
             reported: Lsn(0),
             renamed: false,
+            pause_before: HashMap::new(),
+            paused: false,
             held: None,
         }
     }
@@ -324,6 +332,25 @@ impl Core {
     /// save a position past it.
     pub fn stop_at(&mut self, end: Lsn) {
         self.stop_at = Some(end);
+    }
+
+    /// Reading ends before the first transaction that inserts into one of
+    /// these relations (oid, `schema.name`), as at a replay's end: the
+    /// position stays before that transaction. The shell then takes a snapshot
+    /// of those tables and streams on from there, so that a key's rows that only
+    /// the snapshot has come after its events committed before them. Events of
+    /// that transaction already handed to the sink (it inserted into another
+    /// outbox first) stay in flight; the transaction is read again after the
+    /// snapshot.
+    pub fn pause_before(&mut self, relations: impl IntoIterator<Item = (Oid, String)>) {
+        self.pause_before = relations.into_iter().collect();
+    }
+
+    /// Whether reading ended before an insert into a relation of
+    /// [`pause_before`](Self::pause_before).
+    #[must_use]
+    pub fn paused(&self) -> bool {
+        self.paused
     }
 
     /// Positions above `limit` are neither saved nor reported.
@@ -436,6 +463,10 @@ impl Core {
     /// whose shape cannot be mapped, an insert into a published table that is
     /// not an outbox, a poison row under the stop policy.
     pub fn on_wal(&mut self, msg: WalMessage) -> Result<(), CoreError> {
+        if self.paused {
+            // Nothing after the pause counts: it is read again after the snapshot.
+            return Ok(());
+        }
         match msg {
             WalMessage::Begin {
                 final_lsn,
@@ -594,6 +625,10 @@ impl Core {
             LogicalMessage::Insert(i) if self.ignored.contains_key(&i.relation_oid) => {
                 self.stats.ignored_unmapped += 1;
             }
+            LogicalMessage::Insert(i) if self.pause_before.contains_key(&i.relation_oid) => {
+                self.pause(i.relation_oid);
+            }
+            _ if self.paused => {}
             LogicalMessage::Insert(i) => {
                 if !self.mappers.contains_key(&i.relation_oid) {
                     let table = self
@@ -677,6 +712,25 @@ impl Core {
         };
         txn.index += 1;
         Ok(Some((position, txn.id, txn.committed)))
+    }
+
+    /// Ends reading before the open transaction, which inserts into `oid`.
+    fn pause(&mut self, oid: Oid) {
+        let txn = self.txn.take();
+        self.held = None;
+        self.paused = true;
+        self.reached_end = true;
+        let (commit_lsn, sent) = txn.map_or((None, 0), |t| {
+            (Some(t.commit_lsn), t.index.saturating_sub(t.skip))
+        });
+        tracing::info!(
+            table = self.pause_before.get(&oid).map_or("", String::as_str),
+            oid,
+            commit_lsn = ?commit_lsn.map(|l| l.to_string()),
+            events_of_it_sent = sent,
+            "reading ends before the first transaction that inserts into a table with a new \
+             identity; its snapshot comes first"
+        );
     }
 
     /// Counts an update, delete or truncate of published tables no `[[outbox]]`

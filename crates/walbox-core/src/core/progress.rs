@@ -114,9 +114,14 @@ impl Core {
             .pending_snapshot
             .filter(|(txn, _)| self.tracker.settled(*txn));
         if let Some((_, rows)) = settled {
-            if let Some(s) = self.checkpoint.as_mut().and_then(|c| c.snapshot.as_mut()) {
+            if let Some(cp) = self.checkpoint.as_mut()
+                && let Some(s) = cp.snapshot.as_mut()
+            {
                 s.complete = true;
                 s.rows = rows;
+                // Their rows are published: from here on the slot covers them.
+                cp.tables
+                    .extend(s.tables.iter().map(|(t, id)| (t.clone(), *id)));
             }
             self.pending_snapshot = None;
             tracing::info!(rows, consistent_point = %savable,

@@ -5,11 +5,13 @@
 use walbox_outbox::{Mapper, Position};
 use walbox_pgoutput::{Lsn, TupleValue};
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::poison::map_row;
 use super::{Core, Origin};
 use crate::ack::AckTracker;
+use crate::checkpoint::TableIdentity;
 use crate::error::CoreError;
 
 impl Core {
@@ -61,6 +63,15 @@ impl Core {
         };
         self.queue(event, txn, 0, origin);
         Ok(())
+    }
+
+    /// The tables the snapshot read, with the identity each had in it: once
+    /// every row is acknowledged, the checkpoint records them as covered by the
+    /// slot from the stream's start on.
+    pub fn snapshot_tables(&mut self, tables: BTreeMap<String, TableIdentity>) {
+        if let Some(s) = self.checkpoint.as_mut().and_then(|c| c.snapshot.as_mut()) {
+            s.tables = tables;
+        }
     }
 
     /// Every row of the snapshot was read (`rows` of them); it is complete once

@@ -218,6 +218,7 @@ impl<'a> World<'a> {
                 lsn: start,
                 partial: None,
                 snapshot: None,
+                tables: std::collections::BTreeMap::new(),
             };
             self.disk = Some(cp.clone());
             core.adopt_checkpoint(Some(cp));

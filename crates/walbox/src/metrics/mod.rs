@@ -43,6 +43,7 @@ pub const END_REASONS: &[&str] = &[
     "stall",
     "slot_lost",
     "error",
+    "snapshot_due",
 ];
 
 /// Every metric walbox exports, with its registry.

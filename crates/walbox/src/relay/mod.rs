@@ -6,6 +6,7 @@
 //! here; every decision about events and positions lives in the core.
 
 mod checkpoint_writer;
+mod identity;
 mod latency;
 mod plan;
 mod replay;
@@ -19,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, anyhow};
+use anyhow::{Context, Result, anyhow};
 use tokio::sync::mpsc;
 
 use crate::config::Config;
@@ -37,7 +38,17 @@ use plan::{Plan, plan, wait_for_slot};
 use shell::Relay;
 use sink::make_sink;
 use snapshot::take_snapshot;
-use stream::{StreamSpec, stream};
+use stream::{StreamEnd, StreamSpec, stream};
+
+/// How a session of `walbox run` ended without an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SessionEnd {
+    /// A stop signal.
+    Stopped,
+    /// Reading stopped before a table with a new identity: the next session,
+    /// at once, takes its snapshot (the checkpoint says so) and streams on.
+    SnapshotDue,
+}
 
 /// An error after which a new session, resuming from the slot's confirmed
 /// position, can succeed: connection loss, a server restart, a delivery that timed
@@ -278,6 +289,16 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
             m.sessions_started.inc();
         }
         let result = session(ctx, &options, attempt, &mut signals).await;
+        if let Ok(SessionEnd::SnapshotDue) = result {
+            if let Some(m) = ctx.metrics {
+                m.session_ended("snapshot_due");
+            }
+            options.from_lsn = None;
+            attempt = 0;
+            tracing::info!("taking the snapshot of the tables with a new identity");
+            continue;
+        }
+        let result = result.map(drop);
         let reason = end_reason(&result);
         if let Some(m) = ctx.metrics {
             m.session_ended(reason);
@@ -345,7 +366,7 @@ async fn session(
     options: &RunOptions,
     attempt: u32,
     signals: &mut mpsc::UnboundedReceiver<()>,
-) -> Result<()> {
+) -> Result<SessionEnd> {
     let config = ctx.config;
     let slot_name = &config.source.slot;
     // One server for the whole session, the SQL and the replication connection.
@@ -365,7 +386,7 @@ async fn session(
         if options.wait_for_slot {
             match wait_for_slot(&sql, slot_name, info, signals).await? {
                 Some(free) => slot = Some(free),
-                None => return Ok(()),
+                None => return Ok(SessionEnd::Stopped),
             }
         } else {
             let e = anyhow!(
@@ -383,6 +404,25 @@ async fn session(
         .await
         .map_err(classify_replication)
         .map_err(classify_sql)?;
+    // The outbox tables as they are now, against what the checkpoint recorded.
+    let current =
+        crate::publication::identities(&sql, &config.source.publication, &config.outbox)
+            .await
+            .map_err(classify_sql)?;
+    // Where reading stops when a table has a new identity (before its first
+    // insert, or here): the server's WAL position now, past every change to the
+    // publication made before this start.
+    let wal_now = match &plan {
+        Plan::Stream { .. } => {
+            let now: String = sql
+                .query_one("SELECT pg_current_wal_lsn()::text", &[])
+                .await
+                .map_err(|e| classify_sql(e.into()))?
+                .get(0);
+            Some(now.parse::<Lsn>()?)
+        }
+        _ => None,
+    };
     drop(sql);
     let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
@@ -397,7 +437,11 @@ async fn session(
         .await
         .map_err(classify_sql)?,
     );
+    // The publication passed its first check: every configured table is in it.
+    let (saved, catch_up) = identity::reconcile(config, ctx.store, saved, &current)?;
+    let pause = wal_now.filter(|_| !catch_up.is_empty());
     relay.adopt_checkpoint(saved);
+    relay.tables = current;
     let (start, server_confirmed) = match plan {
         Plan::Snapshot { resume } => {
             match take_snapshot(&mut relay, &mut deliveries, signals, resume).await? {
@@ -405,7 +449,7 @@ async fn session(
                     relay.core.continue_after_snapshot(point);
                     (point, point)
                 }
-                None => return Ok(()),
+                None => return Ok(SessionEnd::Stopped),
             }
         }
         Plan::Stream {
@@ -421,16 +465,43 @@ async fn session(
             (start, server_confirmed)
         }
     };
+    if pause.is_some() {
+        relay.core.pause_before(
+            catch_up
+                .iter()
+                .map(|(table, id)| (id.oid, table.clone())),
+        );
+    }
     let spec = StreamSpec {
         start,
         server_confirmed,
         report: true,
-        stop_at: None,
+        stop_at: pause,
         accept_wal_behind: options.accept_wal_behind,
     };
-    stream(&mut relay, &mut deliveries, signals, &spec)
-        .await
-        .map(drop)
+    let end = stream(&mut relay, &mut deliveries, signals, &spec).await?;
+    if end != StreamEnd::ReachedEnd || pause.is_none() {
+        return Ok(SessionEnd::Stopped);
+    }
+    // Everything before the tables' first insert is published: their snapshot
+    // is due at this position (a crash from here on takes it at the next start).
+    let mut cp = relay
+        .core
+        .checkpoint()
+        .cloned()
+        .context("a checkpoint after streaming")?;
+    cp.partial = None;
+    cp.snapshot = Some(walbox_core::SnapshotState {
+        consistent_point: Some(cp.lsn),
+        complete: false,
+        rows: 0,
+        tables: catch_up,
+    });
+    ctx.store.save(&cp)?;
+    tracing::info!(position = %cp.lsn, tables = ?cp.snapshot.as_ref().map(|s| s.tables.keys().collect::<Vec<_>>()),
+        "published everything before the first insert into a table with a new identity; its \
+         snapshot is next");
+    Ok(SessionEnd::SnapshotDue)
 }
 
 #[allow(clippy::print_stdout)] // command output

@@ -93,6 +93,23 @@ pub(super) fn plan(
         .with_context(|| format!("slot {name:?} has no confirmed position"))?;
     if let Some(cp) = unfinished {
         let resume = snapshot_resume(name, store, cp, confirmed, options)?;
+        let tables: Vec<&String> = cp
+            .snapshot
+            .as_ref()
+            .map(|s| s.tables.keys().collect())
+            .unwrap_or_default();
+        if !tables.is_empty() {
+            tracing::warn!(
+                slot = %name,
+                tables = ?tables,
+                "a snapshot of outbox tables with a new identity is due; taking it from a \
+                 temporary slot, then streaming the slot from {resume} (rows of theirs \
+                 committed after that point may be published twice, with the same event ids)"
+            );
+            return Ok(Plan::Snapshot {
+                resume: Some(resume),
+            });
+        }
         tracing::warn!(
             slot = %name,
             checkpoint = %store.path().display(),
@@ -103,6 +120,28 @@ pub(super) fn plan(
         );
         return Ok(Plan::Snapshot {
             resume: Some(resume),
+        });
+    }
+    if saved.is_none()
+        && config.snapshot.mode == SnapshotMode::Initial
+        && options.from_lsn.is_none()
+        && !options.replay
+    {
+        // The slot was created without a snapshot (by `walbox setup` of an
+        // earlier walbox, `walbox slot create`, or by hand): the rows already in
+        // the outbox are in no slot.
+        tracing::warn!(
+            slot = %name,
+            position = %confirmed,
+            "snapshot.mode = \"initial\", and slot {name:?} exists with no checkpoint of walbox's \
+             on it: no snapshot was taken on it, so the rows already in the outbox are not in \
+             it; taking the initial snapshot from a temporary slot, then streaming the slot \
+             from {confirmed} (rows committed after that point may be published twice, with \
+             the same event ids). To stream from the slot without them, set snapshot.mode = \
+             \"never\""
+        );
+        return Ok(Plan::Snapshot {
+            resume: Some(confirmed),
         });
     }
     if let Some(from) = options.from_lsn {
@@ -278,7 +317,8 @@ pub async fn where_run_starts(
             Plan::Snapshot {
                 resume: Some(resume),
             } => format!(
-                "walbox run takes the unfinished snapshot again from a temporary slot, then \
+                "walbox run takes the snapshot (unfinished, due for tables with a new identity, \
+                 or the initial one on a slot created without it) from a temporary slot, then \
                  streams the slot from {resume} ({at})"
             ),
             Plan::Snapshot { resume: None } => {
@@ -347,7 +387,9 @@ mod tests {
                 consistent_point: Some(lsn("0/100")),
                 complete,
                 rows: 0,
+                tables: std::collections::BTreeMap::new(),
             }),
+            tables: std::collections::BTreeMap::new(),
         }
     }
 
@@ -620,9 +662,23 @@ mod tests {
             plan(&initial, &store, None, None, &none).unwrap(),
             Plan::Snapshot { resume: None }
         );
-        // An existing slot streams, snapshot mode or not.
-        assert!(matches!(
+        // An existing slot without walbox's checkpoint had no snapshot taken on
+        // it: with the initial mode it is not adopted as it is; the snapshot
+        // comes from a temporary slot and the slot streams from its position.
+        assert_eq!(
             plan(&initial, &store, None, Some(&slot("0/1")), &none).unwrap(),
+            Plan::Snapshot {
+                resume: Some(lsn("0/1"))
+            }
+        );
+        // Never: the slot streams as it is.
+        assert!(matches!(
+            planned(None, Some(&slot("0/1")), &none).unwrap(),
+            Plan::Stream { .. }
+        ));
+        // With a checkpoint, the mode no longer matters: walbox started on it.
+        assert!(matches!(
+            plan(&initial, &store, Some(&cp("0/1", None)), Some(&slot("0/1")), &none).unwrap(),
             Plan::Stream { .. }
         ));
         let e = planned(None, None, &none).unwrap_err().to_string();

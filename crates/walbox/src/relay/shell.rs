@@ -79,6 +79,9 @@ pub(super) struct Relay<'a> {
     /// `run --accept-slot-position`: a promoted server's slot that is ahead of
     /// the checkpoint or not synchronized is taken as it is.
     pub(super) accept_slot_position: bool,
+    /// The outbox tables' identities at the session's start, which the first
+    /// checkpoint on a slot records.
+    pub(super) tables: std::collections::BTreeMap<String, walbox_core::TableIdentity>,
 }
 
 /// How often the gauges are set from the core.
@@ -99,6 +102,7 @@ impl<'a> Relay<'a> {
             sampled: Instant::now(),
             acked: 0,
             accept_slot_position: false,
+            tables: std::collections::BTreeMap::new(),
         })
     }
 

@@ -2,6 +2,7 @@
 //! rows it shows published as one transaction at its consistent point, then the
 //! stream from there.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -68,11 +69,29 @@ pub(super) async fn take_snapshot(
         // The checkpoint already says "unfinished"; it names `start` as the
         // position before anything is read (the same, unless the point was not
         // recorded yet).
-        let mut cp = relay
-            .core
-            .checkpoint()
-            .cloned()
-            .context("an unfinished snapshot without a checkpoint")?;
+        // Without a checkpoint: the initial snapshot on a slot created without
+        // one; saved before anything is read, as for a new slot.
+        let fresh = relay.core.checkpoint().is_none();
+        let mut cp = relay.core.checkpoint().cloned().unwrap_or_else(|| Checkpoint {
+            version: CHECKPOINT_VERSION,
+            system_identifier: ident.system_id.clone(),
+            database: ident.dbname.clone().unwrap_or_default(),
+            slot: slot.clone(),
+            timeline: Some(ident.timeline),
+            lsn: start,
+            partial: None,
+            snapshot: Some(SnapshotState {
+                consistent_point: Some(start),
+                complete: false,
+                rows: 0,
+                tables: BTreeMap::new(),
+            }),
+            tables: BTreeMap::new(),
+        });
+        if fresh {
+            ctx.store.save(&cp)?;
+            relay.adopt_checkpoint(Some(cp.clone()));
+        }
         if let Some(s) = cp.snapshot.as_mut()
             && (cp.lsn != start || s.consistent_point != Some(start))
         {
@@ -123,7 +142,9 @@ pub(super) async fn take_snapshot(
                 consistent_point: None,
                 complete: false,
                 rows: 0,
+                tables: BTreeMap::new(),
             }),
+            tables: BTreeMap::new(),
         };
         ctx.store.save(&cp)?;
         // FAILOVER: PostgreSQL 17+, which the session checked.
@@ -150,6 +171,15 @@ pub(super) async fn take_snapshot(
         tracing::info!(slot = %slot, consistent_point = %point, "created slot with an exported snapshot");
         (point, name, point)
     };
+    // The tables a snapshot due for tables with a new identity reads; empty:
+    // every configured table.
+    let only: Vec<String> = relay
+        .core
+        .checkpoint()
+        .and_then(|cp| cp.snapshot.as_ref())
+        .filter(|_| resume.is_some())
+        .map(|s| s.tables.keys().cloned().collect())
+        .unwrap_or_default();
     relay.core.begin_snapshot(start, point);
 
     snapshot::begin(&sql, &snapshot_name)
@@ -162,8 +192,23 @@ pub(super) async fn take_snapshot(
              decoding messages live in the WAL alone; there are no rows to read)"
         );
     }
+    // Each table's identity as the snapshot sees it, recorded once every row
+    // is acknowledged.
+    let mut read = BTreeMap::new();
     for table_cfg in &config.outbox {
         let (schema, name) = table_cfg.qualified();
+        if !only.is_empty() && !only.contains(&format!("{schema}.{name}")) {
+            continue;
+        }
+        read.extend(
+            crate::publication::identities(
+                &sql,
+                &config.source.publication,
+                std::slice::from_ref(table_cfg),
+            )
+            .await
+            .map_err(classify_sql)?,
+        );
         let table = catalog::table(&sql, schema, name)
             .await
             .map_err(classify_sql)?
@@ -247,6 +292,7 @@ pub(super) async fn take_snapshot(
     drop(sql);
     // Read: the exported snapshot is no longer needed.
     drop(exporter);
+    relay.core.snapshot_tables(read);
     relay.core.end_snapshot(rows_total);
     tracing::info!(rows = rows_total, consistent_point = %point, stream_from = %start,
         "snapshot read; the stream continues from the slot's consistent point");

@@ -92,6 +92,7 @@ pub(super) async fn stream(
                 lsn: spec.start,
                 partial: None,
                 snapshot: None,
+                tables: relay.tables.clone(),
             };
             ctx.store.save(&cp)?;
             tracing::info!(checkpoint = %ctx.store.path().display(), lsn = %cp.lsn, "checkpoint created");
@@ -251,10 +252,7 @@ pub(super) async fn stream(
     };
 
     let outcome = match outcome {
-        Ok(StreamEnd::Stopped) => relay
-            .publication_settled()
-            .await
-            .map(|()| StreamEnd::Stopped),
+        Ok(end) => relay.publication_settled().await.map(|()| end),
         other => other,
     };
     // Whatever happened, the acknowledged position is safe: save it, and make
