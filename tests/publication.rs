@@ -318,8 +318,16 @@ fn assert_first_copies_complete_in_order(lines: &[serde_json::Value], ids: &[Str
     let got: HashSet<&str> = first.keys().copied().collect();
     let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
     let missing: Vec<&&str> = want.difference(&got).collect();
-    assert!(missing.is_empty(), "{} events never published", missing.len());
-    assert_eq!(got.len(), want.len(), "published events that were never inserted");
+    assert!(
+        missing.is_empty(),
+        "{} events never published",
+        missing.len()
+    );
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "published events that were never inserted"
+    );
 }
 
 /// The user's whole sequence: the outbox table is swapped for a new one while
@@ -422,9 +430,79 @@ async fn a_table_swapped_while_streaming_is_caught_up_by_a_snapshot_after_the_ad
     let mut fourth = Walbox::spawn(&["run"], &env);
     let more = insert(&db, "outbox", 10, 35, 1, "now()").await;
     let lines = wait_events(&mut fourth, TOPIC, more.len());
-    assert_eq!(lines.len(), more.len(), "only the new events:\n{}", fourth.log());
+    assert_eq!(
+        lines.len(),
+        more.len(),
+        "only the new events:\n{}",
+        fourth.log()
+    );
     assert!(!fourth.log().contains("new identity"), "{}", fourth.log());
     fourth.stop();
+}
+
+/// A publication `FOR ALL TABLES` takes a swapped-in table at once, so the
+/// publication check finds no problem; it finds the table's new identity,
+/// ends the session, and the next session (at once, without an operator)
+/// takes the new table's snapshot before it streams past its first insert.
+/// Every event reaches the sink, each key's first copies in commit order, and
+/// the checkpoint then records the new table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_swapped_under_a_publication_for_all_tables_is_caught_up_without_a_stop() {
+    let pg = PgCluster::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    db.batch_execute("CREATE PUBLICATION walbox_outbox FOR ALL TABLES")
+        .await
+        .unwrap();
+    let env = env(&pg);
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let mut ids = insert(&db, "outbox", 10, 0, 5, "now()").await;
+    wait_events(&mut walbox, TOPIC, ids.len());
+    db.batch_execute(
+        "BEGIN;
+         ALTER TABLE outbox RENAME TO outbox_old;
+         CREATE TABLE outbox (LIKE outbox_old INCLUDING ALL);
+         COMMIT;",
+    )
+    .await
+    .unwrap();
+    ids.extend(insert(&db, "outbox", 10, 5, 5, "now()").await);
+    walbox_testkit::wait_until("the new identity found", Duration::from_secs(60), || {
+        assert!(walbox.running(), "walbox exited:\n{}", walbox.log());
+        walbox
+            .log()
+            .contains("outbox table public.outbox changed identity while streaming")
+            .then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    ids.extend(insert(&db, "outbox", 10, 10, 2, "now()").await);
+    let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
+    walbox_testkit::wait_until("every event", Duration::from_secs(90), || {
+        assert!(walbox.running(), "walbox exited:\n{}", walbox.log());
+        let got: HashSet<String> = events(&walbox, TOPIC)
+            .iter()
+            .map(|l| l["headers"]["event_id"].as_str().unwrap().to_owned())
+            .filter(|id| want.contains(id.as_str()))
+            .collect();
+        (got.len() == want.len()).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    assert_first_copies_complete_in_order(&events(&walbox, TOPIC), &ids);
+    let log = walbox.log();
+    assert!(log.contains("outbox table has a new identity"), "{log}");
+    let oid: u32 = db
+        .query_one("SELECT 'public.outbox'::regclass::oid", &[])
+        .await
+        .unwrap()
+        .get(0);
+    walbox_testkit::wait_until("the new table recorded", Duration::from_secs(30), || {
+        checkpoint(&pg)
+            .filter(|cp| cp.tables.get("public.outbox").is_some_and(|t| t.oid == oid))
+            .map(drop)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    walbox.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -80,7 +80,11 @@ pub struct TableIdentity {
 
 impl std::fmt::Display for TableIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "oid {} (publication membership {})", self.oid, self.membership)
+        write!(
+            f,
+            "oid {} (publication membership {})",
+            self.oid, self.membership
+        )
     }
 }
 

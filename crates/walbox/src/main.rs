@@ -1,11 +1,12 @@
 //! The `walbox` command line.
 //!
 //! - `walbox run`: the relay. Streams committed outbox inserts from a logical
-//!   replication slot to Kafka (or stdout) and confirms the slot's position only
-//!   over events the sink has acknowledged.
+//!   replication slot to Kafka or NATS JetStream (or stdout) and confirms the
+//!   slot's position only over events the sink has acknowledged.
 //! - `walbox setup`: creates the publication and the slot, idempotently;
 //!   `--snapshot` creates the slot with a snapshot and publishes the rows already
-//!   in the outbox.
+//!   in the outbox; with `snapshot.mode = "initial"` the slot is left to
+//!   `walbox run`, which creates it with that snapshot.
 //! - `walbox replay --from X [--to Y]`: publishes a range again that the replay
 //!   window kept (same event ids).
 //! - `walbox slot create | drop | status | list`: the slot's lifecycle; `status`
@@ -42,7 +43,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 #[command(
     name = "walbox",
     version,
-    about = "Transactional-outbox relay from the PostgreSQL WAL to Kafka"
+    about = "Transactional-outbox relay from the PostgreSQL WAL to Kafka or NATS JetStream"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -53,7 +54,9 @@ struct Cli {
 enum Command {
     /// Stream outbox inserts to the sink.
     Run(RunArgs),
-    /// Create the publication and the replication slot (idempotent).
+    /// Create the publication and the replication slot (idempotent); with
+    /// snapshot.mode = "initial", the slot is left to `run`, which creates it
+    /// with a snapshot of the rows already in the outbox.
     Setup(SetupArgs),
     /// Publish again the outbox events committed in a range the replay window
     /// still holds (same event ids); the slot must not be in use.

@@ -496,17 +496,26 @@ struct Reading {
 impl PublicationWatch {
     /// Checks once (an error lists every problem, each with its fix), then
     /// keeps checking on a task of its own.
+    ///
+    /// `identities` are the outbox tables' identities the session started with:
+    /// a check that finds another one (a table swapped for a new one that the
+    /// publication takes in at once, as `FOR ALL TABLES` does; a table dropped
+    /// from the publication and added again between two checks) ends the session
+    /// as a retry, so that the next one takes the table's snapshot before it
+    /// streams past it.
     pub async fn start(
         conn: &ConnParams,
         publication: &str,
         tables: &[TableConfig],
         producer: &str,
+        identities: BTreeMap<String, TableIdentity>,
     ) -> Result<Self> {
         let sql = conn.connect().await?;
         let checker = Checker {
             publication: publication.to_owned(),
             tables: tables.to_vec(),
             producer: producer.to_owned(),
+            identities,
         };
         let (first, _) = checker.round(&sql, None).await?;
         let (tx, state) = watch::channel(WatchState {
@@ -597,6 +606,19 @@ impl PublicationWatch {
     }
 }
 
+/// A check found an outbox table with another identity than the session
+/// started with: a new session (which takes its snapshot) can go on.
+#[derive(Debug)]
+pub struct IdentityChanged(String);
+
+impl fmt::Display for IdentityChanged {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for IdentityChanged {}
+
 /// A check that found problems (as opposed to one that could not run).
 #[derive(Debug)]
 struct Refused(String);
@@ -613,6 +635,8 @@ struct Checker {
     publication: String,
     tables: Vec<TableConfig>,
     producer: String,
+    /// The tables' identities when the session started.
+    identities: BTreeMap<String, TableIdentity>,
 }
 
 impl Checker {
@@ -652,15 +676,30 @@ impl Checker {
                 )
                 .await?
                 .get(0);
-            Ok::<_, anyhow::Error>((facts, committing))
+            let now = identities(sql, &self.publication, &self.tables).await?;
+            Ok::<_, anyhow::Error>((facts, committing, now))
         }
         .await;
         let ended = sql.batch_execute("COMMIT").await;
-        let (facts, committing) = checked.context("checking the publication")?;
+        let (facts, committing, now) = checked.context("checking the publication")?;
         ended.context("checking the publication")?;
         let found = problems(&self.tables, &self.producer, &facts);
         if !found.is_empty() {
             return Err(Refused(refusal(&found)).into());
+        }
+        if let Some((table, was)) = self
+            .identities
+            .iter()
+            .find(|(t, id)| now.get(*t).is_some_and(|n| n != *id))
+        {
+            return Err(IdentityChanged(format!(
+                "outbox table {table} changed identity while streaming (was {was}, now {}): it \
+                 was swapped for a new table or added to the publication again, so the slot may \
+                 lack rows written to it in between; a new session takes its snapshot before \
+                 streaming past it",
+                now[table]
+            ))
+            .into());
         }
         let reading = Reading {
             wal: wal.parse().context("pg_current_wal_lsn")?,

@@ -405,10 +405,9 @@ async fn session(
         .map_err(classify_replication)
         .map_err(classify_sql)?;
     // The outbox tables as they are now, against what the checkpoint recorded.
-    let current =
-        crate::publication::identities(&sql, &config.source.publication, &config.outbox)
-            .await
-            .map_err(classify_sql)?;
+    let current = crate::publication::identities(&sql, &config.source.publication, &config.outbox)
+        .await
+        .map_err(classify_sql)?;
     // Where reading stops when a table has a new identity (before its first
     // insert, or here): the server's WAL position now, past every change to the
     // publication made before this start.
@@ -433,9 +432,18 @@ async fn session(
             &config.source.publication,
             &config.outbox,
             &config.producer,
+            current.clone(),
         )
         .await
-        .map_err(classify_sql)?,
+        .map_err(|e| {
+            if e.downcast_ref::<crate::publication::IdentityChanged>()
+                .is_some()
+            {
+                transient(e)
+            } else {
+                classify_sql(e)
+            }
+        })?,
     );
     // The publication passed its first check: every configured table is in it.
     let (saved, catch_up) = identity::reconcile(config, ctx.store, saved, &current)?;
@@ -466,11 +474,9 @@ async fn session(
         }
     };
     if pause.is_some() {
-        relay.core.pause_before(
-            catch_up
-                .iter()
-                .map(|(table, id)| (id.oid, table.clone())),
-        );
+        relay
+            .core
+            .pause_before(catch_up.iter().map(|(table, id)| (id.oid, table.clone())));
     }
     let spec = StreamSpec {
         start,

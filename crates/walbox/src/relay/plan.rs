@@ -678,7 +678,14 @@ mod tests {
         ));
         // With a checkpoint, the mode no longer matters: walbox started on it.
         assert!(matches!(
-            plan(&initial, &store, Some(&cp("0/1", None)), Some(&slot("0/1")), &none).unwrap(),
+            plan(
+                &initial,
+                &store,
+                Some(&cp("0/1", None)),
+                Some(&slot("0/1")),
+                &none
+            )
+            .unwrap(),
             Plan::Stream { .. }
         ));
         let e = planned(None, None, &none).unwrap_err().to_string();

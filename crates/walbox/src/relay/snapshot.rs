@@ -72,22 +72,26 @@ pub(super) async fn take_snapshot(
         // Without a checkpoint: the initial snapshot on a slot created without
         // one; saved before anything is read, as for a new slot.
         let fresh = relay.core.checkpoint().is_none();
-        let mut cp = relay.core.checkpoint().cloned().unwrap_or_else(|| Checkpoint {
-            version: CHECKPOINT_VERSION,
-            system_identifier: ident.system_id.clone(),
-            database: ident.dbname.clone().unwrap_or_default(),
-            slot: slot.clone(),
-            timeline: Some(ident.timeline),
-            lsn: start,
-            partial: None,
-            snapshot: Some(SnapshotState {
-                consistent_point: Some(start),
-                complete: false,
-                rows: 0,
+        let mut cp = relay
+            .core
+            .checkpoint()
+            .cloned()
+            .unwrap_or_else(|| Checkpoint {
+                version: CHECKPOINT_VERSION,
+                system_identifier: ident.system_id.clone(),
+                database: ident.dbname.clone().unwrap_or_default(),
+                slot: slot.clone(),
+                timeline: Some(ident.timeline),
+                lsn: start,
+                partial: None,
+                snapshot: Some(SnapshotState {
+                    consistent_point: Some(start),
+                    complete: false,
+                    rows: 0,
+                    tables: BTreeMap::new(),
+                }),
                 tables: BTreeMap::new(),
-            }),
-            tables: BTreeMap::new(),
-        });
+            });
         if fresh {
             ctx.store.save(&cp)?;
             relay.adopt_checkpoint(Some(cp.clone()));
