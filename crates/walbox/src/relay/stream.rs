@@ -146,7 +146,9 @@ pub(super) async fn stream(
     let mut shutdown = std::pin::pin!(tokio::time::sleep(Duration::ZERO));
 
     let outcome: Result<StreamEnd> = loop {
-        if relay.core.reached_end() && relay.core.idle() {
+        // A stop asked for wins over an end reached in the same turn: the
+        // caller must not go on to a next phase.
+        if relay.core.reached_end() && relay.core.idle() && stopping.is_none() {
             break Ok(StreamEnd::ReachedEnd);
         }
         if let Some(deadline) = stopping {
