@@ -517,6 +517,11 @@ impl Core {
             }
             WalMessage::Commit { end_lsn } => {
                 self.release_held()?;
+                if self.paused {
+                    // A held insert into a table to pause before: reading
+                    // ended before this transaction.
+                    return Ok(());
+                }
                 let txn = self
                     .txn
                     .take()

@@ -498,6 +498,22 @@ fn held_inserts_count_against_the_byte_bound_while_something_else_is_in_flight()
 }
 
 #[test]
+fn a_pause_before_a_held_insert_that_its_commit_releases_ends_reading_cleanly() {
+    // With [[messages]], an insert is held until the next change: here the
+    // Commit, which releases it into the pause.
+    let mut c = core(false);
+    c.pause_before([(16_400, "public.outbox".to_owned())]);
+    for m in [begin(0x900), relation(), insert("r-0", "k"), commit(0x980)] {
+        c.on_wal(m).unwrap();
+    }
+    assert!(c.paused());
+    assert!(c.reached_end());
+    assert!(c.idle(), "nothing of the transaction was taken");
+    assert!(drain(&mut c).is_empty());
+    assert_eq!(c.confirmed(), Lsn(100), "the position stays before it");
+}
+
+#[test]
 fn a_non_transactional_message_whose_dead_letter_is_refused_is_dead_lettered_without_its_content() {
     use crate::error::{Failure, Rejected};
     let mut c = core(false);
