@@ -337,7 +337,11 @@ impl<'a> World<'a> {
     /// adopted, `resume_at`, the first checkpoint when there is none, then
     /// `START_REPLICATION`.
     fn start(&mut self, tables: Tables) {
-        let tables = if self.both_always { Tables::Both } else { tables };
+        let tables = if self.both_always {
+            Tables::Both
+        } else {
+            tables
+        };
         if self.swap_unfixed() {
             // The first check of the publication refuses to start: the user
             // adds the new table to it, then starts walbox again.
@@ -436,7 +440,10 @@ impl<'a> World<'a> {
     /// server's WAL position now shows the rows of the tables it lists (rows
     /// deleted before then are in no snapshot: excused when no stream has them).
     fn take_snapshot(&mut self, core: &mut Core, start: Lsn, current: &Identities) -> SnapshotRun {
-        let mut cp = core.checkpoint().cloned().expect("an unfinished snapshot's checkpoint");
+        let mut cp = core
+            .checkpoint()
+            .cloned()
+            .expect("an unfinished snapshot's checkpoint");
         if let Some(s) = cp.snapshot.as_mut()
             && (cp.lsn != start || s.consistent_point != Some(start))
         {
@@ -462,14 +469,21 @@ impl<'a> World<'a> {
             .map(|(t, id)| (t.clone(), *id))
             .collect();
         let point = self.log.wal_now(self.written);
-        assert!(point >= start, "the snapshot's point {point} is before {start}");
+        assert!(
+            point >= start,
+            "the snapshot's point {point} is before {start}"
+        );
         let mut rows = VecDeque::new();
         for (i, t) in self.log.txns.iter().enumerate() {
             for (table, row) in t.rows() {
                 if table != 1 || row.swapped != self.fixed {
                     continue;
                 }
-                let gone = self.log.deleted.get(&row.id).is_some_and(|d| *d < self.written);
+                let gone = self
+                    .log
+                    .deleted
+                    .get(&row.id)
+                    .is_some_and(|d| *d < self.written);
                 if i >= self.written || gone {
                     if gone && row.hidden {
                         self.excused.insert(row.id.clone());
@@ -672,7 +686,11 @@ impl<'a> World<'a> {
     fn snapshot_due(&mut self) {
         self.turn_to(true, true);
         let s = self.session.take().expect("a session");
-        let mut cp = s.core.checkpoint().cloned().expect("a checkpoint after streaming");
+        let mut cp = s
+            .core
+            .checkpoint()
+            .cloned()
+            .expect("a checkpoint after streaming");
         cp.partial = None;
         cp.snapshot = Some(SnapshotState {
             consistent_point: Some(cp.lsn),
@@ -924,7 +942,10 @@ impl<'a> World<'a> {
             }
         }
         if cp.snapshot.as_ref().is_some_and(|s| s.complete)
-            && self.disk.as_ref().is_some_and(Checkpoint::snapshot_interrupted)
+            && self
+                .disk
+                .as_ref()
+                .is_some_and(Checkpoint::snapshot_interrupted)
         {
             self.snapshots_taken += 1;
         }
@@ -959,12 +980,10 @@ impl<'a> World<'a> {
             self.flush(None);
             self.turn(false);
             let restarted = self.after_step();
-            if std::env::var("MODEL_DEBUG").is_ok() {
-                eprintln!("more {more} restarted {restarted} written {} disk {:?} session {:?}", self.written, self.disk, self.session.as_ref().map(|s| (s.core.checkpoint().cloned(), s.catch_up.clone(), s.snapshot.as_ref().map(|r| r.rows.len()), s.core.reached_end(), s.core.paused(), s.stream.len())));
-            }
-            let done = self.session.as_ref().is_some_and(|s| {
-                s.core.idle() && s.snapshot.is_none() && s.catch_up.is_none()
-            });
+            let done = self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.core.idle() && s.snapshot.is_none() && s.catch_up.is_none());
             if self.stopped.is_some() || (!more && done && !restarted) {
                 break;
             }

@@ -355,7 +355,12 @@ impl Log {
     pub fn stream(&self, from: Lsn, tables: Tables) -> Vec<(usize, WalMessage)> {
         let mut out = Vec::new();
         let mut announced: Vec<Oid> = Vec::new();
-        for (n, t) in self.txns.iter().enumerate().filter(|(_, t)| t.end_lsn > from) {
+        for (n, t) in self
+            .txns
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.end_lsn > from)
+        {
             let mut push = |m: WalMessage| out.push((n, m));
             if t.unordered {
                 for c in &t.changes {

@@ -474,7 +474,12 @@ fn held_inserts_count_against_the_byte_bound_while_something_else_is_in_flight()
     });
     // r-0 is released (in flight) by the insert at another position, which is
     // held; so is the second row of its multi-insert record.
-    for m in [begin(0x900), relation(), at(0x800, "r-0", 10), at(0x810, "r-1", 900)] {
+    for m in [
+        begin(0x900),
+        relation(),
+        at(0x800, "r-0", 10),
+        at(0x810, "r-1", 900),
+    ] {
         c.on_wal(m).unwrap();
     }
     assert_eq!(c.in_flight(), 1);
