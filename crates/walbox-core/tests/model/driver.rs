@@ -86,9 +86,11 @@ pub enum Step {
     /// The publication check passes (`PublicationWatch`): positions up to the
     /// end of a transaction of the log (chosen by the number) are verified; a
     /// session of `walbox run` saves and reports nothing beyond it. Once
-    /// `outbox_b` was swapped for a table in no publication, the check fails
-    /// instead: walbox stops, the user adds the new table to the publication,
-    /// and starts walbox again.
+    /// `outbox_b` was swapped for a new table, the check fails instead (the
+    /// table is in no publication: walbox stops, the user adds it and starts
+    /// walbox again; or it is in one already, with another identity than the
+    /// session started with: the session ends and the next one starts), and
+    /// nothing past the last passing check is saved.
     Verify(u8),
     /// The server writes up to this many more entries of the log (a session
     /// reads only what is written). Before the new table joins the
