@@ -237,6 +237,9 @@ pub struct Core {
     /// record, as `COPY` writes, gives each of its rows its start): a message
     /// that ends there was written before them (see [`Core::in_wal_order`]).
     held: Option<(Lsn, Vec<LogicalMessage>)>,
+    /// The bytes of the held inserts' values (their tuples), counted against
+    /// the byte bound as [`Core::full`] says.
+    held_bytes: usize,
 }
 
 impl Core {
@@ -275,6 +278,7 @@ impl Core {
             pause_before: HashMap::new(),
             paused: false,
             held: None,
+            held_bytes: 0,
         }
     }
 
@@ -371,14 +375,24 @@ impl Core {
     #[must_use]
     pub fn full(&self) -> bool {
         // Held inserts are as good as in flight (the next change releases
-        // them), unless nothing else is: then only reading on releases them.
+        // them), by count and by their values' bytes, unless nothing else is:
+        // then only reading on releases them (the rows of one multi-insert
+        // record, a heap page's worth, are the most held then).
         let in_flight = self.tracker.in_flight();
-        let held = match &self.held {
-            Some((_, h)) if in_flight > 0 => h.len() as u64,
-            _ => 0,
+        let (held, held_bytes) = match &self.held {
+            Some((_, h)) if in_flight > 0 => (h.len() as u64, self.held_bytes),
+            _ => (0, 0),
         };
         in_flight + held >= self.cfg.max_in_flight
-            || self.ledger.bytes() >= self.cfg.max_in_flight_bytes
+            || self.ledger.bytes() + held_bytes >= self.cfg.max_in_flight_bytes
+    }
+
+    /// Outbox inserts held (see [`Core::in_wal_order`]) and their values' bytes.
+    #[must_use]
+    pub fn held(&self) -> (u64, usize) {
+        self.held
+            .as_ref()
+            .map_or((0, 0), |(_, h)| (h.len() as u64, self.held_bytes))
     }
 
     /// Events in flight.
@@ -503,6 +517,11 @@ impl Core {
             }
             WalMessage::Commit { end_lsn } => {
                 self.release_held()?;
+                if self.paused {
+                    // A held insert into a table to pause before: reading
+                    // ended before this transaction.
+                    return Ok(());
+                }
                 let txn = self
                     .txn
                     .take()
@@ -542,6 +561,7 @@ impl Core {
         match msg {
             LogicalMessage::Message(m) if m.transactional() => {
                 if let Some((held_at, held)) = self.held.take() {
+                    self.held_bytes = 0;
                     if held_at == at {
                         self.change(LogicalMessage::Message(m))?;
                         return held.into_iter().try_for_each(|c| self.change(c));
@@ -555,6 +575,7 @@ impl Core {
                     && self.txn.is_some()
                     && self.mappers.contains_key(&i.relation_oid) =>
             {
+                let bytes = tuple_bytes(&i.new);
                 match &mut self.held {
                     Some((held_at, held)) if *held_at == at => held.push(msg),
                     _ => {
@@ -562,6 +583,7 @@ impl Core {
                         self.held = Some((at, vec![msg]));
                     }
                 }
+                self.held_bytes += bytes;
                 Ok(())
             }
             other => {
@@ -573,6 +595,7 @@ impl Core {
 
     /// Takes the held inserts, if any.
     fn release_held(&mut self) -> Result<(), CoreError> {
+        self.held_bytes = 0;
         match self.held.take() {
             Some((_, held)) => held.into_iter().try_for_each(|c| self.change(c)),
             None => Ok(()),
@@ -718,6 +741,7 @@ impl Core {
     fn pause(&mut self, oid: Oid) {
         let txn = self.txn.take();
         self.held = None;
+        self.held_bytes = 0;
         self.paused = true;
         self.reached_end = true;
         let (commit_lsn, sent) = txn.map_or((None, 0), |t| {
@@ -827,4 +851,17 @@ impl Core {
             }
         }
     }
+}
+
+/// The bytes of a row's values as the server sent them.
+fn tuple_bytes(tuple: &[walbox_pgoutput::TupleValue]) -> usize {
+    tuple
+        .iter()
+        .map(|v| match v {
+            walbox_pgoutput::TupleValue::Text(b) | walbox_pgoutput::TupleValue::Binary(b) => {
+                b.len()
+            }
+            _ => 0,
+        })
+        .sum()
 }

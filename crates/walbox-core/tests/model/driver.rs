@@ -3,19 +3,23 @@
 //! session), the checkpoint writer thread and the slot, and checks the
 //! position invariants (LSN, MEM) at every step.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use walbox_core::{
-    CHECKPOINT_VERSION, Checkpoint, Core, CoreConfig, CoreError, ReplayWindow, WalMessage,
+    CHECKPOINT_VERSION, Checkpoint, Core, CoreConfig, CoreError, ReplayWindow, SnapshotState,
+    TableIdentity, WalMessage,
 };
-use walbox_outbox::{MessageConfig, TopicTemplate};
-use walbox_pgoutput::Lsn;
+use walbox_outbox::{Mapper, MessageConfig, TableConfig, TopicTemplate};
+use walbox_pgoutput::{Lsn, TupleValue};
 
 use crate::broker::{Broker, Settle, Sink};
-use crate::checks::{self, Excused};
-use crate::world::{Log, PREFIX, Tables};
+use crate::checks::{self, Excused, Reordered, SnapshotCopies};
+use crate::world::{Log, OUTBOX, PREFIX, Tables, relation};
+
+/// The outbox tables' identities (`schema.name`), as a checkpoint records them.
+type Identities = BTreeMap<String, TableIdentity>;
 
 /// The relay's bounds and window for one history.
 #[derive(Debug, Clone)]
@@ -81,8 +85,17 @@ pub enum Step {
     },
     /// The publication check passes (`PublicationWatch`): positions up to the
     /// end of a transaction of the log (chosen by the number) are verified; a
-    /// session of `walbox run` saves and reports nothing beyond it.
+    /// session of `walbox run` saves and reports nothing beyond it. Once
+    /// `outbox_b` was swapped for a new table, the check fails instead (the
+    /// table is in no publication: walbox stops, the user adds it and starts
+    /// walbox again; or it is in one already, with another identity than the
+    /// session started with: the session ends and the next one starts), and
+    /// nothing past the last passing check is saved.
     Verify(u8),
+    /// The server writes up to this many more entries of the log (a session
+    /// reads only what is written). Before the new table joins the
+    /// publication, no further than that.
+    Advance(u8),
 }
 
 fn tables() -> impl Strategy<Value = Tables> {
@@ -104,6 +117,7 @@ pub fn steps() -> impl Strategy<Value = Vec<Step>> {
         2 => (any::<bool>(), any::<bool>(), any::<u8>(), tables()).prop_map(
             |(walbox, server, back, tables)| Step::Crash { walbox, server, back, tables }
         ),
+        2 => (1..5u8).prop_map(Step::Advance),
     ];
     prop::collection::vec(step, 0..120)
 }
@@ -117,13 +131,34 @@ struct Slot {
     held: Vec<Lsn>,
 }
 
+/// A snapshot being read (`take_snapshot`): the rows still to read, the
+/// tables' identities it read them under, how many it has, and the position
+/// the stream then starts from.
+#[derive(Debug)]
+struct SnapshotRun {
+    mapper: Mapper,
+    rows: VecDeque<Vec<TupleValue>>,
+    read: Identities,
+    total: u64,
+    start: Lsn,
+}
+
 /// One session of `walbox run`.
 #[derive(Debug)]
 struct Session {
     core: Core,
     tables: Tables,
     sink: Sink,
-    stream: VecDeque<WalMessage>,
+    /// The messages the server sends, each with the log entry it belongs to.
+    stream: VecDeque<(usize, WalMessage)>,
+    /// The tables with a new identity whose snapshot is due once reading
+    /// stops before their first insert (phase 1 of `session()`).
+    catch_up: Option<Identities>,
+    /// The snapshot being read, before the stream.
+    snapshot: Option<SnapshotRun>,
+    /// Held rows the last read took in uncounted (nothing else was in flight):
+    /// at most one multi-insert record's.
+    uncounted_rows: u64,
     /// Checkpoints handed to the writer thread, not yet on disk.
     submitted: Vec<Checkpoint>,
     stopping: bool,
@@ -157,11 +192,46 @@ pub struct World<'a> {
     watch: bool,
     /// How far the publication is verified in this session.
     limit: Option<Lsn>,
+    /// Entries of the log the server has written.
+    pub written: usize,
+    /// The new `outbox_b` (after a swap) joined the publication.
+    fixed: bool,
+    /// `outbox_b`'s publication membership (a new one each time it joins).
+    membership: u32,
+    /// The tables of the last session (a table configured again joins the
+    /// publication again).
+    last_tables: Tables,
+    /// Every session starts with both tables.
+    pub both_always: bool,
+    /// The positions snapshots gave rows.
+    pub snapshot_copies: SnapshotCopies,
+    /// Rows only the stream has, after a snapshot that may have later rows
+    /// of their key.
+    pub reordered: Reordered,
+    /// Snapshots completed (every row acknowledged and recorded).
+    pub snapshots_taken: u32,
 }
 
 impl<'a> World<'a> {
     pub fn new(log: &'a Log, params: Params, tables: Tables) -> Self {
-        let mut w = World {
+        let mut w = World::idle(log, params, tables);
+        w.start(tables);
+        w
+    }
+
+    /// A world whose server has written the first `written` entries of the
+    /// log (before any swap) when walbox first starts (with both tables, in
+    /// every session).
+    pub fn new_at(log: &'a Log, params: Params, written: usize) -> Self {
+        let mut w = World::idle(log, params, Tables::Both);
+        w.both_always = true;
+        w.written = written.min(log.swap.map_or(log.txns.len(), |sw| sw.at));
+        w.start(Tables::Both);
+        w
+    }
+
+    fn idle(log: &'a Log, params: Params, tables: Tables) -> Self {
+        World {
             log,
             params,
             disk: None,
@@ -179,35 +249,162 @@ impl<'a> World<'a> {
             barrier: None,
             watch: true,
             limit: None,
+            written: log.txns.len(),
+            fixed: false,
+            membership: 1,
+            last_tables: tables,
+            both_always: false,
+            snapshot_copies: SnapshotCopies::new(),
+            reordered: Reordered::new(),
+            snapshots_taken: 0,
+        }
+    }
+
+    /// Whether `outbox_b` was swapped for a table in no publication, so that
+    /// every check of the publication fails.
+    fn swap_unfixed(&self) -> bool {
+        self.log
+            .swap
+            .is_some_and(|sw| !self.fixed && self.written > sw.at)
+    }
+
+    /// The user adds the new table to the publication (walbox is not
+    /// running): everything before that is written by then.
+    fn fix(&mut self) {
+        let sw = self.log.swap.expect("a swap");
+        assert!(self.session.is_none(), "the fix comes between sessions");
+        self.written = self.written.max(sw.fix);
+        self.fixed = true;
+        self.membership += 1;
+    }
+
+    /// The configured outbox tables as they are now (`publication::identities`).
+    fn identities(&self, tables: Tables) -> Identities {
+        (0..OUTBOX.len())
+            .filter(|t| tables.has(*t))
+            .map(|t| {
+                let oid = if t == 1 && self.fixed {
+                    crate::world::OUTBOX_B_SWAPPED
+                } else {
+                    OUTBOX[t].1
+                };
+                let membership = if t == 1 { self.membership } else { 1 };
+                (
+                    format!("public.{}", OUTBOX[t].0),
+                    TableIdentity { oid, membership },
+                )
+            })
+            .collect()
+    }
+
+    /// `identity::reconcile`: the checkpoint's record of the tables against
+    /// `current`; the tables whose snapshot is due. Saves when the record
+    /// changes.
+    fn reconcile(
+        &mut self,
+        saved: Option<Checkpoint>,
+        current: &Identities,
+    ) -> (Option<Checkpoint>, Identities) {
+        let Some(mut cp) = saved else {
+            return (None, Identities::new());
         };
-        w.start(tables);
-        w
+        let before = cp.clone();
+        let changed: Identities = current
+            .iter()
+            .filter(|(t, id)| cp.tables.get(*t) != Some(*id))
+            .map(|(t, id)| (t.clone(), *id))
+            .collect();
+        let mut catch_up = Identities::new();
+        if let Some(s) = cp.snapshot.as_mut().filter(|s| !s.complete) {
+            if !s.tables.is_empty() {
+                for (t, id) in current {
+                    if s.tables.contains_key(t) || changed.contains_key(t) {
+                        s.tables.insert(t.clone(), *id);
+                    }
+                }
+            }
+        } else if cp.tables.is_empty() {
+            cp.tables = current.clone();
+        } else {
+            catch_up = changed;
+        }
+        cp.tables.retain(|t, _| current.contains_key(t));
+        if cp != before {
+            self.disk = Some(cp.clone());
+        }
+        (Some(cp), catch_up)
     }
 
     /// `session()`: where to start (`plan`), a new core, the checkpoint
     /// adopted, `resume_at`, the first checkpoint when there is none, then
     /// `START_REPLICATION`.
     fn start(&mut self, tables: Tables) {
+        let tables = if self.both_always {
+            Tables::Both
+        } else {
+            tables
+        };
+        if self.swap_unfixed() {
+            // The first check of the publication refuses to start: the user
+            // adds the new table to it, then starts walbox again.
+            self.fix();
+        }
+        if tables.has(1) && !self.last_tables.has(1) {
+            // Configured again, added to the publication again.
+            self.membership += 1;
+        }
+        self.last_tables = tables;
         let saved = self.disk.clone();
         let slot = self.slot.confirmed;
-        let start = match &saved {
-            None => slot,
-            Some(cp) => {
-                assert!(
-                    cp.lsn >= slot,
-                    "LSN: the slot is at {slot}, ahead of walbox's checkpoint at {}",
-                    cp.lsn
-                );
-                cp.lsn
-            }
-        };
+        // `plan`: an unfinished snapshot is taken again from a temporary slot,
+        // the slot streaming from its consistent point.
+        let snapshot_from = saved.as_ref().filter(|cp| cp.snapshot_interrupted()).map(|cp| {
+            let point = cp
+                .snapshot
+                .as_ref()
+                .and_then(|s| s.consistent_point)
+                .unwrap_or(slot);
+            assert!(
+                slot <= point,
+                "LSN: the slot is at {slot}, ahead of the unfinished snapshot's consistent point \
+                 {point}"
+            );
+            point
+        });
+        let current = self.identities(tables);
+        let wal_now = snapshot_from
+            .is_none()
+            .then(|| self.log.wal_now(self.written));
+        let (saved, catch_up) = self.reconcile(saved, &current);
+        let pause = wal_now.filter(|_| !catch_up.is_empty());
         let mut core = self.new_core(tables);
         // A new session's watch has verified nothing yet.
         self.limit = self.watch.then_some(Lsn(0));
         core.limit_position(self.limit);
         core.adopt_checkpoint(saved.clone());
-        let resume = saved.filter(|cp| cp.lsn == start).and_then(|cp| cp.partial);
-        core.resume_at(start, slot, resume);
+        let (start, snapshot) = match snapshot_from {
+            Some(start) => (start, Some(self.take_snapshot(&mut core, start, &current))),
+            None => {
+                let start = match &saved {
+                    None => slot,
+                    Some(cp) => {
+                        assert!(
+                            cp.lsn >= slot,
+                            "LSN: the slot is at {slot}, ahead of walbox's checkpoint at {}",
+                            cp.lsn
+                        );
+                        cp.lsn
+                    }
+                };
+                let resume = saved.filter(|cp| cp.lsn == start).and_then(|cp| cp.partial);
+                core.resume_at(start, slot, resume);
+                (start, None)
+            }
+        };
+        if let Some(end) = pause {
+            core.pause_before(catch_up.iter().map(|(t, id)| (id.oid, t.clone())));
+            core.stop_at(end);
+        }
         if core.checkpoint().is_none() {
             let cp = Checkpoint {
                 version: CHECKPOINT_VERSION,
@@ -218,7 +415,7 @@ impl<'a> World<'a> {
                 lsn: start,
                 partial: None,
                 snapshot: None,
-                tables: std::collections::BTreeMap::new(),
+                tables: current,
             };
             self.disk = Some(cp.clone());
             core.adopt_checkpoint(Some(cp));
@@ -230,11 +427,92 @@ impl<'a> World<'a> {
             tables,
             sink: Sink::new(tables),
             stream: self.log.stream(from, tables).into(),
+            catch_up: pause.map(|_| catch_up),
+            snapshot,
+            uncounted_rows: 0,
             submitted: Vec::new(),
             stopping: false,
             replay: false,
             overshoot: 0,
         });
+    }
+
+    /// `take_snapshot` with a resume position, up to reading the rows: the
+    /// checkpoint names `start`; a temporary slot's exported snapshot at the
+    /// server's WAL position now shows the rows of the tables it lists (rows
+    /// deleted before then are in no snapshot: excused when no stream has them).
+    fn take_snapshot(&mut self, core: &mut Core, start: Lsn, current: &Identities) -> SnapshotRun {
+        let mut cp = core
+            .checkpoint()
+            .cloned()
+            .expect("an unfinished snapshot's checkpoint");
+        if let Some(s) = cp.snapshot.as_mut()
+            && (cp.lsn != start || s.consistent_point != Some(start))
+        {
+            cp.lsn = start;
+            s.consistent_point = Some(start);
+            cp.partial = None;
+            self.disk = Some(cp.clone());
+            core.adopt_checkpoint(Some(cp.clone()));
+        }
+        let only: Vec<String> = cp
+            .snapshot
+            .as_ref()
+            .map(|s| s.tables.keys().cloned().collect())
+            .unwrap_or_default();
+        let b = format!("public.{}", OUTBOX[1].0);
+        assert!(
+            !only.is_empty() && only.iter().all(|t| *t == b),
+            "the model's snapshots are of outbox_b alone: {only:?}"
+        );
+        let read: Identities = current
+            .iter()
+            .filter(|(t, _)| only.contains(t))
+            .map(|(t, id)| (t.clone(), *id))
+            .collect();
+        let point = self.log.wal_now(self.written);
+        assert!(
+            point >= start,
+            "the snapshot's point {point} is before {start}"
+        );
+        let mut rows = VecDeque::new();
+        for (i, t) in self.log.txns.iter().enumerate() {
+            for (table, row) in t.rows() {
+                if table != 1 || row.swapped != self.fixed {
+                    continue;
+                }
+                let gone = self
+                    .log
+                    .deleted
+                    .get(&row.id)
+                    .is_some_and(|d| *d < self.written);
+                if i >= self.written || gone {
+                    if gone && row.hidden {
+                        self.excused.insert(row.id.clone());
+                    } else if gone && t.end_lsn > start {
+                        self.reordered.insert(row.id.clone());
+                    }
+                    continue;
+                }
+                let n = u32::try_from(rows.len()).expect("small");
+                self.snapshot_copies
+                    .entry(row.id.clone())
+                    .or_default()
+                    .push((point, n));
+                rows.push_back(row.tuple());
+            }
+        }
+        let oid = read.get(&b).map_or(OUTBOX[1].1, |id| id.oid);
+        let mapper = Mapper::compile(&TableConfig::new(OUTBOX[1].0), "model", &relation(1, oid))
+            .expect("the outbox maps");
+        core.begin_snapshot(start, point);
+        SnapshotRun {
+            mapper,
+            total: rows.len() as u64,
+            rows,
+            read,
+            start,
+        }
     }
 
     fn new_core(&self, tables: Tables) -> Core {
@@ -278,16 +556,44 @@ impl<'a> World<'a> {
                 self.turn(false);
             }
             Step::Flush(k) => self.flush(Some(usize::from(k))),
+            Step::Verify(_) if self.swap_unfixed() && self.watch => {
+                // The check fails: the stream ends with the error (the
+                // checkpoint saved, the position reported), walbox stops; the
+                // user adds the new table to the publication and starts it.
+                if let Some(tables) = self.session.as_ref().map(|s| s.tables) {
+                    if self.session.as_ref().is_some_and(|s| s.snapshot.is_some()) {
+                        self.session = None;
+                    } else {
+                        self.end_session(true);
+                    }
+                    self.start(tables);
+                }
+            }
             Step::Verify(sel) => {
+                let now = self.log.wal_now(self.written);
                 if let Some(s) = self.session.as_mut().filter(|s| !s.replay)
                     && let Some(limit) = self.limit
                 {
+                    // A check sees the WAL written when it runs.
                     let mut ends = vec![self.log.created];
-                    ends.extend(self.log.txns.iter().map(|t| t.end_lsn));
+                    ends.extend(
+                        self.log
+                            .txns
+                            .iter()
+                            .map(|t| t.end_lsn)
+                            .filter(|l| *l <= now),
+                    );
                     let to = limit.max(ends[usize::from(sel) % ends.len()]);
                     self.limit = Some(to);
                     s.core.limit_position(self.limit);
                 }
+            }
+            Step::Advance(n) => {
+                let cap = match self.log.swap {
+                    Some(sw) if !self.fixed => sw.fix,
+                    _ => self.log.txns.len(),
+                };
+                self.written = (self.written + usize::from(n)).min(cap).max(self.written);
             }
             Step::PgCheckpoint => self.slot.persisted = self.slot.confirmed,
             Step::Stop => {
@@ -326,49 +632,130 @@ impl<'a> World<'a> {
         self.after_step();
     }
 
-    fn after_step(&mut self) {
-        let Some(s) = &self.session else { return };
-        // MEM.
+    /// The invariants after every step, and the ends of a session: a stop,
+    /// a replay's end, the end of phase 1 (the snapshot is due). Returns
+    /// whether a new session started.
+    fn after_step(&mut self) -> bool {
+        let Some(s) = &self.session else { return false };
+        // MEM: held rows count against both bounds, except those of one
+        // multi-insert record taken while nothing else was in flight.
+        let (held_rows, held_bytes) = s.core.held();
         assert!(
-            s.core.in_flight() <= self.params.max_in_flight,
-            "MEM: {} events in flight, bound {}",
-            s.core.in_flight(),
-            self.params.max_in_flight
+            s.uncounted_rows <= self.log.largest_record(),
+            "MEM: {} rows held uncounted, more than one multi-insert record has",
+            s.uncounted_rows
         );
         assert!(
-            s.core.in_flight_bytes() < self.params.max_in_flight_bytes + s.overshoot,
-            "MEM: {} bytes in flight, bound {} plus the last event read ({} bytes)",
+            s.core.in_flight() + held_rows <= self.params.max_in_flight + s.uncounted_rows,
+            "MEM: {} events in flight and {held_rows} held, bound {} plus {} rows of one record",
+            s.core.in_flight(),
+            self.params.max_in_flight,
+            s.uncounted_rows
+        );
+        assert!(
+            s.core.in_flight_bytes() + held_bytes < self.params.max_in_flight_bytes + s.overshoot,
+            "MEM: {} bytes in flight and {held_bytes} held, bound {} plus what the last read \
+             added beyond it ({} bytes)",
             s.core.in_flight_bytes(),
             self.params.max_in_flight_bytes,
             s.overshoot
         );
+        let tables = s.tables;
+        if s.stopping && s.snapshot.is_some() {
+            // A stop signal during the snapshot: the session ends at once; the
+            // checkpoint still says the snapshot is unfinished.
+            self.session = None;
+            self.start(tables);
+            return true;
+        }
+        if s.catch_up.is_some() && s.core.reached_end() && s.core.idle() {
+            self.snapshot_due();
+            self.start(tables);
+            return true;
+        }
         if (s.stopping || (s.replay && s.core.reached_end())) && s.core.idle() {
-            let tables = s.tables;
             self.end_session(true);
             // A new `walbox run`.
             self.start(tables);
+            return true;
         }
+        false
+    }
+
+    /// The end of phase 1 (`session()` after `stream()` reached its end with
+    /// tables to catch up): the checkpoint saved and the position reported as
+    /// at any end, then marked with the snapshot due at its position.
+    fn snapshot_due(&mut self) {
+        self.turn_to(true, true);
+        let s = self.session.take().expect("a session");
+        let mut cp = s
+            .core
+            .checkpoint()
+            .cloned()
+            .expect("a checkpoint after streaming");
+        cp.partial = None;
+        cp.snapshot = Some(SnapshotState {
+            consistent_point: Some(cp.lsn),
+            complete: false,
+            rows: 0,
+            tables: s.catch_up.expect("tables to catch up"),
+        });
+        self.disk = Some(cp);
     }
 
     /// The shell takes one message from the server; false when there is
     /// nothing to take (not reading, or the server sent everything and a
     /// keepalive with its WAL end).
     fn read_one(&mut self, pump_now: bool) -> bool {
-        let wal_end = self.log.wal_end;
+        let wal_now = self.log.wal_now(self.written);
+        let written = self.written;
         let Some(s) = &mut self.session else {
             return false;
         };
+        if let Some(snap) = &mut s.snapshot {
+            // `take_snapshot`: the next row once the core has room; after the
+            // last one, the stream from the resume position.
+            if s.core.full() {
+                return false;
+            }
+            let before = s.core.in_flight_bytes();
+            match snap.rows.pop_front() {
+                Some(row) => {
+                    s.core
+                        .snapshot_row(&snap.mapper, &row)
+                        .expect("a snapshot row maps or is dead-lettered");
+                    s.overshoot = s.core.in_flight_bytes().saturating_sub(before);
+                    s.uncounted_rows = 0;
+                }
+                None => {
+                    let snap = s.snapshot.take().expect("reading one");
+                    s.core.snapshot_tables(snap.read);
+                    s.core.end_snapshot(snap.total);
+                    s.core.continue_after_snapshot(snap.start);
+                }
+            }
+            pump(s);
+            return true;
+        }
         if !s.core.reading(s.stopping) {
+            // The shell hands the core's events to the sink after every message.
+            pump(s);
             return false;
         }
-        let (msg, more) = match s.stream.pop_front() {
-            Some(m) => (m, true),
-            None => (WalMessage::KeepAlive { wal_end }, false),
+        let (msg, more) = match s.stream.front() {
+            Some((n, _)) if *n < written => (s.stream.pop_front().expect("front").1, true),
+            _ => (WalMessage::KeepAlive { wal_end: wal_now }, false),
         };
-        let before = s.core.in_flight_bytes();
+        let (held_rows, held_bytes) = s.core.held();
+        let in_flight = s.core.in_flight();
+        // What `full` counted before this read: held rows only while something
+        // else is in flight.
+        let counted = s.core.in_flight_bytes() + if in_flight > 0 { held_bytes } else { 0 };
         match s.core.on_wal(msg) {
             Ok(()) => {
-                s.overshoot = s.core.in_flight_bytes().saturating_sub(before);
+                let now = s.core.in_flight_bytes() + s.core.held().1;
+                s.overshoot = now.saturating_sub(counted);
+                s.uncounted_rows = if in_flight > 0 { 0 } else { held_rows };
                 if pump_now {
                     pump(s);
                 }
@@ -413,7 +800,12 @@ impl<'a> World<'a> {
         }
         assert!(failed.is_transient(), "{failed}");
         let tables = s.tables;
-        self.end_session(true);
+        if s.snapshot.is_some() {
+            // `take_snapshot` returns the error: nothing is saved.
+            self.session = None;
+        } else {
+            self.end_session(true);
+        }
         self.start(tables);
     }
 
@@ -423,10 +815,18 @@ impl<'a> World<'a> {
         let Some(tables) = self.session.as_ref().map(|s| s.tables) else {
             return;
         };
-        self.end_session(true);
+        if self.session.as_ref().is_some_and(|s| s.snapshot.is_some()) {
+            self.session = None;
+        } else {
+            self.end_session(true);
+        }
         let (Some(cp), slot) = (self.disk.clone(), self.slot.confirmed) else {
             return self.start(tables);
         };
+        if cp.snapshot_interrupted() {
+            // A snapshot is due: `walbox run` takes it first.
+            return self.start(tables);
+        }
         let mut from: Vec<Lsn> = vec![slot];
         from.extend(
             self.log
@@ -444,6 +844,8 @@ impl<'a> World<'a> {
         let s = self.session.as_mut().expect("started");
         s.replay = true;
         s.core = core;
+        s.catch_up = None;
+        s.snapshot = None;
         s.stream = self.log.stream(from.max(slot), tables).into();
     }
 
@@ -541,6 +943,14 @@ impl<'a> World<'a> {
                 }
             }
         }
+        if cp.snapshot.as_ref().is_some_and(|s| s.complete)
+            && self
+                .disk
+                .as_ref()
+                .is_some_and(Checkpoint::snapshot_interrupted)
+        {
+            self.snapshots_taken += 1;
+        }
         self.disk = Some(cp);
     }
 
@@ -557,6 +967,10 @@ impl<'a> World<'a> {
         self.stopped = None;
         self.session = None;
         self.watch = false;
+        self.written = self.log.txns.len();
+        if self.log.swap.is_some() && !self.fixed {
+            self.fix();
+        }
         self.start(Tables::Both);
         for _ in 0..100_000 {
             let more = self.read_one(true);
@@ -567,9 +981,12 @@ impl<'a> World<'a> {
             self.turn(false);
             self.flush(None);
             self.turn(false);
-            self.after_step();
-            let done = self.session.as_ref().is_some_and(|s| s.core.idle());
-            if self.stopped.is_some() || (!more && done) {
+            let restarted = self.after_step();
+            let done = self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.core.idle() && s.snapshot.is_none() && s.catch_up.is_none());
+            if self.stopped.is_some() || (!more && done && !restarted) {
                 break;
             }
         }

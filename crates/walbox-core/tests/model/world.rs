@@ -3,6 +3,8 @@
 //! non-transactional messages between them, and the stream `START_REPLICATION`
 //! sends from a position, as pgoutput (protocol 1) writes it.
 
+use std::collections::HashMap;
+
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use walbox_core::WalMessage;
@@ -14,6 +16,8 @@ use walbox_pgoutput::{
 
 /// The two outbox tables (index 0 and 1): name and oid.
 pub const OUTBOX: [(&str, Oid); 2] = [("outbox_a", 16_401), ("outbox_b", 16_402)];
+/// The oid of the table swapped in under `outbox_b`'s name (see [`Swap`]).
+pub const OUTBOX_B_SWAPPED: Oid = 16_404;
 /// A published table that is no outbox.
 pub const AUDIT: (&str, Oid) = ("audit", 16_403);
 /// The configured message prefix (every session has it).
@@ -92,6 +96,10 @@ pub struct Row {
     pub key: String,
     pub payload: Payload,
     pub via: Via,
+    /// Inserted into the table swapped in under `outbox_b`'s name.
+    pub swapped: bool,
+    /// Inserted while its table was in no publication: no stream has it.
+    pub hidden: bool,
 }
 
 impl Row {
@@ -119,7 +127,7 @@ impl Row {
         ))
     }
 
-    fn tuple(&self) -> Vec<TupleValue> {
+    pub fn tuple(&self) -> Vec<TupleValue> {
         let payload = match self.payload {
             Payload::Small(pad) => text(&format!(
                 r#"{{"id":"{}","pad":"{}"}}"#,
@@ -198,6 +206,9 @@ pub struct Txn {
     pub keepalive_inside: bool,
     /// A keepalive after it, with this WAL end (before the next commit).
     pub keepalive_after: Option<Lsn>,
+    /// Adjacent inserts into one table share one WAL start (a multi-insert
+    /// record, as `COPY` writes).
+    pub copy: bool,
 }
 
 impl Txn {
@@ -210,9 +221,14 @@ impl Txn {
         })
     }
 
+    /// The outbox inserts a stream has, in order.
+    pub fn streamed_rows(&self) -> impl Iterator<Item = (usize, &Row)> {
+        self.rows().filter(|(_, r)| !r.hidden)
+    }
+
     /// Event ids of the first `n` events as a session with `tables` counts them.
     pub fn first_events(&self, tables: Tables, n: u64) -> Vec<&str> {
-        self.rows()
+        self.streamed_rows()
             .filter(|(t, _)| tables.has(*t))
             .take(usize::try_from(n).unwrap_or(usize::MAX))
             .map(|(_, r)| r.id.as_str())
@@ -228,6 +244,19 @@ pub struct Log {
     pub txns: Vec<Txn>,
     /// The server's WAL end after the last transaction.
     pub wal_end: Lsn,
+    /// `outbox_b` swapped for a new table of the same name.
+    pub swap: Option<Swap>,
+    /// The entry (index into `txns`) deleting each deleted row, by event id.
+    pub deleted: HashMap<String, usize>,
+}
+
+/// `outbox_b` is swapped for a new table (another oid, the same name) before
+/// entry `at`; the new table joins the publication (`ALTER PUBLICATION ...
+/// ADD TABLE`) before entry `fix`. Its inserts before then are in no stream.
+#[derive(Debug, Clone, Copy)]
+pub struct Swap {
+    pub at: usize,
+    pub fix: usize,
 }
 
 /// Everything known about one event.
@@ -258,7 +287,7 @@ impl Log {
     /// The event's index in its transaction as a session with `tables` numbers it.
     pub fn index_of(&self, txn: usize, id: &str, tables: Tables) -> u32 {
         let n = self.txns[txn]
-            .rows()
+            .streamed_rows()
             .filter(|(t, _)| tables.has(*t))
             .take_while(|(_, r)| r.id != id)
             .count();
@@ -270,22 +299,79 @@ impl Log {
         self.txns.iter().find(|t| t.commit_lsn == commit_lsn)
     }
 
+    /// The WAL position once the first `written` entries of the log are
+    /// written: before the next entry's record.
+    pub fn wal_now(&self, written: usize) -> Lsn {
+        self.txns
+            .get(written)
+            .map_or(self.wal_end, |t| Lsn(t.commit_lsn.0 - 1))
+    }
+
+    /// The oid of `table`'s changes in entry `i`, and whether they are in the
+    /// stream (pgoutput decodes a change against the publication as it was
+    /// when the change was written).
+    pub fn oid_in(&self, table: usize, i: usize) -> (Oid, bool) {
+        match self.swap {
+            Some(sw) if table == 1 && i >= sw.at => (OUTBOX_B_SWAPPED, i >= sw.fix),
+            _ => (OUTBOX[table].1, true),
+        }
+    }
+
+    /// The most outbox inserts one WAL record carries.
+    pub fn largest_record(&self) -> u64 {
+        self.txns
+            .iter()
+            .map(|t| {
+                if !t.copy {
+                    return 1;
+                }
+                let mut best = 1;
+                let mut run = 0;
+                let mut prev: Option<usize> = None;
+                for c in &t.changes {
+                    match c {
+                        Change::Insert { table, .. } if prev == Some(*table) => run += 1,
+                        Change::Insert { table, .. } => {
+                            run = 1;
+                            prev = Some(*table);
+                        }
+                        _ => {
+                            run = 0;
+                            prev = None;
+                        }
+                    }
+                    best = best.max(run);
+                }
+                best
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
     /// What `START_REPLICATION` from `from` sends to a session with `tables`:
     /// every transaction that ends after `from`, each table's Relation before
-    /// its first change, keepalives where the log has them.
-    pub fn stream(&self, from: Lsn, tables: Tables) -> Vec<WalMessage> {
+    /// its first change, keepalives where the log has them; each message with
+    /// the index of the log entry it belongs to (sent once that is written).
+    pub fn stream(&self, from: Lsn, tables: Tables) -> Vec<(usize, WalMessage)> {
         let mut out = Vec::new();
-        let mut announced = [false; 3];
-        for t in self.txns.iter().filter(|t| t.end_lsn > from) {
+        let mut announced: Vec<Oid> = Vec::new();
+        for (n, t) in self
+            .txns
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.end_lsn > from)
+        {
+            let mut push = |m: WalMessage| out.push((n, m));
             if t.unordered {
-                out.extend(
-                    t.changes
-                        .iter()
-                        .map(|c| data(&message(c, false, t.end_lsn))),
-                );
+                for c in &t.changes {
+                    push(data(&message(c, false, t.end_lsn)));
+                }
                 continue;
             }
-            out.push(WalMessage::Begin {
+            // Adjacent inserts into one table of a multi-insert record share
+            // the start of the first.
+            let mut record: Option<(usize, Lsn)> = None;
+            push(WalMessage::Begin {
                 final_lsn: t.commit_lsn,
                 xid: t.xid,
                 commit_time: 1_000,
@@ -293,32 +379,52 @@ impl Log {
             for (i, c) in t.changes.iter().enumerate() {
                 let table = c.table();
                 if table < 2 && !tables.has(table) {
+                    record = None;
                     continue;
                 }
                 if table == MSG {
+                    record = None;
                     let lsn =
                         Lsn(t.commit_lsn.0 - 1 - u64::try_from(t.changes.len() - i).unwrap_or(0));
-                    out.push(as_shell(message(c, true, lsn)));
+                    push(as_shell(message(c, true, lsn)));
                     continue;
                 }
-                if !announced[table] {
-                    announced[table] = true;
-                    out.push(data(&LogicalMessage::Relation(relation(table))));
+                let oid = if table < 2 {
+                    let (oid, streamed) = self.oid_in(table, n);
+                    if !streamed {
+                        record = None;
+                        continue;
+                    }
+                    oid
+                } else {
+                    AUDIT.1
+                };
+                if !announced.contains(&oid) {
+                    announced.push(oid);
+                    push(data(&LogicalMessage::Relation(relation(table, oid))));
                 }
                 if t.keepalive_inside && i == t.changes.len() / 2 {
-                    out.push(WalMessage::KeepAlive {
+                    push(WalMessage::KeepAlive {
                         wal_end: t.commit_lsn,
                     });
                 }
                 // Change i at the LSN a message in its place would have: an
                 // insert never ties with a message written after it.
-                let start =
+                let mut start =
                     Lsn(t.commit_lsn.0 - 1 - u64::try_from(t.changes.len() - i).unwrap_or(0));
-                out.push(data_at(start, &change_message(c)));
+                if let Change::Insert { .. } = c {
+                    match record {
+                        Some((r, at)) if t.copy && r == table => start = at,
+                        _ => record = Some((table, start)),
+                    }
+                } else {
+                    record = None;
+                }
+                push(data_at(start, &change_message(c, oid)));
             }
-            out.push(WalMessage::Commit { end_lsn: t.end_lsn });
+            push(WalMessage::Commit { end_lsn: t.end_lsn });
             if let Some(wal_end) = t.keepalive_after {
-                out.push(WalMessage::KeepAlive { wal_end });
+                push(WalMessage::KeepAlive { wal_end });
             }
         }
         out
@@ -339,11 +445,11 @@ fn data_at(wal_start: Lsn, msg: &LogicalMessage) -> WalMessage {
     }
 }
 
-fn relation(table: usize) -> Relation {
-    let (name, oid, columns): (&str, Oid, &[(&str, Oid)]) = if table < 2 {
+/// The Relation message of `table` (0, 1: outbox; 2: audit) as the relation `oid`.
+pub fn relation(table: usize, oid: Oid) -> Relation {
+    let (name, columns): (&str, &[(&str, Oid)]) = if table < 2 {
         (
             OUTBOX[table].0,
-            OUTBOX[table].1,
             &[
                 ("id", 25),
                 ("aggregate_type", 25),
@@ -353,7 +459,7 @@ fn relation(table: usize) -> Relation {
             ],
         )
     } else {
-        (AUDIT.0, AUDIT.1, &[("id", 23), ("note", 25)])
+        (AUDIT.0, &[("id", 23), ("note", 25)])
     };
     Relation {
         xid: None,
@@ -398,7 +504,7 @@ fn message(c: &Change, transactional: bool, lsn: Lsn) -> LogicalMessage {
     })
 }
 
-fn change_message(c: &Change) -> LogicalMessage {
+fn change_message(c: &Change, oid: Oid) -> LogicalMessage {
     let outbox_row = || {
         vec![
             text("x"),
@@ -414,20 +520,20 @@ fn change_message(c: &Change) -> LogicalMessage {
         tuple,
     };
     match c {
-        Change::Insert { table, row } => LogicalMessage::Insert(Insert {
+        Change::Insert { row, .. } => LogicalMessage::Insert(Insert {
             xid: None,
-            relation_oid: OUTBOX[*table].1,
+            relation_oid: oid,
             new: row.tuple(),
         }),
-        Change::UpdateOutbox { table } => LogicalMessage::Update(Update {
+        Change::UpdateOutbox { .. } => LogicalMessage::Update(Update {
             xid: None,
-            relation_oid: OUTBOX[*table].1,
+            relation_oid: oid,
             old: None,
             new: outbox_row(),
         }),
-        Change::DeleteOutbox { table } => LogicalMessage::Delete(Delete {
+        Change::DeleteOutbox { .. } => LogicalMessage::Delete(Delete {
             xid: None,
-            relation_oid: OUTBOX[*table].1,
+            relation_oid: oid,
             old: key(outbox_row()),
         }),
         Change::AuditUpdate => LogicalMessage::Update(Update {
@@ -500,6 +606,8 @@ pub struct TxnSpec {
     pub keepalive_after: Option<u16>,
     /// A non-transactional message in the WAL before it.
     pub unordered_before: Option<UnorderedSpec>,
+    /// Adjacent inserts into one table are one multi-insert record.
+    pub copy: bool,
 }
 
 fn payload() -> impl Strategy<Value = Payload> {
@@ -554,15 +662,19 @@ pub fn txns() -> impl Strategy<Value = Vec<TxnSpec>> {
                 },
             ),
         ),
+        prop::bool::weighted(0.2),
     )
         .prop_map(
-            |(gap, len, changes, keepalive_inside, keepalive_after, unordered_before)| TxnSpec {
-                gap,
-                len,
-                changes,
-                keepalive_inside,
-                keepalive_after,
-                unordered_before,
+            |(gap, len, changes, keepalive_inside, keepalive_after, unordered_before, copy)| {
+                TxnSpec {
+                    gap,
+                    len,
+                    changes,
+                    keepalive_inside,
+                    keepalive_after,
+                    unordered_before,
+                    copy,
+                }
             },
         );
     prop::collection::vec(txn, 1..14)
@@ -609,10 +721,13 @@ impl Log {
                                 Payload::Small(u.key)
                             },
                             via: Via::Unordered,
+                            swapped: false,
+                            hidden: false,
                         },
                     }],
                     keepalive_inside: false,
                     keepalive_after: None,
+                    copy: false,
                 });
                 at = lsn.0;
             }
@@ -639,6 +754,8 @@ impl Log {
                             key: format!("{}{key}", ["a", "b"][*table]),
                             payload: *payload,
                             via: Via::Table,
+                            swapped: false,
+                            hidden: false,
                         },
                     },
                     ChangeSpec::Message {
@@ -652,6 +769,8 @@ impl Log {
                             key: format!("m{key}"),
                             payload: *payload,
                             via: Via::Message,
+                            swapped: false,
+                            hidden: false,
                         },
                     },
                     ChangeSpec::OtherMessage => Change::OtherMessage,
@@ -672,6 +791,7 @@ impl Log {
                 changes,
                 keepalive_inside: s.keepalive_inside,
                 keepalive_after: None,
+                copy: s.copy,
             });
             keepalive = s.keepalive_after;
             at = end_lsn.0;
@@ -682,6 +802,60 @@ impl Log {
             created,
             txns,
             wal_end,
+            swap: None,
+            deleted: HashMap::new(),
         }
     }
+
+    /// The log of `specs` with `outbox_b` swapped for a new table before
+    /// entry `swap.at` (inserts from there on go into the new one), which
+    /// joins the publication before entry `swap.fix`; the new table's rows are
+    /// deleted as `deletes` says in turn (an offset of entries after their
+    /// insert; `None`: kept).
+    pub fn build_swapped(specs: &[TxnSpec], swap: &SwapSpec) -> Log {
+        let mut log = Log::build(specs, None);
+        let len = log.txns.len();
+        let at = swap.at.index(len + 1);
+        let fix = at + swap.fix.index(len + 1 - at);
+        log.swap = Some(Swap { at, fix });
+        let mut deletes = swap.deletes.iter().cycle();
+        let mut pending: Vec<(usize, String)> = Vec::new();
+        for (i, t) in log.txns.iter_mut().enumerate().skip(at) {
+            for c in &mut t.changes {
+                if let Change::Insert { table: 1, row } = c {
+                    row.swapped = true;
+                    row.hidden = i < fix;
+                    if let Some(Some(off)) = deletes.next() {
+                        pending.push((i + usize::from(*off), row.id.clone()));
+                    }
+                }
+            }
+        }
+        for (j, id) in pending {
+            if let Some(t) = log.txns.get_mut(j).filter(|t| !t.unordered) {
+                // A delete of that row (a snapshot taken after it lacks it).
+                t.changes.push(Change::DeleteOutbox { table: 1 });
+                log.deleted.insert(id, j);
+            }
+        }
+        log
+    }
+}
+
+/// Where the swap and the fix fall, and which rows of the new table are
+/// deleted when.
+#[derive(Debug, Clone)]
+pub struct SwapSpec {
+    pub at: prop::sample::Index,
+    pub fix: prop::sample::Index,
+    pub deletes: Vec<Option<u8>>,
+}
+
+pub fn swap() -> impl Strategy<Value = SwapSpec> {
+    (
+        any::<prop::sample::Index>(),
+        any::<prop::sample::Index>(),
+        prop::collection::vec(prop::option::weighted(0.4, 0..4u8), 1..8),
+    )
+        .prop_map(|(at, fix, deletes)| SwapSpec { at, fix, deletes })
 }

@@ -445,6 +445,80 @@ fn a_held_insert_never_stops_reading_when_nothing_else_is_in_flight() {
 }
 
 #[test]
+fn held_inserts_count_against_the_byte_bound_while_something_else_is_in_flight() {
+    let at = |wal_start: u64, id: &str, pad: usize| {
+        let mut buf = BytesMut::new();
+        encode(
+            &LogicalMessage::Insert(Insert {
+                xid: None,
+                relation_oid: 16_400,
+                new: vec![
+                    text(id),
+                    text("order"),
+                    text("k"),
+                    text("T"),
+                    text(&format!(r#"{{"p":"{}"}}"#, "x".repeat(pad))),
+                ],
+            }),
+            &mut buf,
+        );
+        WalMessage::Data {
+            wal_start: Lsn(wal_start),
+            data: buf.freeze(),
+        }
+    };
+    let mut c = Core::new(CoreConfig {
+        max_in_flight: 100,
+        max_in_flight_bytes: 2_000,
+        ..cfg(false)
+    });
+    // r-0 is released (in flight) by the insert at another position, which is
+    // held; so is the second row of its multi-insert record.
+    for m in [
+        begin(0x900),
+        relation(),
+        at(0x800, "r-0", 10),
+        at(0x810, "r-1", 900),
+    ] {
+        c.on_wal(m).unwrap();
+    }
+    assert_eq!(c.in_flight(), 1);
+    assert!(c.in_flight_bytes() < 1_000);
+    assert!(!c.full(), "one small event in flight, one row held");
+    c.on_wal(at(0x810, "r-2", 900)).unwrap();
+    let (rows, bytes) = c.held();
+    assert_eq!(rows, 2);
+    assert!(bytes > 1_800, "{bytes}");
+    assert!(
+        c.full(),
+        "the held rows' bytes with the event in flight reach the bound: reading waits"
+    );
+    // Nothing else in flight: the held rows alone never stop reading.
+    let (_, token, _) = drain(&mut c).pop().unwrap();
+    c.on_delivery(token, Outcome::Acked).unwrap();
+    assert!(!c.full());
+    c.on_wal(commit(0x980)).unwrap();
+    assert_eq!(c.held(), (0, 0));
+    assert_eq!(drain(&mut c).len(), 2);
+}
+
+#[test]
+fn a_pause_before_a_held_insert_that_its_commit_releases_ends_reading_cleanly() {
+    // With [[messages]], an insert is held until the next change: here the
+    // Commit, which releases it into the pause.
+    let mut c = core(false);
+    c.pause_before([(16_400, "public.outbox".to_owned())]);
+    for m in [begin(0x900), relation(), insert("r-0", "k"), commit(0x980)] {
+        c.on_wal(m).unwrap();
+    }
+    assert!(c.paused());
+    assert!(c.reached_end());
+    assert!(c.idle(), "nothing of the transaction was taken");
+    assert!(drain(&mut c).is_empty());
+    assert_eq!(c.confirmed(), Lsn(100), "the position stays before it");
+}
+
+#[test]
 fn a_non_transactional_message_whose_dead_letter_is_refused_is_dead_lettered_without_its_content() {
     use crate::error::{Failure, Rejected};
     let mut c = core(false);
