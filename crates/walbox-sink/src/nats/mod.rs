@@ -32,6 +32,14 @@
 //! timeout) ends what the session sends: every later event fails at once,
 //! unsent, with the same class, since one sent after it would be chained to
 //! the one before it and could be stored before it.
+//!
+//! A replay (`walbox replay`, named by [`Sink::replay_as`]) publishes each
+//! event under an id of its own, `{id}.replay.{name}` (the event id, or a dead
+//! letter's, then the replay's name): the stream stores it again beside the
+//! first copy, and drops only what an earlier run of the same replay stored
+//! (the same start position). Such a drop is verified as any duplicate and
+//! counted apart ([`Sink::duplicates`]), never as stored. The `event_id`
+//! header stays the event's.
 
 mod config;
 mod duplicate;
@@ -41,7 +49,7 @@ mod stream;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -83,6 +91,10 @@ pub struct NatsSink {
     /// A publication of this session failed before it was sent: the class
     /// and reason every later event fails with, unsent.
     unsent: Option<(DeliveryClass, String)>,
+    /// The name of the replay the events sent belong to, if any.
+    replay: Option<String>,
+    /// Deliveries acknowledged as duplicates of a copy the stream held.
+    duplicates: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for NatsSink {
@@ -111,6 +123,8 @@ impl NatsSink {
                 in_flight: Arc::new(AtomicUsize::new(0)),
                 aborted: false,
                 unsent: None,
+                replay: None,
+                duplicates: Arc::new(AtomicU64::new(0)),
             },
             rx,
         ))
@@ -130,6 +144,7 @@ impl NatsSink {
                 rx,
                 self.deliveries.clone(),
                 self.in_flight.clone(),
+                self.duplicates.clone(),
             ));
             self.session = Some(Session { js, acks });
         }
@@ -172,7 +187,24 @@ impl NatsSink {
     }
 }
 
+/// The `Nats-Msg-Id` of a publication whose event's id is `id`: the id itself,
+/// or in a replay the id followed by `.replay.` and the replay's name.
+fn publication_id(id: &str, replay: Option<&str>) -> String {
+    match replay {
+        Some(name) => format!("{id}.replay.{name}"),
+        None => id.to_owned(),
+    }
+}
+
 impl Sink for NatsSink {
+    fn replay_as(&mut self, replay: &str) {
+        self.replay = Some(replay.to_owned());
+    }
+
+    fn duplicates(&self) -> u64 {
+        self.duplicates.load(Ordering::SeqCst)
+    }
+
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
         if self.aborted {
             return Ok(());
@@ -217,8 +249,12 @@ impl Sink for NatsSink {
             return Ok(());
         }
         let stream = self.stream_of(&subject).await?;
+        let id = publication_id(&msg_id(&event), self.replay.as_deref());
         let headers = match headers_of(&event, self.last_id.get(&stream).map(String::as_str)) {
-            Ok(h) => {
+            Ok(mut h) => {
+                if self.replay.is_some() {
+                    h.map.insert("Nats-Msg-Id", id.as_str());
+                }
                 if !h.dropped.is_empty() {
                     let names: Vec<String> = h.dropped.iter().map(|n| percent_encode(n)).collect();
                     tracing::warn!(
@@ -255,12 +291,7 @@ impl Sink for NatsSink {
             return Ok(());
         }
         let js = self.session().await?.js.clone();
-        let id = msg_id(&event);
-        pending.sent = Some(duplicate::Sent {
-            subject: subject.clone(),
-            msg_id: id.clone(),
-            key: headers.get(KEY_HEADER).map(|v| v.as_str().to_owned()),
-        });
+        pending.sent = Some(duplicate::Sent::of(&subject, &id, &headers));
         let publish = jetstream::message::PublishMessage::build()
             .payload(event.value.clone())
             .headers(headers);

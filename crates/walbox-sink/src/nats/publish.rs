@@ -3,7 +3,7 @@
 //! each.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use async_nats::jetstream::{
     self,
@@ -53,19 +53,35 @@ const NOT_CHAINED: &str = "the stream's last message is not the one walbox publi
      this one: another publisher wrote to the stream (walbox must be its only publisher), or \
      an earlier publication was lost; walbox publishes again from its acknowledged position";
 
-/// Reports outcomes in publishing order.
+/// Why a chained publication was refused right after one the stream dropped
+/// as a duplicate: the stream's last message is not that one.
+const AFTER_DUPLICATE: &str = "the publication before it was dropped by the stream as a \
+     duplicate of a copy stored earlier, and the stream's last message is one stored since \
+     (a replay or dead-letter replay between two sessions); walbox publishes again from its \
+     acknowledged position";
+
+/// Reports outcomes in publishing order; counts the duplicates delivered.
 pub(super) async fn report(
     js: jetstream::Context,
     mut rx: mpsc::UnboundedReceiver<Pending>,
     tx: mpsc::UnboundedSender<Delivery>,
     in_flight: Arc<AtomicUsize>,
+    duplicates: Arc<AtomicU64>,
 ) {
+    // Whether the previous publication was dropped as a duplicate.
+    let mut after_duplicate = false;
     while let Some(p) = rx.recv().await {
+        let was_duplicate = std::mem::take(&mut after_duplicate);
         let failed = match p.outcome {
             Outcome::Wait(fut) => match fut.await {
                 Ok(ack) => match (&p.sent, ack.duplicate) {
                     (Some(sent), true) => {
-                        duplicate::check(&js, &ack, &p.event_id, sent).await.err()
+                        let checked = duplicate::check(&js, &ack, &p.event_id, sent).await;
+                        if checked.is_ok() {
+                            duplicates.fetch_add(1, Ordering::SeqCst);
+                            after_duplicate = true;
+                        }
+                        checked.err()
                     }
                     _ => None,
                 },
@@ -74,10 +90,12 @@ pub(super) async fn report(
                         Some(s) => format!("{e}: {s}"),
                         None => e.to_string(),
                     };
-                    let text = if e.kind() == PublishErrorKind::WrongLastMessageId {
-                        format!("{text}: {NOT_CHAINED}")
-                    } else {
-                        text
+                    let text = match e.kind() {
+                        PublishErrorKind::WrongLastMessageId if was_duplicate => {
+                            format!("{text}: {AFTER_DUPLICATE}")
+                        }
+                        PublishErrorKind::WrongLastMessageId => format!("{text}: {NOT_CHAINED}"),
+                        _ => text,
                     };
                     Some((classify(e.kind(), &text), text))
                 }
