@@ -478,15 +478,12 @@ async fn a_replay_stores_the_range_again_once_even_when_killed_and_run_again() {
     walbox.stop();
     let before = read_subject(&nats, SUBJECT).await;
     assert_eq!(before.len(), 2200, "{}", walbox.log());
-    // Written while no walbox runs: after the checkpoint, so not the replay's.
-    write_events_from(&pg, 1, 5, 10, 5, 20).await;
+    let (from, to) = (from.to_string(), checkpoint(&pg).unwrap().lsn.to_string());
+    let replay_args = ["replay", "--from", from.as_str(), "--to", to.as_str()];
 
     // A consumer lost what was committed after `from`: replay it, and kill
     // the replay half-way.
-    let mut replay = Walbox::spawn(
-        &["replay", "--config", &slow, "--from", &from.to_string()],
-        &env,
-    );
+    let mut replay = Walbox::spawn(&[&replay_args[..], &["--config", &slow]].concat(), &env);
     walbox_testkit::wait_until_async(
         "the killed replay to have stored part of the range",
         Duration::from_secs(60),
@@ -504,12 +501,22 @@ async fn a_replay_stores_the_range_again_once_even_when_killed_and_run_again() {
     );
     wait_slot_released(&db, "walbox").await;
 
+    // walbox runs again before the replay is run again: rows written now are
+    // stored after the killed replay's copies.
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    write_events_from(&pg, 1, 5, 10, 5, 20).await;
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    walbox.stop();
+    assert_eq!(
+        stream_messages(&nats).await,
+        partial + 50,
+        "{}",
+        walbox.log()
+    );
+
     // Run again with the same --from: what the killed run stored is not
     // stored twice, the rest is stored, each once.
-    let (code, out, err) = walbox_cmd(
-        &["replay", "--config", &cfg, "--from", &from.to_string()],
-        &env,
-    );
+    let (code, out, err) = walbox_cmd(&[&replay_args[..], &["--config", &cfg]].concat(), &env);
     assert_eq!(code, Some(0), "{out}\n{err}");
     // The events the killed run stored are not counted as replayed.
     let number = |before: &str| -> u64 {
@@ -530,7 +537,7 @@ async fn a_replay_stores_the_range_again_once_even_when_killed_and_run_again() {
     );
     assert!(already >= 300 && stored + already == 2000, "{out}");
     let after = read_subject(&nats, SUBJECT).await;
-    assert_eq!(after.len(), 4200, "{out}\n{err}");
+    assert_eq!(after.len(), 4250, "{out}\n{err}");
     let mut copies: HashMap<String, Vec<&Stored>> = HashMap::new();
     for m in &after {
         copies
@@ -557,18 +564,20 @@ async fn a_replay_stores_the_range_again_once_even_when_killed_and_run_again() {
             assert_eq!(c.len(), 1, "event {id} is before the replay's start");
         }
     }
-    // The replay copies, stored after the first 2200 messages, keep each
-    // key's order (keys 10..19 start at seq 0), across the kill.
-    let replay_copies: Vec<Stored> = after.into_iter().filter(|m| m.sequence > 2200).collect();
+    // The rows written between are stored once.
+    let between = after
+        .iter()
+        .filter(|m| m.sequence > 2200 && copies[m.header("event_id")].len() == 1)
+        .count();
+    assert_eq!(between, 50);
+    // The replay copies keep each key's order (keys 10..19 start at seq 0),
+    // across the kill.
+    let replay_copies: Vec<Stored> = after
+        .into_iter()
+        .filter(|m| m.header("Nats-Msg-Id") != m.header("event_id"))
+        .collect();
     assert_eq!(replay_copies.len(), 2000);
     assert_per_key_order_once(&replay_copies);
-    // `walbox run` goes on after the checkpoint and repeats nothing: the
-    // events written while no walbox ran are stored, once.
-    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
-    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
-    walbox.stop();
-    let last = read_subject(&nats, SUBJECT).await;
-    assert_eq!(last.len(), 4250, "{}", walbox.log());
     drop(pg);
 }
 

@@ -13,6 +13,15 @@
 //! acknowledged position. The server checks duplicates before the chain, so a
 //! replay passes.
 //!
+//! Until a publication of the session is stored in a stream (not dropped as a
+//! duplicate), the session probes that stream: each publication waits for
+//! its PubAck before the next is sent, and one that follows a duplicate
+//! carries no expectation, since the stream's last message is then not the
+//! duplicate (a resend after a crash, a replay run again after a kill, with
+//! other messages stored since). Every publication before it is then known to
+//! be stored, so it cannot land after a gap; from the first stored one on,
+//! publications are pipelined and chained.
+//!
 //! The first publication of a session carries no expectation, on purpose. A
 //! session starts at the acknowledged position, so every event walbox
 //! published before it is in the stream; a publication of an earlier session
@@ -47,7 +56,7 @@ mod headers;
 mod publish;
 mod stream;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -63,7 +72,7 @@ pub use headers::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER};
 use headers::{
     headers_of, is_dead_letter, msg_id, percent_encode, sanitized_subject, valid_subject, wire_len,
 };
-use publish::{Outcome, Pending, classify, report};
+use publish::{Outcome, Pending, classify, failure, report};
 use stream::{check_window, ensure_stream};
 
 use crate::{Deliveries, Delivery, DeliveryClass, Sink, SinkError};
@@ -95,6 +104,9 @@ pub struct NatsSink {
     replay: Option<String>,
     /// Deliveries acknowledged as duplicates of a copy the stream held.
     duplicates: Arc<AtomicU64>,
+    /// The streams a publication of this session was stored in (not dropped
+    /// as a duplicate); until then a stream is probed.
+    probed: HashSet<String>,
 }
 
 impl std::fmt::Debug for NatsSink {
@@ -125,6 +137,7 @@ impl NatsSink {
                 unsent: None,
                 replay: None,
                 duplicates: Arc::new(AtomicU64::new(0)),
+                probed: HashSet::new(),
             },
             rx,
         ))
@@ -174,6 +187,30 @@ impl NatsSink {
         }
         self.subjects.insert(subject.to_owned(), name.clone());
         Ok(name)
+    }
+
+    /// Waits for the PubAck of a publication to `stream` made while that
+    /// stream is probed: a stored one ends the probe (the chain goes on from
+    /// it), a duplicate checked to be the same event leaves the stream's last
+    /// message unknown (the next publication carries no expectation).
+    async fn probe(
+        &mut self,
+        js: &jetstream::Context,
+        fut: jetstream::context::PublishAckFuture,
+        event_id: &str,
+        sent: &duplicate::Sent,
+        stream: &str,
+    ) -> Result<(), (DeliveryClass, String)> {
+        let ack = fut.await.map_err(|e| failure(&e, false))?;
+        if ack.duplicate {
+            duplicate::check(js, &ack, event_id, sent).await?;
+            self.duplicates.fetch_add(1, Ordering::SeqCst);
+            self.last_id.remove(stream);
+        } else {
+            self.probed.insert(stream.to_owned());
+            self.last_id.insert(stream.to_owned(), sent.msg_id.clone());
+        }
+        Ok(())
     }
 
     fn queue(&self, p: Pending) {
@@ -296,6 +333,28 @@ impl Sink for NatsSink {
             .payload(event.value.clone())
             .headers(headers);
         pending.outcome = match js.send_publish(subject, publish).await {
+            Ok(fut) if !self.probed.contains(&stream) => {
+                let sent = pending.sent.as_ref().expect("set above");
+                match self.probe(&js, fut, &event.event_id, sent, &stream).await {
+                    Ok(()) => Outcome::Delivered,
+                    Err((class, reason)) => {
+                        self.unsent = Some((
+                            if class.is_about_the_message() || class.is_final() {
+                                DeliveryClass::BrokerError
+                            } else {
+                                class
+                            },
+                            format!(
+                                "not sent: event {} of this session was not stored ({reason}), \
+                                 and a later publication could be stored before it; walbox \
+                                 publishes again from its acknowledged position",
+                                event.event_id
+                            ),
+                        ));
+                        Outcome::Failed(class, reason)
+                    }
+                }
+            }
             Ok(fut) => {
                 self.last_id.insert(stream, id);
                 Outcome::Wait(fut)

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use async_nats::jetstream::{
     self,
-    context::{PublishAckFuture, PublishErrorKind},
+    context::{PublishAckFuture, PublishError, PublishErrorKind},
 };
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -31,7 +31,27 @@ pub(super) struct Pending {
 
 pub(super) enum Outcome {
     Wait(PublishAckFuture),
+    /// Acknowledged already (a probe: stored, or a duplicate checked).
+    Delivered,
     Failed(DeliveryClass, String),
+}
+
+/// The class and reason of a publication the server refused or did not
+/// acknowledge; `after_duplicate`: the one before it was dropped as a
+/// duplicate.
+pub(super) fn failure(e: &PublishError, after_duplicate: bool) -> (DeliveryClass, String) {
+    let text = match std::error::Error::source(e) {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    };
+    let text = match e.kind() {
+        PublishErrorKind::WrongLastMessageId if after_duplicate => {
+            format!("{text}: {AFTER_DUPLICATE}")
+        }
+        PublishErrorKind::WrongLastMessageId => format!("{text}: {NOT_CHAINED}"),
+        _ => text,
+    };
+    (classify(e.kind(), &text), text)
 }
 
 /// The class of a failed publication.
@@ -85,21 +105,9 @@ pub(super) async fn report(
                     }
                     _ => None,
                 },
-                Err(e) => {
-                    let text = match std::error::Error::source(&e) {
-                        Some(s) => format!("{e}: {s}"),
-                        None => e.to_string(),
-                    };
-                    let text = match e.kind() {
-                        PublishErrorKind::WrongLastMessageId if was_duplicate => {
-                            format!("{text}: {AFTER_DUPLICATE}")
-                        }
-                        PublishErrorKind::WrongLastMessageId => format!("{text}: {NOT_CHAINED}"),
-                        _ => text,
-                    };
-                    Some((classify(e.kind(), &text), text))
-                }
+                Err(e) => Some(failure(&e, was_duplicate)),
             },
+            Outcome::Delivered => None,
             Outcome::Failed(class, reason) => Some((class, reason)),
         };
         let result = match failed {
