@@ -647,3 +647,62 @@ async fn an_id_used_again_for_another_event_stops_walbox_naming_both_positions()
     assert_eq!(under_id[0].header("walbox_commit_lsn"), "0/1000000");
     drop(pg);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_replay_run_again_after_a_kill_reports_what_the_first_run_stored() {
+    let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut stream_config = async_nats::jetstream::stream::Config {
+        name: "EVENTS".into(),
+        subjects: vec!["outbox.>".into()],
+        max_message_size: 4096,
+        duplicate_window: Duration::from_secs(600),
+        ..Default::default()
+    };
+    js.create_stream(stream_config.clone()).await.unwrap();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('order', 'k', 'Large', jsonb_build_object('blob', repeat('x', 8000)));",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let dead = read_subject(&nats, "outbox.order.dlq").await;
+    assert_eq!(dead.len(), 1, "{}", walbox.log());
+    stream_config.max_message_size = 65536;
+    js.update_stream(stream_config).await.unwrap();
+    // A first run killed after the stream stored the event and before its
+    // progress was recorded: the event is stored under its id, subject, key
+    // and position, and the letter is still to do.
+    let id = dead[0].header("event_id");
+    let mut headers = async_nats::HeaderMap::new();
+    for name in [
+        "event_id",
+        "walbox_key",
+        "walbox_commit_lsn",
+        "walbox_index",
+        "walbox_xid",
+    ] {
+        headers.insert(name, dead[0].header(name));
+    }
+    headers.insert("Nats-Msg-Id", id);
+    js.publish_with_headers(SUBJECT.to_owned(), headers, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The run again stores nothing twice and says so.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 0 dead letters; 0 still failing")
+            && out.contains("; 1 already stored by an earlier run"),
+        "{out}"
+    );
+    let stored = read_subject(&nats, SUBJECT).await;
+    assert_eq!(stored.len(), 1, "{out}");
+    drop(pg);
+}

@@ -36,10 +36,11 @@
 //!    another one fails the delivery ([`DeliveryClass::DuplicateId`]).
 //! 4. A drop is counted apart ([`Sink::duplicates`]), never as stored: the
 //!    replays report it as "already stored".
-//! 5. Records chained on the destination's last id (JetStream's
-//!    `Nats-Expected-Last-Msg-Id`) do not follow a dropped one: a refusal
-//!    after a drop ends the session, which publishes again from the
-//!    acknowledged position.
+//! 5. A dropped record is not the destination's last one: records chained on
+//!    the last id (JetStream's `Nats-Expected-Last-Msg-Id`) are sent one at a
+//!    time until one is stored, the one after a drop unchained (everything
+//!    before it is then known to be stored); a refusal after a drop later in
+//!    a session ends it, and the next session probes again.
 
 mod delivery;
 mod kafka;
