@@ -1,7 +1,8 @@
 //! The NATS JetStream sink: each event is published to the subject its topic
 //! names (topics are `.`-separated, as subjects are) with `Nats-Msg-Id` = the
 //! event id (a dead letter's: the event id followed by `.dlq`), so that the
-//! stream drops a replay within its duplicate window; an
+//! stream drops a resend after a crash within its duplicate window (a
+//! `walbox replay` publishes under ids of its own, below); an
 //! event counts as delivered only on the server's PubAck (a duplicate PubAck
 //! once the message the stream holds under that id is the one walbox
 //! published: see [`duplicate`]).
