@@ -112,7 +112,7 @@ async fn a_message_the_stream_refuses_goes_to_the_dead_letter_subject() {
         name: "EVENTS".into(),
         subjects: vec!["outbox.>".into()],
         max_message_size: 4096,
-        duplicate_window: Duration::from_secs(300),
+        duplicate_window: Duration::from_secs(600),
         ..Default::default()
     })
     .await
@@ -316,7 +316,7 @@ async fn dead_letters_are_replayed_to_their_subject_after_a_fix_once_and_kept() 
         name: "EVENTS".into(),
         subjects: vec!["outbox.>".into()],
         max_message_size: 4096,
-        duplicate_window: Duration::from_secs(300),
+        duplicate_window: Duration::from_secs(600),
         ..Default::default()
     };
     js.create_stream(stream_config.clone()).await.unwrap();
@@ -434,5 +434,275 @@ async fn another_publisher_is_refused_within_a_session_and_never_reorders_walbox
     // The first session's events, the first foreign message, the second
     // session's: stream order is publishing order.
     assert!(ours[9].sequence < theirs[0].sequence && theirs[0].sequence < ours[10].sequence);
+    drop(pg);
+}
+
+/// A configuration for the replay tests: the replay window kept for an hour,
+/// and `max_in_flight` events at a time (1: a replay slow enough to be killed
+/// half-way).
+fn replay_config(
+    pg: &walbox_testkit::PgCluster,
+    nats: &NatsServer,
+    max_in_flight: usize,
+) -> String {
+    config_file(
+        pg,
+        &format!("replay-{max_in_flight}.toml"),
+        &format!(
+            "[sink]\ntype = \"nats\"\nmax_in_flight = {max_in_flight}\n\n[sink.nats]\nservers = \
+             [\"{}\"]\n{CREATE}\n\n[source]\nreplay_window = \"1h\"\n",
+            nats.url()
+        ),
+    )
+}
+
+/// How many messages stream `OUTBOX` holds.
+async fn stream_messages(nats: &NatsServer) -> u64 {
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut stream = js.get_stream("OUTBOX").await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_stores_the_range_again_once_even_when_killed_and_run_again() {
+    let (pg, nats, db, env) = servers_nats(CREATE).await;
+    let cfg = replay_config(&pg, &nats, 10_000);
+    let slow = replay_config(&pg, &nats, 1);
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    write_events(&pg, 2, 10, 10, 10).await; // 200 events
+    let from = current_lsn(&db).await;
+    write_events_from(&pg, 2, 100, 10, 10, 10).await; // 2000 more, keys 10..19
+    // The replay window holds the slot back: wait for the checkpoint.
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    walbox.stop();
+    let before = read_subject(&nats, SUBJECT).await;
+    assert_eq!(before.len(), 2200, "{}", walbox.log());
+    let (from, to) = (from.to_string(), checkpoint(&pg).unwrap().lsn.to_string());
+    let replay_args = ["replay", "--from", from.as_str(), "--to", to.as_str()];
+
+    // A consumer lost what was committed after `from`: replay it, and kill
+    // the replay half-way.
+    let mut replay = Walbox::spawn(&[&replay_args[..], &["--config", &slow]].concat(), &env);
+    walbox_testkit::wait_until_async(
+        "the killed replay to have stored part of the range",
+        Duration::from_secs(60),
+        || async { (stream_messages(&nats).await >= 2200 + 300).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", replay.log()));
+    replay.kill9();
+    let partial = stream_messages(&nats).await;
+    assert!(
+        partial > 2200 && partial < 2200 + 2000,
+        "the kill came when the replay had stored {} of 2000: {}",
+        partial - 2200,
+        replay.log()
+    );
+    wait_slot_released(&db, "walbox").await;
+
+    // walbox runs again before the replay is run again: rows written now are
+    // stored after the killed replay's copies.
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    write_events_from(&pg, 1, 5, 10, 5, 20).await;
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    walbox.stop();
+    assert_eq!(
+        stream_messages(&nats).await,
+        partial + 50,
+        "{}",
+        walbox.log()
+    );
+
+    // Run again with the same --from: what the killed run stored is not
+    // stored twice, the rest is stored, each once.
+    let (code, out, err) = walbox_cmd(&[&replay_args[..], &["--config", &cfg]].concat(), &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    // The events the killed run stored are not counted as replayed.
+    let number = |before: &str| -> u64 {
+        let at = out
+            .find(before)
+            .unwrap_or_else(|| panic!("{before}: {out}\n{err}"));
+        let digits: String = out[at + before.len()..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().unwrap()
+    };
+    let stored = number("replayed ");
+    let already = number("; ");
+    assert!(
+        out.contains("events already stored by an earlier run of this replay"),
+        "{out}"
+    );
+    assert!(already >= 300 && stored + already == 2000, "{out}");
+    let after = read_subject(&nats, SUBJECT).await;
+    assert_eq!(after.len(), 4250, "{out}\n{err}");
+    let mut copies: HashMap<String, Vec<&Stored>> = HashMap::new();
+    for m in &after {
+        copies
+            .entry(m.header("event_id").to_owned())
+            .or_default()
+            .push(m);
+    }
+    let replayed: HashSet<&str> = before[200..].iter().map(|m| m.header("event_id")).collect();
+    for m in &before {
+        let id = m.header("event_id");
+        let c = &copies[id];
+        if replayed.contains(id) {
+            assert_eq!(c.len(), 2, "event {id}: stored {} times", c.len());
+            // The copy keeps the event id and the position; its message id
+            // is the replay's own.
+            assert_eq!(c[0].header("Nats-Msg-Id"), id);
+            assert_ne!(c[1].header("Nats-Msg-Id"), id);
+            assert_eq!(
+                c[1].header("walbox_commit_lsn"),
+                c[0].header("walbox_commit_lsn")
+            );
+            assert_eq!(c[1].header("walbox_index"), c[0].header("walbox_index"));
+        } else {
+            assert_eq!(c.len(), 1, "event {id} is before the replay's start");
+        }
+    }
+    // The rows written between are stored once.
+    let between = after
+        .iter()
+        .filter(|m| m.sequence > 2200 && copies[m.header("event_id")].len() == 1)
+        .count();
+    assert_eq!(between, 50);
+    // The replay copies keep each key's order (keys 10..19 start at seq 0),
+    // across the kill.
+    let replay_copies: Vec<Stored> = after
+        .into_iter()
+        .filter(|m| m.header("Nats-Msg-Id") != m.header("event_id"))
+        .collect();
+    assert_eq!(replay_copies.len(), 2000);
+    assert_per_key_order_once(&replay_copies);
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_used_again_for_another_event_stops_walbox_naming_both_positions() {
+    let (pg, nats, db, env) = servers_nats(CREATE).await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 2, 5, 5).await;
+    caught_up(&db, &walbox).await;
+    // The lost history of a failover: the stream holds an event under the id,
+    // subject and key that the next row gets, from a commit the table no
+    // longer has.
+    let id = "6f1c2a4e-0000-4000-8000-000000000017";
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, value) in [
+        ("Nats-Msg-Id", id),
+        ("event_id", id),
+        ("walbox_key", "order-7"),
+        ("walbox_commit_lsn", "0/1000000"),
+        ("walbox_index", "0"),
+        ("walbox_xid", "1"),
+    ] {
+        headers.insert(name, value);
+    }
+    js.publish_with_headers(SUBJECT.to_owned(), headers, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    walbox.stop();
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    // Writes go on around the new event that reuses the id.
+    write_events_from(&pg, 1, 1, 3, 3, 20).await;
+    db.execute(
+        "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload)
+         VALUES ($1::text::uuid, 'order', 'order-7', 'OrderPlaced', '{\"seq\": 0}')",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    let after_insert = current_lsn(&db).await;
+    write_events_from(&pg, 1, 1, 3, 3, 30).await;
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(status.code(), Some(0), "walbox must stop: {log}");
+    assert!(log.contains("duplicate_id"), "{log}");
+    assert!(
+        log.contains("commit LSN 0/1000000, index 0"),
+        "the stored event: {log}"
+    );
+    assert!(
+        log.contains(&format!("dropped event {id} (commit LSN ")),
+        "the new event: {log}"
+    );
+    assert!(log.contains("synchronized_standby_slots"), "{log}");
+    // Not counted as stored: the slot stays before the new event, the stream
+    // holds only the foreign copy under that id.
+    assert!(confirmed_lsn(&db, "walbox").await < after_insert, "{log}");
+    let stored = read_subject(&nats, SUBJECT).await;
+    let under_id: Vec<&Stored> = stored
+        .iter()
+        .filter(|m| m.header("event_id") == id)
+        .collect();
+    assert_eq!(under_id.len(), 1);
+    assert_eq!(under_id[0].header("walbox_commit_lsn"), "0/1000000");
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_replay_run_again_after_a_kill_reports_what_the_first_run_stored() {
+    let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let mut stream_config = async_nats::jetstream::stream::Config {
+        name: "EVENTS".into(),
+        subjects: vec!["outbox.>".into()],
+        max_message_size: 4096,
+        duplicate_window: Duration::from_secs(600),
+        ..Default::default()
+    };
+    js.create_stream(stream_config.clone()).await.unwrap();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('order', 'k', 'Large', jsonb_build_object('blob', repeat('x', 8000)));",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let dead = read_subject(&nats, "outbox.order.dlq").await;
+    assert_eq!(dead.len(), 1, "{}", walbox.log());
+    stream_config.max_message_size = 65536;
+    js.update_stream(stream_config).await.unwrap();
+    // A first run killed after the stream stored the event and before its
+    // progress was recorded: the event is stored under its id, subject, key
+    // and position, and the letter is still to do.
+    let id = dead[0].header("event_id");
+    let mut headers = async_nats::HeaderMap::new();
+    for name in [
+        "event_id",
+        "walbox_key",
+        "walbox_commit_lsn",
+        "walbox_index",
+        "walbox_xid",
+    ] {
+        headers.insert(name, dead[0].header(name));
+    }
+    headers.insert("Nats-Msg-Id", id);
+    js.publish_with_headers(SUBJECT.to_owned(), headers, "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    // The run again stores nothing twice and says so.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 0 dead letters; 0 still failing")
+            && out.contains("; 1 already stored by an earlier run"),
+        "{out}"
+    );
+    let stored = read_subject(&nats, SUBJECT).await;
+    assert_eq!(stored.len(), 1, "{out}");
     drop(pg);
 }

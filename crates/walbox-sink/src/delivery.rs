@@ -51,7 +51,11 @@ pub enum DeliveryClass {
     /// Writing to standard output failed otherwise.
     IoError,
     /// The destination already holds another record under the event's id
-    /// (a JetStream stream drops it as a duplicate).
+    /// (a JetStream stream drops it as a duplicate): another subject or key,
+    /// or the same ones from another source position (an id used again). A
+    /// drop of the same event is not a failure, and not a record stored: a
+    /// sink counts it apart ([`crate::Sink::duplicates`]); see the crate's
+    /// rules for destinations that deduplicate.
     DuplicateId,
 }
 

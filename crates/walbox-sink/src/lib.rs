@@ -16,6 +16,31 @@
 //!
 //! [`read_topic`] reads back what a topic holds, [`read_subject`] what a
 //! JetStream stream holds of a subject, for audits.
+//!
+//! # Destinations that deduplicate
+//!
+//! A sink whose destination drops a record it already holds under the same id
+//! (JetStream's `Nats-Msg-Id` within the stream's duplicate window) follows
+//! these rules, so that a replay is never a silent no-op:
+//!
+//! 1. Streaming (`walbox run`) and a dead-letter replay publish each event
+//!    under an id derived from the event id alone, so a resend after a crash,
+//!    or a dead-letter replay run again after a kill, is dropped.
+//! 2. A replay of a range ([`Sink::replay_as`], `walbox replay`) publishes each
+//!    event under an id of its own, derived from the event id and the
+//!    replay's name (its start position): the destination stores it again,
+//!    and drops only what an earlier run of the same replay stored. The
+//!    record's own event id (the `event_id` header) never changes.
+//! 3. A drop is delivered only once the record the destination holds under
+//!    the id is checked to be the same event (subject, key, source position);
+//!    another one fails the delivery ([`DeliveryClass::DuplicateId`]).
+//! 4. A drop is counted apart ([`Sink::duplicates`]), never as stored: the
+//!    replays report it as "already stored".
+//! 5. A dropped record is not the destination's last one: records chained on
+//!    the last id (JetStream's `Nats-Expected-Last-Msg-Id`) are sent one at a
+//!    time until one is stored, the one after a drop unchained (everything
+//!    before it is then known to be stored); a refusal after a drop later in
+//!    a session ends it, and the next session probes again.
 
 mod delivery;
 mod kafka;
@@ -149,6 +174,22 @@ pub trait Sink {
 
     /// Waits up to `timeout` for everything sent to be delivered or failed.
     async fn flush(&mut self, timeout: std::time::Duration) -> Result<(), SinkError>;
+
+    /// The events sent from now on are a replay named `name` (`walbox replay`:
+    /// its start position). A destination that deduplicates stores them under
+    /// ids of this replay's own (see the crate's rules); one that does not
+    /// stores every record sent anyway, and ignores this.
+    fn replay_as(&mut self, name: &str) {
+        let _ = name;
+    }
+
+    /// How many of the deliveries reported so far were records the
+    /// destination dropped as duplicates of a copy it already held (checked
+    /// to be the same event): acknowledged, not stored again. 0 for a
+    /// destination that does not deduplicate.
+    fn duplicates(&self) -> u64 {
+        0
+    }
 }
 
 /// The version of the librdkafka walbox runs with (`2.10.0`).

@@ -120,7 +120,7 @@ async fn a_duplicate_whose_first_copy_is_gone_is_delivered() {
             name: "WORK".into(),
             subjects: vec!["outbox.>".into()],
             retention: async_nats::jetstream::stream::RetentionPolicy::WorkQueue,
-            duplicate_window: Duration::from_secs(300),
+            duplicate_window: Duration::from_secs(600),
             ..Default::default()
         })
         .await

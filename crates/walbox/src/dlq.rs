@@ -6,6 +6,12 @@
 //! partition, before the first letter that still fails), with NATS JetStream as
 //! the acknowledgements of a durable consumer on the dead-letter subject (a
 //! letter that still fails is handed back, the others are done).
+//!
+//! A letter's event is published under its own event id (a dead letter holds
+//! `{id}.dlq` on NATS), so a run again after a kill, before its progress was
+//! recorded, is dropped by a destination that deduplicates: such a drop is
+//! checked to be the same event and reported as already stored, never as
+//! replayed.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -190,6 +196,7 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         messages: &messages,
         args: &args,
         replayed: 0,
+        already: 0,
         failing: 0,
         kept: 0,
     };
@@ -267,14 +274,23 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
-    let (replayed, failing, kept) = (run.replayed, run.failing, run.kept);
+    let (replayed, already, failing, kept) = (run.replayed, run.already, run.failing, run.kept);
     println_out(&format!(
-        "{} {replayed} dead letters; {failing} still failing (left in place); {kept} not \
-         replayable (left in place)",
+        "{} {} dead letters; {failing} still failing (left in place); {kept} not replayable \
+         (left in place){}",
         if args.dry_run {
             "would replay"
         } else {
             "replayed"
+        },
+        replayed.saturating_sub(already),
+        if already > 0 {
+            format!(
+                "; {already} already stored by an earlier run (its event id within the \
+                 destination's duplicate window), not stored again"
+            )
+        } else {
+            String::new()
         }
     ));
     if failing > 0 {
@@ -302,7 +318,10 @@ struct Run<'a> {
     targets: &'a HashMap<String, Target<'a>>,
     messages: &'a HashMap<String, MessageMapper>,
     args: &'a ReplayArgs,
+    /// Letters published (acknowledged), those below included.
     replayed: u64,
+    /// Letters whose event the destination already held from an earlier run.
+    already: u64,
     failing: u64,
     /// Letters that can never be replayed: done, and left in place.
     kept: u64,
@@ -321,6 +340,7 @@ impl Run<'_> {
     ) -> Result<HashSet<(i32, i64)>> {
         let mut failed = HashSet::new();
         let mut sent = 0usize;
+        let duplicates = sink.duplicates();
         for letter in letters {
             if let Some(why) = letter.never_replayable() {
                 println_out(&format!(
@@ -379,6 +399,7 @@ impl Run<'_> {
                 bail!("{e}; nothing recorded as replayed for {dlq}, run again");
             }
         }
+        self.already += sink.duplicates() - duplicates;
         Ok(failed)
     }
 }

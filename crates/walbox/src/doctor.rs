@@ -46,6 +46,26 @@ impl Report {
     }
 }
 
+/// The longest delay before the shipped deployments start walbox again after
+/// a crash: a crash-looping Kubernetes pod's back-off (`deploy/kubernetes`);
+/// the systemd unit waits 5 s.
+pub(crate) const CRASH_LOOP_RESTART_S: u64 = 300;
+
+/// The risk of a NATS duplicate window of `window_s` seconds: shorter than a
+/// restart after a crash loop and as long again to catch up, a resend after
+/// such a restart may be stored twice.
+pub(crate) fn duplicate_window_risk(window_s: u64) -> Option<String> {
+    let needed = 2 * CRASH_LOOP_RESTART_S;
+    (window_s < needed).then(|| {
+        format!(
+            "sink.nats.duplicate_window_s = {window_s} is shorter than {needed} s, twice the \
+             {CRASH_LOOP_RESTART_S} s a crash-looping Kubernetes pod waits before its next start: \
+             events resent after such a restart can be stored twice; raise it to {needed} or \
+             more (and the stream's: nats stream edit <stream> --dupe-window {needed}s)"
+        )
+    })
+}
+
 async fn setting(sql: &tokio_postgres::Client, name: &str) -> Result<String> {
     Ok(sql
         .query_one("SELECT current_setting($1)", &[&name])
@@ -255,6 +275,20 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
         }
     }
 
+    if config.sink.kind == crate::config::SinkKind::Nats {
+        let window = config.sink.nats.duplicate_window_s;
+        match duplicate_window_risk(window) {
+            Some(w) => r.add(Verdict::Warn, w),
+            None => r.add(
+                Verdict::Ok,
+                format!(
+                    "sink.nats.duplicate_window_s = {window} covers a restart after a crash loop \
+                     ({CRASH_LOOP_RESTART_S} s) and as long again to catch up"
+                ),
+            ),
+        }
+    }
+
     print(&r);
     let failed = r.lines.iter().filter(|(v, _)| *v == Verdict::Fail).count();
     if failed > 0 {
@@ -291,5 +325,30 @@ fn slot_columns(info: &crate::slot::SlotInfo) -> String {
 fn print(r: &Report) {
     for (verdict, text) in &r.lines {
         println!("{verdict} {text}");
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+
+    #[test]
+    fn a_duplicate_window_shorter_than_a_crash_loop_restart_and_catch_up_is_a_risk() {
+        let risk = duplicate_window_risk(120).expect("120 s is too short");
+        for part in [
+            "duplicate_window_s = 120",
+            "600 s",
+            "300 s",
+            "--dupe-window 600s",
+        ] {
+            assert!(risk.contains(part), "{part}: {risk}");
+        }
+        assert!(duplicate_window_risk(599).is_some());
+        assert_eq!(duplicate_window_risk(600), None);
+        // The default is no risk.
+        assert_eq!(
+            duplicate_window_risk(walbox_sink::NatsSinkConfig::default().duplicate_window_s),
+            None
+        );
     }
 }

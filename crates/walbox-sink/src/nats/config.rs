@@ -47,7 +47,9 @@ pub struct NatsSinkConfig {
     pub replicas: usize,
     /// The duplicate window, in seconds: a created stream gets it, an existing
     /// one must keep message ids at least this long. Exactly once into the
-    /// stream holds for outages shorter than it.
+    /// stream holds for outages shorter than it. The default, 600 s, covers a
+    /// crash-looping Kubernetes pod's longest restart delay (300 s) and the
+    /// systemd unit's (5 s), with as long again to catch up.
     #[serde(default = "default_duplicate_window_s")]
     pub duplicate_window_s: u64,
     /// How long to wait for a PubAck, in ms.
@@ -101,7 +103,7 @@ fn default_replicas() -> usize {
     1
 }
 fn default_duplicate_window_s() -> u64 {
-    120
+    600
 }
 fn default_ack_timeout_ms() -> u64 {
     10_000

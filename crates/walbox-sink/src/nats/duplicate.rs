@@ -4,16 +4,24 @@
 //! publishing into one stream) would otherwise lose the second one silently.
 //! A duplicate's PubAck names the sequence of the message the stream holds;
 //! that message is read back and compared with what walbox published: subject
-//! and key header. Not the payload or the position headers: a legitimate repeat
-//! can differ in them (a snapshot taken again carries the snapshot's position,
-//! and a CloudEvent without `occurred_at` takes its time from the commit, which
-//! a snapshot row has not). Equal: a replay, delivered. Different: a collision,
-//! which no retry can deliver. A message the stream no longer holds (retention,
+//! and key header, and the source position (`walbox_commit_lsn`,
+//! `walbox_index`) when both are streamed events (`walbox_xid` not 0). Not the
+//! payload, nor a snapshot row's position: a legitimate repeat can differ in
+//! them (a snapshot taken again carries the snapshot's position, and a
+//! CloudEvent without `occurred_at` takes its time from the commit, which a
+//! snapshot row has not). A streamed event's position is the same on every
+//! copy (a replay, a promoted standby's WAL); another position under the same
+//! id, subject and key is another event: a primary promoted without
+//! `synchronized_standby_slots` can hand out again a `bigserial` id walbox
+//! published from the history it lost. Equal: a replay, delivered. Different:
+//! a collision, which no retry can deliver. A message the stream no longer holds (retention,
 //! a work queue, a deletion) cannot be compared: the duplicate is taken as
 //! delivered, with a warning. Only duplicates (replays after a crash) pay for
 //! the read.
 
+use async_nats::HeaderMap;
 use async_nats::jetstream::{self, publish::PublishAck, stream::RawMessageErrorKind};
+use walbox_outbox::header;
 
 use super::headers::KEY_HEADER;
 use crate::DeliveryClass;
@@ -26,6 +34,77 @@ pub(super) struct Sent {
     pub(super) msg_id: String,
     /// Its key header, as sent.
     pub(super) key: Option<String>,
+    /// Its source position, as sent.
+    pub(super) position: Option<SourcePosition>,
+}
+
+impl Sent {
+    /// What is published to `subject` under `msg_id` with `headers`.
+    pub(super) fn of(subject: &str, msg_id: &str, headers: &HeaderMap) -> Sent {
+        Sent {
+            subject: subject.to_owned(),
+            msg_id: msg_id.to_owned(),
+            key: headers.get(KEY_HEADER).map(|v| v.as_str().to_owned()),
+            position: SourcePosition::of(headers),
+        }
+    }
+}
+
+/// The position headers of a streamed event, as text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SourcePosition {
+    /// `walbox_commit_lsn`.
+    pub(super) commit_lsn: String,
+    /// `walbox_index`.
+    pub(super) index: String,
+}
+
+impl SourcePosition {
+    /// The position in `headers`, when they are a streamed event's: a
+    /// snapshot row or a non-transactional message (`walbox_xid` 0) has none
+    /// that stays the same on every copy.
+    fn of(headers: &HeaderMap) -> Option<SourcePosition> {
+        let text = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
+        if text(header::XID)?.trim() == "0" {
+            return None;
+        }
+        Some(SourcePosition {
+            commit_lsn: text(header::COMMIT_LSN)?,
+            index: text(header::INDEX)?,
+        })
+    }
+}
+
+impl std::fmt::Display for SourcePosition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "commit LSN {}, index {}", self.commit_lsn, self.index)
+    }
+}
+
+/// How the message the stream holds compares with what walbox published.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// The same event: a replay.
+    Same,
+    /// Another subject or key under the id.
+    OtherRecord,
+    /// The same subject and key, another source position: another event
+    /// that was given the same id.
+    OtherPosition(SourcePosition, SourcePosition),
+}
+
+/// Compares the stored message (its subject and headers) with `sent`.
+pub(super) fn compare(stored_subject: &str, stored: Option<&HeaderMap>, sent: &Sent) -> Verdict {
+    let key = stored.and_then(|h| h.get(KEY_HEADER)).map(|v| v.as_str());
+    if stored_subject != sent.subject || key != sent.key.as_deref() {
+        return Verdict::OtherRecord;
+    }
+    match (stored.and_then(SourcePosition::of), &sent.position) {
+        (Some(theirs), Some(ours)) if theirs != *ours => {
+            Verdict::OtherPosition(theirs, ours.clone())
+        }
+        _ => Verdict::Same,
+    }
 }
 
 /// Checks a PubAck marked duplicate: `Ok` when the stream holds what walbox
@@ -55,8 +134,8 @@ pub(super) async fn check(
         }
         Err(e) => return Err(unreadable(ack, &e.to_string())),
     };
-    let key = stored.headers.get(KEY_HEADER).map(|v| v.as_str());
-    if stored.subject.as_str() == sent.subject && key == sent.key.as_deref() {
+    let verdict = compare(stored.subject.as_str(), Some(&stored.headers), sent);
+    if verdict == Verdict::Same {
         tracing::debug!(
             event_id,
             subject = sent.subject,
@@ -72,10 +151,40 @@ pub(super) async fn check(
         },
         Err(_) => "(unknown)".into(),
     };
-    Err((
-        DeliveryClass::DuplicateId,
-        collision(ack, event_id, sent, stored.subject.as_str(), &window),
-    ))
+    let reason = match verdict {
+        Verdict::OtherPosition(theirs, ours) => {
+            reused(ack, event_id, sent, &theirs, &ours, &window)
+        }
+        _ => collision(ack, event_id, sent, stored.subject.as_str(), &window),
+    };
+    Err((DeliveryClass::DuplicateId, reason))
+}
+
+/// The reason when the stored message is another event on the same subject
+/// and key: both positions, the id, the window and what it means.
+fn reused(
+    ack: &PublishAck,
+    event_id: &str,
+    sent: &Sent,
+    theirs: &SourcePosition,
+    ours: &SourcePosition,
+    window: &str,
+) -> String {
+    format!(
+        "stream {stream} dropped event {event_id} ({ours}) on subject {subject} as a \
+         duplicate: it already holds another event under Nats-Msg-Id {msg_id} (sequence \
+         {sequence}, {theirs}), stored within its duplicate window of {window}, with the same \
+         subject and key but another source position; the id was used again, as a primary \
+         promoted without synchronized_standby_slots does with a bigserial id that walbox \
+         published from the history it lost (the stored event is a phantom the table no longer \
+         holds); consumers that deduplicate by event id would drop this event too: use uuid \
+         ids (e.g. id uuid DEFAULT gen_random_uuid()) and synchronized_standby_slots; walbox \
+         stops before this event",
+        stream = ack.stream,
+        subject = sent.subject,
+        msg_id = sent.msg_id,
+        sequence = ack.sequence,
+    )
 }
 
 /// The reason of a collision: both subjects, the id, the window and the fix.
@@ -132,6 +241,7 @@ mod tests {
             subject: "outbox.b.order".into(),
             msg_id: "1".into(),
             key: Some("k".into()),
+            position: None,
         };
         let text = collision(&ack, "1", &sent, "outbox.a.order", "120 s");
         for part in [
@@ -142,6 +252,114 @@ mod tests {
             "120 s",
             "uuid",
             "its own stream",
+        ] {
+            assert!(text.contains(part), "{part}: {text}");
+        }
+    }
+
+    fn headers(subject_key: &str, lsn: &str, index: &str, xid: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(KEY_HEADER, subject_key);
+        h.insert(header::COMMIT_LSN, lsn);
+        h.insert(header::INDEX, index);
+        h.insert(header::XID, xid);
+        h
+    }
+
+    #[test]
+    fn a_stored_event_of_another_position_is_another_event_unless_either_is_a_snapshot_row() {
+        let ours = headers("k", "0/16B3748", "2", "750");
+        let sent = Sent::of("outbox.order", "17", &ours);
+        // The same event again (a replay after a crash, a promoted standby's WAL).
+        assert_eq!(
+            compare(
+                "outbox.order",
+                Some(&headers("k", "0/16B3748", "2", "750")),
+                &sent
+            ),
+            Verdict::Same
+        );
+        // Another commit or another place in it: the id was used again.
+        for (lsn, index) in [("0/16C0000", "2"), ("0/16B3748", "3")] {
+            match compare(
+                "outbox.order",
+                Some(&headers("k", lsn, index, "751")),
+                &sent,
+            ) {
+                Verdict::OtherPosition(theirs, mine) => {
+                    assert_eq!(
+                        (theirs.commit_lsn.as_str(), theirs.index.as_str()),
+                        (lsn, index)
+                    );
+                    assert_eq!(mine.commit_lsn, "0/16B3748");
+                }
+                other => panic!("{lsn} {index}: {other:?}"),
+            }
+        }
+        // A snapshot row (xid 0) on either side carries the snapshot's
+        // position, which a snapshot taken again changes.
+        assert_eq!(
+            compare(
+                "outbox.order",
+                Some(&headers("k", "0/1000000", "40", "0")),
+                &sent
+            ),
+            Verdict::Same
+        );
+        let row = Sent::of("outbox.order", "17", &headers("k", "0/1000000", "40", "0"));
+        assert_eq!(compare("outbox.order", Some(&ours), &row), Verdict::Same);
+        // A message without position headers (another publisher's) cannot be
+        // compared by position; another subject or key is a collision first.
+        assert_eq!(
+            compare("outbox.order", Some(&HeaderMap::new()), &sent),
+            Verdict::OtherRecord
+        );
+        assert_eq!(
+            compare(
+                "outbox.other",
+                Some(&headers("k", "0/16B3748", "2", "750")),
+                &sent
+            ),
+            Verdict::OtherRecord
+        );
+        let mut no_position = HeaderMap::new();
+        no_position.insert(KEY_HEADER, "k");
+        assert_eq!(
+            compare("outbox.order", Some(&no_position), &sent),
+            Verdict::Same
+        );
+    }
+
+    #[test]
+    fn a_reused_id_names_both_positions_the_id_the_window_and_the_cause() {
+        let ack = PublishAck {
+            stream: "OUTBOX".into(),
+            sequence: 7,
+            domain: String::new(),
+            duplicate: true,
+            value: None,
+        };
+        let sent = Sent::of("outbox.order", "17", &headers("k", "0/2000000", "0", "900"));
+        let theirs = SourcePosition {
+            commit_lsn: "0/1000000".into(),
+            index: "4".into(),
+        };
+        let text = reused(
+            &ack,
+            "17",
+            &sent,
+            &theirs,
+            sent.position.as_ref().unwrap(),
+            "600 s",
+        );
+        for part in [
+            "event 17 (commit LSN 0/2000000, index 0)",
+            "sequence 7, commit LSN 0/1000000, index 4",
+            "Nats-Msg-Id 17",
+            "600 s",
+            "synchronized_standby_slots",
+            "uuid",
+            "walbox stops before this event",
         ] {
             assert!(text.contains(part), "{part}: {text}");
         }

@@ -1,7 +1,8 @@
 //! The NATS JetStream sink: each event is published to the subject its topic
 //! names (topics are `.`-separated, as subjects are) with `Nats-Msg-Id` = the
 //! event id (a dead letter's: the event id followed by `.dlq`), so that the
-//! stream drops a replay within its duplicate window; an
+//! stream drops a resend after a crash within its duplicate window (a
+//! `walbox replay` publishes under ids of its own, below); an
 //! event counts as delivered only on the server's PubAck (a duplicate PubAck
 //! once the message the stream holds under that id is the one walbox
 //! published: see [`duplicate`]).
@@ -12,6 +13,15 @@
 //! stored before it; the session fails and the relay publishes again from its
 //! acknowledged position. The server checks duplicates before the chain, so a
 //! replay passes.
+//!
+//! Until a publication of the session is stored in a stream (not dropped as a
+//! duplicate), the session probes that stream: each publication waits for
+//! its PubAck before the next is sent, and one that follows a duplicate
+//! carries no expectation, since the stream's last message is then not the
+//! duplicate (a resend after a crash, a replay run again after a kill, with
+//! other messages stored since). Every publication before it is then known to
+//! be stored, so it cannot land after a gap; from the first stored one on,
+//! publications are pipelined and chained.
 //!
 //! The first publication of a session carries no expectation, on purpose. A
 //! session starts at the acknowledged position, so every event walbox
@@ -32,6 +42,14 @@
 //! timeout) ends what the session sends: every later event fails at once,
 //! unsent, with the same class, since one sent after it would be chained to
 //! the one before it and could be stored before it.
+//!
+//! A replay (`walbox replay`, named by [`Sink::replay_as`]) publishes each
+//! event under an id of its own, `{id}.replay.{name}` (the event id, or a dead
+//! letter's, then the replay's name): the stream stores it again beside the
+//! first copy, and drops only what an earlier run of the same replay stored
+//! (the same start position). Such a drop is verified as any duplicate and
+//! counted apart ([`Sink::duplicates`]), never as stored. The `event_id`
+//! header stays the event's.
 
 mod config;
 mod duplicate;
@@ -39,9 +57,9 @@ mod headers;
 mod publish;
 mod stream;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
@@ -55,7 +73,7 @@ pub use headers::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER};
 use headers::{
     headers_of, is_dead_letter, msg_id, percent_encode, sanitized_subject, valid_subject, wire_len,
 };
-use publish::{Outcome, Pending, classify, report};
+use publish::{Outcome, Pending, classify, failure, report};
 use stream::{check_window, ensure_stream};
 
 use crate::{Deliveries, Delivery, DeliveryClass, Sink, SinkError};
@@ -83,6 +101,13 @@ pub struct NatsSink {
     /// A publication of this session failed before it was sent: the class
     /// and reason every later event fails with, unsent.
     unsent: Option<(DeliveryClass, String)>,
+    /// The name of the replay the events sent belong to, if any.
+    replay: Option<String>,
+    /// Deliveries acknowledged as duplicates of a copy the stream held.
+    duplicates: Arc<AtomicU64>,
+    /// The streams a publication of this session was stored in (not dropped
+    /// as a duplicate); until then a stream is probed.
+    probed: HashSet<String>,
 }
 
 impl std::fmt::Debug for NatsSink {
@@ -111,6 +136,9 @@ impl NatsSink {
                 in_flight: Arc::new(AtomicUsize::new(0)),
                 aborted: false,
                 unsent: None,
+                replay: None,
+                duplicates: Arc::new(AtomicU64::new(0)),
+                probed: HashSet::new(),
             },
             rx,
         ))
@@ -130,6 +158,7 @@ impl NatsSink {
                 rx,
                 self.deliveries.clone(),
                 self.in_flight.clone(),
+                self.duplicates.clone(),
             ));
             self.session = Some(Session { js, acks });
         }
@@ -161,6 +190,30 @@ impl NatsSink {
         Ok(name)
     }
 
+    /// Waits for the PubAck of a publication to `stream` made while that
+    /// stream is probed: a stored one ends the probe (the chain goes on from
+    /// it), a duplicate checked to be the same event leaves the stream's last
+    /// message unknown (the next publication carries no expectation).
+    async fn probe(
+        &mut self,
+        js: &jetstream::Context,
+        fut: jetstream::context::PublishAckFuture,
+        event_id: &str,
+        sent: &duplicate::Sent,
+        stream: &str,
+    ) -> Result<(), (DeliveryClass, String)> {
+        let ack = fut.await.map_err(|e| failure(&e, false))?;
+        if ack.duplicate {
+            duplicate::check(js, &ack, event_id, sent).await?;
+            self.duplicates.fetch_add(1, Ordering::SeqCst);
+            self.last_id.remove(stream);
+        } else {
+            self.probed.insert(stream.to_owned());
+            self.last_id.insert(stream.to_owned(), sent.msg_id.clone());
+        }
+        Ok(())
+    }
+
     fn queue(&self, p: Pending) {
         self.in_flight.fetch_add(1, Ordering::SeqCst);
         if let Some(s) = &self.session
@@ -172,7 +225,24 @@ impl NatsSink {
     }
 }
 
+/// The `Nats-Msg-Id` of a publication whose event's id is `id`: the id itself,
+/// or in a replay the id followed by `.replay.` and the replay's name.
+fn publication_id(id: &str, replay: Option<&str>) -> String {
+    match replay {
+        Some(name) => format!("{id}.replay.{name}"),
+        None => id.to_owned(),
+    }
+}
+
 impl Sink for NatsSink {
+    fn replay_as(&mut self, replay: &str) {
+        self.replay = Some(replay.to_owned());
+    }
+
+    fn duplicates(&self) -> u64 {
+        self.duplicates.load(Ordering::SeqCst)
+    }
+
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
         if self.aborted {
             return Ok(());
@@ -217,8 +287,12 @@ impl Sink for NatsSink {
             return Ok(());
         }
         let stream = self.stream_of(&subject).await?;
+        let id = publication_id(&msg_id(&event), self.replay.as_deref());
         let headers = match headers_of(&event, self.last_id.get(&stream).map(String::as_str)) {
-            Ok(h) => {
+            Ok(mut h) => {
+                if self.replay.is_some() {
+                    h.map.insert("Nats-Msg-Id", id.as_str());
+                }
                 if !h.dropped.is_empty() {
                     let names: Vec<String> = h.dropped.iter().map(|n| percent_encode(n)).collect();
                     tracing::warn!(
@@ -255,16 +329,33 @@ impl Sink for NatsSink {
             return Ok(());
         }
         let js = self.session().await?.js.clone();
-        let id = msg_id(&event);
-        pending.sent = Some(duplicate::Sent {
-            subject: subject.clone(),
-            msg_id: id.clone(),
-            key: headers.get(KEY_HEADER).map(|v| v.as_str().to_owned()),
-        });
+        pending.sent = Some(duplicate::Sent::of(&subject, &id, &headers));
         let publish = jetstream::message::PublishMessage::build()
             .payload(event.value.clone())
             .headers(headers);
         pending.outcome = match js.send_publish(subject, publish).await {
+            Ok(fut) if !self.probed.contains(&stream) => {
+                let sent = pending.sent.as_ref().expect("set above");
+                match self.probe(&js, fut, &event.event_id, sent, &stream).await {
+                    Ok(()) => Outcome::Delivered,
+                    Err((class, reason)) => {
+                        self.unsent = Some((
+                            if class.is_about_the_message() || class.is_final() {
+                                DeliveryClass::BrokerError
+                            } else {
+                                class
+                            },
+                            format!(
+                                "not sent: event {} of this session was not stored ({reason}), \
+                                 and a later publication could be stored before it; walbox \
+                                 publishes again from its acknowledged position",
+                                event.event_id
+                            ),
+                        ));
+                        Outcome::Failed(class, reason)
+                    }
+                }
+            }
             Ok(fut) => {
                 self.last_id.insert(stream, id);
                 Outcome::Wait(fut)

@@ -3,11 +3,11 @@
 //! each.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use async_nats::jetstream::{
     self,
-    context::{PublishAckFuture, PublishErrorKind},
+    context::{PublishAckFuture, PublishError, PublishErrorKind},
 };
 use bytes::Bytes;
 use tokio::sync::mpsc;
@@ -31,7 +31,27 @@ pub(super) struct Pending {
 
 pub(super) enum Outcome {
     Wait(PublishAckFuture),
+    /// Acknowledged already (a probe: stored, or a duplicate checked).
+    Delivered,
     Failed(DeliveryClass, String),
+}
+
+/// The class and reason of a publication the server refused or did not
+/// acknowledge; `after_duplicate`: the one before it was dropped as a
+/// duplicate.
+pub(super) fn failure(e: &PublishError, after_duplicate: bool) -> (DeliveryClass, String) {
+    let text = match std::error::Error::source(e) {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    };
+    let text = match e.kind() {
+        PublishErrorKind::WrongLastMessageId if after_duplicate => {
+            format!("{text}: {AFTER_DUPLICATE}")
+        }
+        PublishErrorKind::WrongLastMessageId => format!("{text}: {NOT_CHAINED}"),
+        _ => text,
+    };
+    (classify(e.kind(), &text), text)
 }
 
 /// The class of a failed publication.
@@ -53,35 +73,41 @@ const NOT_CHAINED: &str = "the stream's last message is not the one walbox publi
      this one: another publisher wrote to the stream (walbox must be its only publisher), or \
      an earlier publication was lost; walbox publishes again from its acknowledged position";
 
-/// Reports outcomes in publishing order.
+/// Why a chained publication was refused right after one the stream dropped
+/// as a duplicate: the stream's last message is not that one.
+const AFTER_DUPLICATE: &str = "the publication before it was dropped by the stream as a \
+     duplicate of a copy stored earlier, and the stream's last message is one stored since \
+     (a replay or dead-letter replay between two sessions); walbox publishes again from its \
+     acknowledged position";
+
+/// Reports outcomes in publishing order; counts the duplicates delivered.
 pub(super) async fn report(
     js: jetstream::Context,
     mut rx: mpsc::UnboundedReceiver<Pending>,
     tx: mpsc::UnboundedSender<Delivery>,
     in_flight: Arc<AtomicUsize>,
+    duplicates: Arc<AtomicU64>,
 ) {
+    // Whether the previous publication was dropped as a duplicate.
+    let mut after_duplicate = false;
     while let Some(p) = rx.recv().await {
+        let was_duplicate = std::mem::take(&mut after_duplicate);
         let failed = match p.outcome {
             Outcome::Wait(fut) => match fut.await {
                 Ok(ack) => match (&p.sent, ack.duplicate) {
                     (Some(sent), true) => {
-                        duplicate::check(&js, &ack, &p.event_id, sent).await.err()
+                        let checked = duplicate::check(&js, &ack, &p.event_id, sent).await;
+                        if checked.is_ok() {
+                            duplicates.fetch_add(1, Ordering::SeqCst);
+                            after_duplicate = true;
+                        }
+                        checked.err()
                     }
                     _ => None,
                 },
-                Err(e) => {
-                    let text = match std::error::Error::source(&e) {
-                        Some(s) => format!("{e}: {s}"),
-                        None => e.to_string(),
-                    };
-                    let text = if e.kind() == PublishErrorKind::WrongLastMessageId {
-                        format!("{text}: {NOT_CHAINED}")
-                    } else {
-                        text
-                    };
-                    Some((classify(e.kind(), &text), text))
-                }
+                Err(e) => Some(failure(&e, was_duplicate)),
             },
+            Outcome::Delivered => None,
             Outcome::Failed(class, reason) => Some((class, reason)),
         };
         let result = match failed {

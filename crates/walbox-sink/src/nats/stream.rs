@@ -86,3 +86,45 @@ pub(super) async fn check_window(
     }
     Ok(info.config.max_message_size)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The longest delay before the shipped deployments start walbox again
+    /// after a crash: systemd's `RestartSec`, and a crash-looping pod's
+    /// back-off, which Kubernetes caps at 300 s.
+    fn longest_restart_delay_s() -> u64 {
+        let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy");
+        let unit = std::fs::read_to_string(deploy.join("systemd/walbox.service")).unwrap();
+        let systemd: u64 = unit
+            .lines()
+            .find_map(|l| l.strip_prefix("RestartSec="))
+            .and_then(|v| v.trim().trim_end_matches('s').parse().ok())
+            .expect("RestartSec= in seconds");
+        let pod = std::fs::read_to_string(deploy.join("kubernetes/statefulset.yaml")).unwrap();
+        // A StatefulSet's pods restart always (the only policy it allows),
+        // with CrashLoopBackOff between crashes.
+        assert!(!pod.contains("restartPolicy: Never") && !pod.contains("restartPolicy: OnFailure"));
+        let crash_loop_back_off = 300;
+        systemd.max(crash_loop_back_off)
+    }
+
+    #[test]
+    fn the_default_window_covers_the_longest_restart_delay_of_the_shipped_deployments() {
+        let window = NatsSinkConfig::default().duplicate_window_s;
+        let delay = longest_restart_delay_s();
+        assert_eq!(delay, 300);
+        // The restart, then as long again to reach the event and publish it.
+        assert!(
+            window >= 2 * delay,
+            "window {window} s, restart delay {delay} s"
+        );
+        assert_eq!(
+            NatsSinkConfig::default().duplicate_window(),
+            Duration::from_secs(600)
+        );
+    }
+}

@@ -278,6 +278,12 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
         store: &store,
         metrics: metrics.as_ref(),
     };
+    if config.sink.kind == crate::config::SinkKind::Nats
+        && let Some(risk) =
+            crate::doctor::duplicate_window_risk(config.sink.nats.duplicate_window_s)
+    {
+        tracing::warn!("{risk}");
+    }
     let mut attempt = 0u32;
     loop {
         let began = Instant::now();

@@ -2,6 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use walbox_pgoutput::Lsn;
+use walbox_sink::Sink;
 
 use super::plan::{Plan, plan};
 use super::shell::Relay;
@@ -12,7 +13,11 @@ use crate::pg::ConnParams;
 
 /// `walbox replay`: publishes again every outbox event committed between `from`
 /// and `to` (default: the checkpoint), with the same event ids, without moving
-/// the slot; then the checkpoint is the later of itself and `to`.
+/// the slot; then the checkpoint is the later of itself and `to`. The sink is
+/// told the replay's name, `from`: a destination that deduplicates stores the
+/// events again under ids of this replay's own, and drops only what an earlier
+/// run with the same `--from` stored, which is reported apart, not as
+/// replayed.
 pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
     let mut signals = signals()?;
     let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
@@ -70,7 +75,8 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
         bail!("--to {to} is beyond the server's WAL end {end}");
     }
     drop(sql);
-    let (sink, mut deliveries) = make_sink(config)?;
+    let (mut sink, mut deliveries) = make_sink(config)?;
+    sink.replay_as(&from.to_string());
     let mut relay = Relay::new(ctx, sink)?;
     relay.adopt_checkpoint(saved);
     relay.core.resume_at(from, server_confirmed, None);
@@ -89,10 +95,58 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
         );
     }
     let checkpoint = relay.core.checkpoint().map(|c| c.lsn).unwrap_or(to);
-    println_out(&format!(
-        "replayed {} events ({} dead-lettered) committed from {from} to {to}; checkpoint at {checkpoint}",
+    let already = relay.sink.duplicates();
+    println_out(&summary(
         relay.core.stats().events,
-        relay.core.stats().dead_lettered
+        relay.core.stats().dead_lettered,
+        already,
+        from,
+        to,
+        checkpoint,
     ));
     Ok(())
+}
+
+/// What a replay did: the events stored again, and apart those an earlier run
+/// of the same replay had stored, which the destination dropped.
+fn summary(
+    events: u64,
+    dead_lettered: u64,
+    already: u64,
+    from: Lsn,
+    to: Lsn,
+    checkpoint: Lsn,
+) -> String {
+    let stored = events.saturating_sub(already);
+    let mut line = format!(
+        "replayed {stored} events ({dead_lettered} dead-lettered) committed from {from} to {to}"
+    );
+    if already > 0 {
+        line.push_str(&format!(
+            "; {already} events already stored by an earlier run of this replay (same --from) \
+             were not stored again"
+        ));
+    }
+    line.push_str(&format!("; checkpoint at {checkpoint}"));
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_an_earlier_run_stored_are_never_counted_as_replayed() {
+        let (from, to) = (Lsn(0x100), Lsn(0x200));
+        assert_eq!(
+            summary(300, 0, 0, from, to, to),
+            "replayed 300 events (0 dead-lettered) committed from 0/100 to 0/200; checkpoint at 0/200"
+        );
+        let line = summary(300, 1, 120, from, to, to);
+        assert!(
+            line.starts_with("replayed 180 events (1 dead-lettered)")
+                && line.contains("; 120 events already stored by an earlier run of this replay"),
+            "{line}"
+        );
+    }
 }

@@ -48,6 +48,22 @@ impl Sink for AnySink {
             AnySink::Stdout(s) => s.flush(timeout).await,
         }
     }
+
+    fn replay_as(&mut self, name: &str) {
+        match self {
+            AnySink::Kafka(s) => s.replay_as(name),
+            AnySink::Nats(s) => s.replay_as(name),
+            AnySink::Stdout(s) => s.replay_as(name),
+        }
+    }
+
+    fn duplicates(&self) -> u64 {
+        match self {
+            AnySink::Kafka(s) => s.duplicates(),
+            AnySink::Nats(s) => s.duplicates(),
+            AnySink::Stdout(s) => s.duplicates(),
+        }
+    }
 }
 
 pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)> {
