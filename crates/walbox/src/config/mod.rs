@@ -482,7 +482,6 @@ impl SinkConfig {
     pub fn nats_sink(&self) -> Result<walbox_sink::NatsSinkConfig> {
         let mut c = self.nats.clone();
         c.max_in_flight = self.max_in_flight;
-        c.bind_formats();
         c.validate()?;
         Ok(c)
     }
