@@ -717,5 +717,33 @@ async fn cloudevents_on_nats_follow_the_nats_binding_structured_by_default_binar
         vec![expected(1, "outbox"), expected(2, "outbox_binary")]
     );
     walbox.stop();
+    // verify finds the ids in a structured event's value (Content-Type) and in
+    // ce-id (marked by ce-specversion).
+    for (table, extra) in [
+        ("outbox", "topic = \"outbox.ce.structured\""),
+        (
+            "outbox_binary",
+            "topic = \"outbox.ce.binary\"\ncloudevents_mode = \"binary\"",
+        ),
+    ] {
+        let cfg = config_file(
+            &pg,
+            "verify-nats.toml",
+            &format!(
+                "[sink]\ntype = \"nats\"\n[sink.nats]\nservers = [\"{}\"]\n\
+                 [[outbox]]\ntable = \"public.{table}\"\nformat = \"cloudevents\"\n{extra}\n",
+                nats.url()
+            ),
+        );
+        let (code, out, err) = walbox_cmd(&["verify", "--json", "--config", &cfg], &env);
+        let report: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+        assert_eq!(code, Some(0), "{table}: {report}\n{err}");
+        assert_eq!(
+            (&report["rows"], &report["missing"], &report["not_in_table"]),
+            (&1.into(), &0.into(), &0.into()),
+            "{table}: {report}"
+        );
+    }
     drop(pg);
 }
