@@ -17,12 +17,10 @@ public class KafkaPartition {
     public static int murmur2(final byte[] data) {
         int length = data.length;
         int seed = 0x9747b28c;
-        // 'm' and 'r' are mixing constants generated offline.
-        // They're not really 'magic', they just happen to work well.
+        // MurmurHash2's mixing constants.
         final int m = 0x5bd1e995;
         final int r = 24;
 
-        // Initialize the hash to a random value
         int h = seed ^ length;
         int length4 = length / 4;
 
@@ -36,7 +34,7 @@ public class KafkaPartition {
             h ^= k;
         }
 
-        // Handle the last few bytes of the input array
+        // The last one to three bytes (the cases fall through, as in Kafka).
         switch (length % 4) {
             case 3:
                 h ^= (data[(length & ~3) + 2] & 0xff) << 16;
