@@ -345,3 +345,405 @@ async fn format_settings_that_cannot_work_are_refused_naming_the_key() {
     assert!(log.contains("columns.event_type"), "{log}");
     assert!(confirmed_lsn(&db, "walbox").await < current_lsn(&db).await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn occurrence_times_that_cannot_be_rfc3339_are_dead_lettered_from_rows_and_messages() {
+    let (pg, broker, db, mut walbox, _env) = start(
+        "CREATE TABLE outbox_dates (
+            id uuid PRIMARY KEY,
+            aggregate_type text NOT NULL,
+            aggregate_id text NOT NULL,
+            event_type text NOT NULL,
+            payload jsonb NOT NULL,
+            occurred_at date NOT NULL
+        )",
+        "[[outbox]]\ntable = \"public.outbox\"\nformat = \"cloudevents\"\ntopic = \"ce.times\"\n\n\
+         [[outbox]]\ntable = \"public.outbox_dates\"\nformat = \"cloudevents\"\ntopic = \"ce.times\"\n\n\
+         [[messages]]\nprefix = \"walbox\"\nformat = \"cloudevents\"\ntopic = \"ce.times\"\n",
+    )
+    .await;
+    let message = |id: &str, key: &str, at: &str| {
+        format!(
+            "SELECT pg_logical_emit_message(true, 'walbox', '{{\"id\": \"{id}\", \
+             \"aggregate_id\": \"{key}\", \"event_type\": \"Placed\", \"payload\": {{}}, \
+             \"occurred_at\": \"{at}\"}}');"
+        )
+    };
+    let row = |id: u32, key: &str, at: &str| {
+        format!(
+            "INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+             VALUES ('b0000000-0000-4000-8000-00000000000{id}', 'order', '{key}', 'Placed', '{{}}', '{at}');"
+        )
+    };
+    // Valid and invalid times interleaved in one transaction: a timestamptz
+    // row, `infinity`, a date column, a message, a message with a date alone,
+    // a row after them.
+    db.batch_execute(&format!(
+        "BEGIN;\n{}\n{}\n\
+         INSERT INTO outbox_dates VALUES ('b0000000-0000-4000-8000-000000000003', 'order', 'k-3', 'Placed', '{{}}', '2024-05-01');\n\
+         {}\n{}\n{}\nCOMMIT;",
+        row(1, "k-1", "2026-11-29 19:40:00+00"),
+        row(2, "k-2", "infinity"),
+        message("m-4", "k-4", "2026-11-30T08:00:00Z"),
+        message("m-5", "k-5", "2024-05-01"),
+        row(6, "k-6", "2026-12-01 10:00:00+00"),
+    ))
+    .await
+    .unwrap();
+
+    let dead = read_topic(&broker.bootstrap(), "ce.times.dlq", 3).await;
+    let mut dead: Vec<(String, String, String)> = dead
+        .iter()
+        .map(|r| {
+            (
+                r.header("event_id").unwrap().to_owned(),
+                r.header("walbox_error_class").unwrap().to_owned(),
+                r.header("walbox_error").unwrap().to_owned(),
+            )
+        })
+        .collect();
+    dead.sort();
+    let ids: Vec<&str> = dead.iter().map(|(id, _, _)| id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            "b0000000-0000-4000-8000-000000000002",
+            "b0000000-0000-4000-8000-000000000003",
+            "m-5"
+        ]
+    );
+    for (id, class, reason) in &dead {
+        assert_eq!(class, "invalid_time", "{id}");
+        assert!(
+            reason.contains("\"occurred_at\"") && reason.contains("RFC 3339"),
+            "{id}: {reason}"
+        );
+        assert!(!reason.contains("2024-05-01"), "no value: {reason}");
+    }
+
+    // The others are published, and the SDK reads every one of them.
+    let mut records = read_topic(&broker.bootstrap(), "ce.times", 3).await;
+    records.sort_by_key(|r| r.header("walbox_index").map(|i| i.parse::<u32>().unwrap()));
+    assert_eq!(records.len(), 3, "{records:?}");
+    let input: Vec<(&str, &Record)> = records.iter().map(|r| ("binary", r)).collect();
+    let events = parse_with_sdk(&input);
+    let read: Vec<(&str, &str)> = events
+        .iter()
+        .map(|e| (e["id"].as_str().unwrap(), e["time"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        read,
+        [
+            (
+                "b0000000-0000-4000-8000-000000000001",
+                "2026-11-29T19:40:00+00:00"
+            ),
+            ("m-4", "2026-11-30T08:00:00+00:00"),
+            (
+                "b0000000-0000-4000-8000-000000000006",
+                "2026-12-01T10:00:00+00:00"
+            ),
+        ]
+    );
+    walbox.stop();
+    drop(pg);
+}
+
+/// Runs the Java transcription of the Kafka client's default partitioner
+/// (`tests/formats/KafkaPartition.java`) over `keys`: per key, its murmur2
+/// and the partition of `partitions` it picks.
+fn java_partitions(keys: &[Vec<u8>], partitions: i32) -> Vec<(i32, i32)> {
+    use std::io::Write as _;
+    let source =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/formats/KafkaPartition.java");
+    let mut child = Command::new("java")
+        .arg(source)
+        .arg(partitions.to_string())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("java (17 or later) on PATH");
+    let input: String = keys
+        .iter()
+        .map(|k| {
+            if k.is_empty() {
+                "-\n".to_owned()
+            } else {
+                k.iter().map(|b| format!("{b:02x}")).collect::<String>() + "\n"
+            }
+        })
+        .collect();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "java: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (hash, partition) = l.split_once(' ').unwrap();
+            (hash.parse().unwrap(), partition.parse().unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debezium_keys_land_on_the_partitions_the_java_client_picks_in_both_encodings() {
+    const PARTITIONS: i32 = 12;
+    const KEYS: usize = 300;
+    let (pg, broker, db) = servers().await;
+    // One table per key encoding and key type, each to its own topic.
+    db.batch_execute(
+        "CREATE TABLE keys_string (id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+            aggregatetype text NOT NULL, aggregateid varchar(255) NOT NULL,
+            type text NOT NULL, payload jsonb NOT NULL);
+         CREATE TABLE keys_json (LIKE keys_string INCLUDING ALL);
+         CREATE TABLE keys_json_int (LIKE keys_string INCLUDING ALL);
+         ALTER TABLE keys_json_int ALTER aggregateid TYPE bigint USING aggregateid::bigint;",
+    )
+    .await
+    .unwrap();
+    for topic in ["cut.string", "cut.json", "cut.json_int"] {
+        walbox_testkit::kafka::create_topic(&broker.bootstrap(), topic, PARTITIONS)
+            .await
+            .unwrap();
+    }
+    let env = walbox_env(&pg, &broker);
+    let cfg = config_file(
+        &pg,
+        "keys.toml",
+        "[[outbox]]\ntable = \"public.keys_string\"\nformat = \"debezium-outbox\"\ntopic = \"cut.string\"\n\n\
+         [[outbox]]\ntable = \"public.keys_json\"\nformat = \"debezium-outbox\"\ntopic = \"cut.json\"\n\
+         key_encoding = \"json\"\n\n\
+         [[outbox]]\ntable = \"public.keys_json_int\"\nformat = \"debezium-outbox\"\ntopic = \"cut.json_int\"\n\
+         key_encoding = \"json\"\n",
+    );
+    let (code, _, err) = walbox_cmd(&["setup", "--config", &cfg], &env);
+    assert_eq!(code, Some(0), "walbox setup: {err}");
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+
+    // Keys of many shapes: numbers as text, words, non-ASCII, quotes.
+    let text_key = |i: usize| match i % 4 {
+        0 => i.to_string(),
+        1 => format!("order-{i}"),
+        2 => format!("Straße {i} \"ü\""),
+        _ => format!("{:08x}-aggregate", i * 7919),
+    };
+    let int_key = |i: usize| i64::try_from(i * 104_729).unwrap() - 1_000_000;
+    let mut sql = String::from("BEGIN;");
+    for i in 0..KEYS {
+        let k = text_key(i).replace('\'', "''");
+        for table in ["keys_string", "keys_json"] {
+            sql.push_str(&format!(
+                "INSERT INTO {table} (aggregatetype, aggregateid, type, payload) \
+                 VALUES ('Order', '{k}', 'Placed', '{{\"i\": {i}}}');"
+            ));
+        }
+        sql.push_str(&format!(
+            "INSERT INTO keys_json_int (aggregatetype, aggregateid, type, payload) \
+             VALUES ('Order', {}, 'Placed', '{{\"i\": {i}}}');",
+            int_key(i)
+        ));
+    }
+    sql.push_str("COMMIT;");
+    db.batch_execute(&sql).await.unwrap();
+
+    // The key bytes Debezium's converters write: StringConverter the text,
+    // JsonConverter (schemas.enable = false) a JSON string, or a number for
+    // an integer column.
+    let expected_key = |topic: &str, i: usize| -> Vec<u8> {
+        match topic {
+            "cut.string" => text_key(i).into_bytes(),
+            "cut.json" => serde_json::to_vec(&text_key(i)).unwrap(),
+            _ => int_key(i).to_string().into_bytes(),
+        }
+    };
+    for topic in ["cut.string", "cut.json", "cut.json_int"] {
+        let records = read_topic(&broker.bootstrap(), topic, KEYS).await;
+        assert_eq!(records.len(), KEYS, "{topic}");
+        let mut by_i: Vec<(usize, Vec<u8>, i32)> = records
+            .iter()
+            .map(|r| {
+                let v: serde_json::Value =
+                    serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+                let i = usize::try_from(v["i"].as_u64().unwrap()).unwrap();
+                (i, r.key.clone().unwrap(), r.partition)
+            })
+            .collect();
+        by_i.sort();
+        let keys: Vec<Vec<u8>> = by_i.iter().map(|(_, k, _)| k.clone()).collect();
+        for (i, key, _) in &by_i {
+            assert_eq!(
+                key,
+                &expected_key(topic, *i),
+                "{topic}: key of event {i}: {}",
+                String::from_utf8_lossy(key)
+            );
+        }
+        let java = java_partitions(&keys, PARTITIONS);
+        let landed: Vec<i32> = by_i.iter().map(|(_, _, p)| *p).collect();
+        let picked: Vec<i32> = java.iter().map(|(_, p)| *p).collect();
+        assert_eq!(
+            landed, picked,
+            "{topic}: partitions walbox's records landed on vs the Java client's"
+        );
+        let used: std::collections::BTreeSet<i32> = landed.iter().copied().collect();
+        assert_eq!(used.len(), 12, "{topic}: every partition used: {used:?}");
+    }
+    // The Java program is Kafka's murmur2: its reference values
+    // (Kafka's UtilsTest.testMurmur2).
+    let reference = java_partitions(
+        &[
+            b"21".to_vec(),
+            b"foobar".to_vec(),
+            b"a-little-bit-long-string".to_vec(),
+        ],
+        PARTITIONS,
+    );
+    let hashes: Vec<i32> = reference.iter().map(|(h, _)| *h).collect();
+    assert_eq!(hashes, [-973_932_308, -790_332_482, -985_981_536]);
+    walbox.stop();
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_on_nats_follow_the_nats_binding_structured_by_default_binary_when_set() {
+    let (pg, nats, db, env) = servers_nats(&format!(
+        "{CREATE}\n\n[[outbox]]\ntable = \"public.outbox\"\nformat = \"cloudevents\"\n\
+         topic = \"outbox.ce.structured\"\ncloudevents_subject = \"{{aggregate_type}} {{aggregate_id}}\"\n\n\
+         [[outbox]]\ntable = \"public.outbox_binary\"\nformat = \"cloudevents\"\n\
+         cloudevents_mode = \"binary\"\ntopic = \"outbox.ce.binary\"\n\
+         cloudevents_subject = \"{{aggregate_type}} {{aggregate_id}}\"\n"
+    ))
+    .await;
+    db.batch_execute("CREATE TABLE outbox_binary (LIKE outbox INCLUDING ALL)")
+        .await
+        .unwrap();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    // A subject with space, double quote, percent and non-ASCII: values the
+    // binding percent-encodes.
+    for (table, id) in [
+        ("outbox", "c0000000-0000-4000-8000-000000000001"),
+        ("outbox_binary", "c0000000-0000-4000-8000-000000000002"),
+    ] {
+        db.batch_execute(&format!(
+            "INSERT INTO {table} (id, aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+             VALUES ('{id}', 'Bestellung', 'groß \"1\" 100%', 'OrderPlaced', '{{\"total\": 12}}', \
+             '2026-11-29 19:40:00.123456+00')"
+        ))
+        .await
+        .unwrap();
+    }
+    let read = |subject: &'static str| {
+        let url = nats.url();
+        async move {
+            walbox_testkit::nats::read_at_least(&url, subject, 1, Duration::from_secs(60))
+                .await
+                .unwrap()
+                .remove(0)
+        }
+    };
+    let structured = read("outbox.ce.structured").await;
+    let binary = read("outbox.ce.binary").await;
+    let header_names = |r: &Record| -> Vec<(String, String)> {
+        let mut h: Vec<(String, String)> = r
+            .headers
+            .iter()
+            .map(|(n, v)| (n.clone(), String::from_utf8(v.clone().unwrap()).unwrap()))
+            .filter(|(n, _)| {
+                n.to_ascii_lowercase().starts_with("ce") || n.eq_ignore_ascii_case("content-type")
+            })
+            .collect();
+        h.sort();
+        h
+    };
+
+    // Structured (the default on NATS): Content-Type application/cloudevents+json,
+    // no attribute headers, the payload the JSON event format.
+    assert_eq!(
+        header_names(&structured),
+        [(
+            "Content-Type".to_owned(),
+            "application/cloudevents+json".to_owned()
+        )]
+    );
+    // Binary: every attribute as a ce- header, percent-encoded,
+    // datacontenttype as ce-datacontenttype, no Content-Type; the payload is
+    // the data.
+    let expected: Vec<(String, String)> = [
+        ("ce-datacontenttype", "application/json"),
+        ("ce-id", "c0000000-0000-4000-8000-000000000002"),
+        ("ce-source", "/walbox/public.outbox_binary"),
+        ("ce-specversion", "1.0"),
+        ("ce-subject", "Bestellung%20gro%C3%9F%20%221%22%20100%25"),
+        ("ce-time", "2026-11-29T19:40:00.123456+00:00"),
+        ("ce-type", "OrderPlaced"),
+    ]
+    .iter()
+    .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+    .collect();
+    assert_eq!(header_names(&binary), expected);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(binary.value.as_deref().unwrap()).unwrap(),
+        serde_json::json!({"total": 12})
+    );
+
+    // The SDK reads both as the same event.
+    let events = parse_with_sdk(&[("nats-structured", &structured), ("nats-binary", &binary)]);
+    let expected = |n: u32, table: &str| {
+        serde_json::json!({
+            "specversion": "1.0",
+            "id": format!("c0000000-0000-4000-8000-00000000000{n}"),
+            "source": format!("/walbox/public.{table}"),
+            "type": "OrderPlaced",
+            "subject": "Bestellung groß \"1\" 100%",
+            "time": "2026-11-29T19:40:00.123456+00:00",
+            "datacontenttype": "application/json",
+            "data": {"total": 12},
+        })
+    };
+    assert_eq!(
+        events,
+        vec![expected(1, "outbox"), expected(2, "outbox_binary")]
+    );
+    walbox.stop();
+    // verify finds the ids in a structured event's value (Content-Type) and in
+    // ce-id (marked by ce-specversion).
+    for (table, extra) in [
+        ("outbox", "topic = \"outbox.ce.structured\""),
+        (
+            "outbox_binary",
+            "topic = \"outbox.ce.binary\"\ncloudevents_mode = \"binary\"",
+        ),
+    ] {
+        let cfg = config_file(
+            &pg,
+            "verify-nats.toml",
+            &format!(
+                "[sink]\ntype = \"nats\"\n[sink.nats]\nservers = [\"{}\"]\n\
+                 [[outbox]]\ntable = \"public.{table}\"\nformat = \"cloudevents\"\n{extra}\n",
+                nats.url()
+            ),
+        );
+        let (code, out, err) = walbox_cmd(&["verify", "--json", "--config", &cfg], &env);
+        let report: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+        assert_eq!(code, Some(0), "{table}: {report}\n{err}");
+        assert_eq!(
+            (&report["rows"], &report["missing"], &report["not_in_table"]),
+            (&1.into(), &0.into(), &0.into()),
+            "{table}: {report}"
+        );
+    }
+    drop(pg);
+}

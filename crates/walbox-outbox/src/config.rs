@@ -4,6 +4,8 @@
 
 use serde::Deserialize;
 
+use crate::format::Binding;
+
 /// One outbox table and how its rows become events.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(from = "RawTableConfig")]
@@ -38,12 +40,21 @@ pub struct FormatSettings {
     /// Extra fields placed as headers or envelope fields (`debezium-outbox`):
     /// `column:header[:alias]`, `column:envelope[:alias]`.
     pub additional_placement: Vec<Placement>,
-    /// CloudEvents content mode (`cloudevents`).
-    pub cloudevents_mode: CloudEventsMode,
+    /// CloudEvents content mode (`cloudevents`); unset: the binding's default
+    /// (binary on Kafka, structured on NATS).
+    pub cloudevents_mode: Option<CloudEventsMode>,
     /// Template of the CloudEvents `source` (`cloudevents`).
     pub cloudevents_source: String,
     /// Template of the CloudEvents `subject` (`cloudevents`; empty: none).
     pub cloudevents_subject: String,
+    /// How the key's bytes are written (`debezium-outbox`): as the text (Kafka
+    /// Connect's StringConverter) or as JSON (its JsonConverter without schemas).
+    pub key_encoding: KeyEncoding,
+    /// The CloudEvents protocol binding of the sink the records go to; not a
+    /// key of the file: set from the sink's type when the configuration is
+    /// loaded.
+    #[serde(skip)]
+    pub binding: Binding,
 }
 
 impl Default for FormatSettings {
@@ -51,9 +62,11 @@ impl Default for FormatSettings {
         FormatSettings {
             format: Format::Walbox,
             additional_placement: Vec::new(),
-            cloudevents_mode: CloudEventsMode::Binary,
+            cloudevents_mode: None,
             cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.to_owned(),
             cloudevents_subject: DEFAULT_CLOUDEVENTS_SUBJECT.to_owned(),
+            key_encoding: KeyEncoding::default(),
+            binding: Binding::default(),
         }
     }
 }
@@ -76,11 +89,13 @@ struct RawTableConfig {
     #[serde(default)]
     additional_placement: Vec<Placement>,
     #[serde(default)]
-    cloudevents_mode: CloudEventsMode,
+    cloudevents_mode: Option<CloudEventsMode>,
     #[serde(default)]
     cloudevents_source: Option<String>,
     #[serde(default)]
     cloudevents_subject: Option<String>,
+    #[serde(default)]
+    key_encoding: KeyEncoding,
 }
 
 impl From<RawTableConfig> for TableConfig {
@@ -103,6 +118,8 @@ impl From<RawTableConfig> for TableConfig {
                 cloudevents_subject: raw
                     .cloudevents_subject
                     .unwrap_or_else(|| DEFAULT_CLOUDEVENTS_SUBJECT.to_owned()),
+                key_encoding: raw.key_encoding,
+                binding: Binding::default(),
             },
         }
     }
@@ -129,7 +146,7 @@ pub enum Format {
     /// payload, header `id` = event id, topic `outbox.event.{aggregatetype}`.
     #[serde(rename = "debezium-outbox")]
     DebeziumOutbox,
-    /// CloudEvents 1.0 in the Kafka protocol binding.
+    /// CloudEvents 1.0 in the sink's protocol binding (Kafka, NATS).
     #[serde(rename = "cloudevents")]
     CloudEvents,
 }
@@ -175,11 +192,36 @@ impl Format {
     }
 }
 
+/// How the record key's bytes are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyEncoding {
+    /// The aggregate id's text as it is (Kafka Connect's StringConverter).
+    #[default]
+    String,
+    /// The aggregate id as a JSON value (Kafka Connect's JsonConverter with
+    /// `schemas.enable = false`): a string as a JSON string (`"1"`), an
+    /// integer as a JSON number.
+    Json,
+}
+
+impl KeyEncoding {
+    /// The configuration spelling.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            KeyEncoding::String => "string",
+            KeyEncoding::Json => "json",
+        }
+    }
+}
+
 /// CloudEvents content mode.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CloudEventsMode {
-    /// Attributes in `ce_` headers, the payload as the value.
+    /// Attributes in headers (`ce_` on Kafka, `ce-` on NATS), the payload as
+    /// the value.
     #[default]
     Binary,
     /// The whole event as one JSON value (`application/cloudevents+json`).

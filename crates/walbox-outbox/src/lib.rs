@@ -27,12 +27,12 @@ mod test_rows;
 
 pub use config::{
     CloudEventsMode, ColumnNames, DEFAULT_CLOUDEVENTS_SOURCE, DEFAULT_CLOUDEVENTS_SUBJECT, Format,
-    FormatSettings, Place, Placement, TableConfig, ValueFormat,
+    FormatSettings, KeyEncoding, Place, Placement, TableConfig, ValueFormat,
 };
 pub use event::{Event, HeaderName, Position, header};
 pub use format::{
-    EventFields, Extra, ExtraKind, FieldNames, Formatter, Payload, PayloadKind, Text,
-    record_event_id,
+    Binding, EventFields, Extra, ExtraKind, FieldNames, Formatter, Payload, PayloadKind, Protocol,
+    Text, record_event_id,
 };
 pub use mapper::{Mapper, MappingError, RowError, dead_letter_header};
 pub use message::{

@@ -1,7 +1,10 @@
 //! Format `debezium-outbox`: the record Debezium's Outbox Event Router emits with
 //! its defaults and `table.expand.json.payload = true`.
 //!
-//! - key: the aggregate id (no key when it is NULL);
+//! - key: the aggregate id (no key when it is NULL), as its text
+//!   (`key_encoding = "string"`, the StringConverter) or as JSON
+//!   (`key_encoding = "json"`, the JsonConverter without schemas: `"1"` for
+//!   text, `1` for an integer);
 //! - value: the payload. JSON (json, jsonb, or text holding JSON) is emitted as
 //!   that JSON; text that is not JSON is kept as it is, which the router's JSON
 //!   converter writes as a JSON string; bytea is emitted as its bytes, as the
@@ -15,9 +18,9 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::{
-    EventFields, Extra, ExtraKind, Formatter, PayloadKind, json_str, push_id, push_position,
+    EventFields, Extra, ExtraKind, Formatter, PayloadKind, Text, json_str, push_id, push_position,
 };
-use crate::config::Place;
+use crate::config::{KeyEncoding, Place};
 use crate::event::{Event, HeaderName};
 use crate::mapper::RowError;
 
@@ -88,15 +91,40 @@ impl Formatter {
             out.put_u8(b'}');
             out.freeze()
         };
+        let key = match (self.key_encoding, f.aggregate_id) {
+            (KeyEncoding::Json, Some(id)) => Some(self.json_key(&id, f.key_kind)?),
+            (_, id) => id,
+        };
         Ok(Event {
             event_id: f.event_id.as_str().to_owned(),
             topic: f.topic,
-            key: f.aggregate_id,
+            key,
             value,
             json_value,
             headers,
             position: f.position,
         })
+    }
+}
+
+impl Formatter {
+    /// The aggregate id as Kafka Connect's JsonConverter (`schemas.enable =
+    /// false`) writes a key: a number as the number, text as a JSON string
+    /// (escaped as Jackson escapes it: `"`, `\\` and control characters).
+    fn json_key(&self, id: &Bytes, kind: ExtraKind) -> Result<Bytes, RowError> {
+        std::str::from_utf8(id).map_err(|_| RowError::NotUtf8 {
+            role: "aggregate id (key)",
+            column: self.names.aggregate_id.clone(),
+        })?;
+        let mut out = BytesMut::with_capacity(id.len() + 2);
+        extra_json(
+            &mut out,
+            Some(&Extra {
+                value: Text(id.clone()),
+                kind,
+            }),
+        );
+        Ok(out.freeze())
     }
 }
 

@@ -5,16 +5,21 @@
 //! payload, headers, occurrence and commit time, schema version, extra fields and
 //! the source position. A [`Formatter`], built once from the configuration, then
 //! shapes them as walbox's envelope, as Debezium's Outbox Event Router emits them,
-//! or as a CloudEvent (binary or structured content mode). Every format keeps
+//! or as a CloudEvent (binary or structured content mode) in the protocol binding
+//! of the sink ([`Binding`]). Every format keeps
 //! the source position headers (`walbox_commit_lsn`, `walbox_index`, `walbox_xid`).
 
+mod binding;
 mod cloudevents;
 mod debezium;
 mod walbox;
 
+use binding::percent_decode;
+pub use binding::{Binding, Protocol};
+
 use bytes::Bytes;
 
-use crate::config::{CloudEventsMode, Format, FormatSettings, Place, Placement};
+use crate::config::{CloudEventsMode, Format, FormatSettings, KeyEncoding, Place, Placement};
 use crate::event::{Event, HeaderName, Position, header};
 use crate::mapper::{MappingError, RowError};
 use crate::template::TopicTemplate;
@@ -102,6 +107,9 @@ pub struct EventFields {
     pub aggregate_type: Option<Text>,
     /// Aggregate id, the record key, when the source has one.
     pub aggregate_id: Option<Bytes>,
+    /// What the aggregate id's source holds: a number (an integer column, a
+    /// JSON number) or text; what `key_encoding = "json"` writes it as.
+    pub key_kind: ExtraKind,
     /// Event type, when the source has one.
     pub event_type: Option<Text>,
     /// Schema version of the payload, when the source has one.
@@ -136,6 +144,8 @@ pub struct FieldNames {
     pub event_type: String,
     /// The payload's field.
     pub payload: String,
+    /// The occurrence time's field.
+    pub occurred_at: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,6 +166,7 @@ struct CeTemplate {
 #[derive(Debug, Clone)]
 struct CloudEventsSettings {
     mode: CloudEventsMode,
+    binding: Binding,
     source: CeTemplate,
     subject: Option<CeTemplate>,
 }
@@ -169,6 +180,7 @@ pub struct Formatter {
     producer_json: String,
     names: FieldNames,
     placements: Vec<Placement>,
+    key_encoding: KeyEncoding,
 }
 
 /// The format with what it needs to shape a record.
@@ -198,7 +210,7 @@ impl Formatter {
             format: config.format.name(),
             problem,
         };
-        if let Some(p) = placement_problem(config) {
+        if let Some(p) = settings_problem(config) {
             return Err(problem(p));
         }
         let shape = match config.format {
@@ -225,7 +237,10 @@ impl Formatter {
                     Ok(CeTemplate { template, fields })
                 };
                 Shape::CloudEvents(CloudEventsSettings {
-                    mode: config.cloudevents_mode,
+                    mode: config
+                        .cloudevents_mode
+                        .unwrap_or(config.binding.default_mode),
+                    binding: config.binding,
                     source: parse("cloudevents_source", &config.cloudevents_source)?,
                     subject: if config.cloudevents_subject.is_empty() {
                         None
@@ -241,6 +256,7 @@ impl Formatter {
             producer_json: serde_json::Value::from(producer).to_string(),
             names,
             placements: config.additional_placement.clone(),
+            key_encoding: config.key_encoding,
         })
     }
 
@@ -296,6 +312,8 @@ impl Formatter {
             || name == header::EVENT_ID
             || name == cloudevents::ID_HEADER
             || name == cloudevents::SPEC_VERSION_HEADER
+            || name == cloudevents::DASH_ID_HEADER
+            || name == cloudevents::DASH_SPEC_VERSION_HEADER
             || (name == cloudevents::CONTENT_TYPE_HEADER
                 && value == cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes());
         everywhere
@@ -313,8 +331,11 @@ impl Formatter {
                             .iter()
                             .any(|p| p.place == Place::Header && p.name.eq_ignore_ascii_case(&name))
                 }
-                Shape::CloudEvents(_) => {
-                    name.starts_with("ce_") || name == cloudevents::CONTENT_TYPE_HEADER
+                Shape::CloudEvents(ce) => {
+                    name.starts_with("ce_")
+                        || name.starts_with("ce-")
+                        || name.starts_with(&ce.binding.prefix.to_ascii_lowercase())
+                        || name == cloudevents::CONTENT_TYPE_HEADER
                 }
             }
     }
@@ -345,15 +366,26 @@ impl Formatter {
     }
 }
 
-/// Why `config`'s placements do not fit its format, if they do not.
-pub(crate) fn placement_problem(config: &FormatSettings) -> Option<String> {
-    (!config.additional_placement.is_empty() && config.format != Format::DebeziumOutbox).then(
-        || {
+/// Why `config`'s placements or key encoding do not fit its format, if they
+/// do not.
+pub(crate) fn settings_problem(config: &FormatSettings) -> Option<String> {
+    if config.format == Format::DebeziumOutbox {
+        return None;
+    }
+    if !config.additional_placement.is_empty() {
+        return Some(
             "additional_placement applies to format \"debezium-outbox\" only; remove it or \
              set format = \"debezium-outbox\""
-                .to_owned()
-        },
-    )
+                .to_owned(),
+        );
+    }
+    (config.key_encoding != KeyEncoding::String).then(|| {
+        format!(
+            "key_encoding = {:?} applies to format \"debezium-outbox\" only; remove it or set \
+             format = \"debezium-outbox\"",
+            config.key_encoding.name()
+        )
+    })
 }
 
 fn classify(e: &serde_json::Error) -> &'static str {
@@ -366,11 +398,14 @@ fn classify(e: &serde_json::Error) -> &'static str {
 }
 
 /// The event id a published record carries, whatever its format. `header`
-/// gives a header's value by name. Source headers never use the names looked at
-/// here for another meaning ([`Formatter::render`] refuses them), so the first
-/// that applies is the record's: walbox's `event_id` header (also on every dead
-/// letter), a binary CloudEvent's `ce_id` (marked by `ce_specversion`), a
-/// structured CloudEvent's `id` in the value, Debezium's `id` header.
+/// gives a header's value by name (exactly as written). Source headers never
+/// use the names looked at here for another meaning ([`Formatter::render`]
+/// refuses them), so the first that applies is the record's: walbox's
+/// `event_id` header (also on every dead letter), a binary CloudEvent's `ce_id`
+/// (Kafka, marked by `ce_specversion`) or `ce-id` (NATS, marked by
+/// `ce-specversion`, percent-decoded), a structured CloudEvent's `id` in the
+/// value (`content-type` on Kafka, `Content-Type` on NATS), Debezium's `id`
+/// header.
 pub fn record_event_id<'a>(
     header: impl Fn(&str) -> Option<&'a str>,
     value: Option<&[u8]>,
@@ -381,7 +416,18 @@ pub fn record_event_id<'a>(
     if header(cloudevents::SPEC_VERSION_HEADER).is_some() {
         return header(cloudevents::ID_HEADER).map(str::to_owned);
     }
-    if header(cloudevents::CONTENT_TYPE_HEADER) == Some(cloudevents::STRUCTURED_CONTENT_TYPE) {
+    if header(cloudevents::DASH_SPEC_VERSION_HEADER).is_some() {
+        return header(cloudevents::DASH_ID_HEADER)
+            .and_then(percent_decode)
+            .map(std::borrow::Cow::into_owned);
+    }
+    let structured = [
+        Protocol::Kafka.cloudevents().structured_content_type,
+        Protocol::Nats.cloudevents().structured_content_type,
+    ]
+    .into_iter()
+    .any(|name| header(name) == Some(cloudevents::STRUCTURED_CONTENT_TYPE));
+    if structured {
         #[derive(serde::Deserialize)]
         struct Id {
             id: String,

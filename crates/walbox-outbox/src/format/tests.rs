@@ -5,7 +5,8 @@ use walbox_pgoutput::{Oid, Relation, TupleValue};
 
 use crate::test_rows::{pos, relation_named, t};
 
-use super::cloudevents::pg_micros_rfc3339;
+use super::Protocol;
+use super::cloudevents::{event_time, is_rfc3339, pg_micros_rfc3339};
 use crate::config::{CloudEventsMode, Format, Place, Placement, TableConfig};
 use crate::event::Event;
 use crate::mapper::{Mapper, MappingError};
@@ -627,4 +628,215 @@ fn the_event_id_of_a_record_is_its_format_s_even_beside_other_id_names() {
         crate::record_event_id(header, Some(&e.value)).as_deref(),
         Some("7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11")
     );
+}
+
+// ---- CloudEvents over NATS ---------------------------------------------------
+
+fn cloudevents_on(protocol: Protocol, extra: &str) -> Mapper {
+    let mut cfg = config(&format!(
+        "table = \"public.outbox\"\nformat = \"cloudevents\"\n{extra}"
+    ));
+    cfg.formatting.binding = protocol.cloudevents();
+    Mapper::compile(&cfg, "p", &relation(WALBOX_TABLE)).unwrap()
+}
+
+#[test]
+fn cloudevents_on_nats_are_structured_by_default_with_the_binding_s_content_type() {
+    let e = cloudevents_on(Protocol::Nats, "")
+        .map(&walbox_row(), pos())
+        .unwrap();
+    let mut expected = vec![
+        ("Content-Type", "application/cloudevents+json"),
+        ("traceparent", "00-abc-def-01"),
+    ];
+    expected.extend(POSITION_HEADERS);
+    assert_eq!(headers(&e), expected);
+    assert_eq!(json(&e.value)["id"], "7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11");
+    assert_eq!(json(&e.value)["data"], serde_json::json!({"total": 1299}));
+    // Kafka keeps binary as its default.
+    let e = cloudevents_on(Protocol::Kafka, "")
+        .map(&walbox_row(), pos())
+        .unwrap();
+    assert!(headers(&e).contains(&("ce_specversion", "1.0")));
+}
+
+#[test]
+fn binary_cloudevents_on_nats_follow_the_nats_binding_field_by_field() {
+    let m = cloudevents_on(
+        Protocol::Nats,
+        "cloudevents_mode = \"binary\"\ncloudevents_source = \"urn:walbox:{table}\"\n\
+         cloudevents_subject = \"{aggregate_type} {aggregate_id}\"\ntopic = \"outbox.order\"",
+    );
+    let mut row = walbox_row();
+    row[1] = t("Bestellung \"groß\"");
+    row[2] = t("100%");
+    let e = m.map(&row, pos()).unwrap();
+    // Every attribute under ce-, percent-encoded (space, '"', '%', non-ASCII),
+    // datacontenttype as ce-datacontenttype, no content-type.
+    let mut expected = vec![
+        ("ce-specversion", "1.0"),
+        ("ce-id", "7d9f0c2e-6a51-4c1b-9a57-2f1b5e0c9d11"),
+        ("ce-source", "urn:walbox:public.outboxevent"),
+        ("ce-type", "OrderPlaced"),
+        ("ce-time", "2026-11-29T19:40:00.123456+00:00"),
+        ("ce-subject", "Bestellung%20%22gro%C3%9F%22%20100%25"),
+        ("ce-datacontenttype", "application/json"),
+        ("traceparent", "00-abc-def-01"),
+    ];
+    expected.extend(POSITION_HEADERS);
+    assert_eq!(headers(&e), expected);
+    assert_eq!(&e.value[..], br#"{"total": 1299}"#);
+
+    // An event id that needs encoding is found decoded.
+    let mut row = walbox_row();
+    row[0] = t("id with space");
+    let e = m.map(&row, pos()).unwrap();
+    assert!(headers(&e).contains(&("ce-id", "id%20with%20space")));
+    let header = |n: &str| {
+        e.headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    };
+    assert_eq!(
+        crate::record_event_id(header, Some(&e.value)).as_deref(),
+        Some("id with space")
+    );
+    // Source headers named like the binding's are refused.
+    for name in ["ce-source", "CE-ID", "ce-specversion"] {
+        let err = m
+            .map(&row_with_headers(&format!(r#"{{"{name}": "x"}}"#)), pos())
+            .unwrap_err();
+        assert_eq!(err.class(), "reserved_header", "{name}");
+    }
+}
+
+// ---- time --------------------------------------------------------------------
+
+#[test]
+fn an_occurrence_time_that_cannot_be_rfc3339_is_refused_naming_the_column() {
+    let cases = [
+        (1082, "2024-05-01"), // date
+        (1184, "infinity"),   // timestamptz
+        (1184, "-infinity"),  // timestamptz
+        (1114, "infinity"),   // timestamp
+        (1184, "0044-03-15 12:00:00+00 BC"),
+        (1184, "10000-01-01 00:00:00+00"),
+        (25, "yesterday"),
+        (25, "2024-02-30T00:00:00Z"),
+    ];
+    for (oid, value) in cases {
+        let mut cols = WALBOX_TABLE.to_vec();
+        cols[6] = ("occurred_at", oid);
+        for mode in ["binary", "structured"] {
+            let m = cloudevents(&format!("cloudevents_mode = \"{mode}\""), &cols).unwrap();
+            let mut row = walbox_row();
+            row[6] = t(value);
+            let err = m.map(&row, pos()).unwrap_err();
+            assert_eq!(err.class(), "invalid_time", "{value}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("\"occurred_at\"") && msg.contains("RFC 3339"),
+                "{msg}"
+            );
+            assert!(!msg.contains(value), "no value: {msg}");
+        }
+    }
+    // What PostgreSQL writes for the time types, and RFC 3339 text, passes.
+    assert_eq!(
+        event_time("2026-11-29 19:40:00.123456+00").as_deref(),
+        Some("2026-11-29T19:40:00.123456+00:00")
+    );
+    assert_eq!(
+        event_time("2026-11-29 19:40:00").as_deref(),
+        Some("2026-11-29T19:40:00Z")
+    );
+    assert_eq!(
+        event_time("2024-02-29t23:59:60.5z").as_deref(),
+        Some("2024-02-29T23:59:60.5Z")
+    );
+    assert_eq!(
+        event_time("0001-01-01 00:00:00+05:30").as_deref(),
+        Some("0001-01-01T00:00:00+05:30")
+    );
+}
+
+#[test]
+fn rfc3339_date_times_are_checked_field_by_field() {
+    for ok in [
+        "2026-11-29T19:40:00Z",
+        "2026-11-29T19:40:00.1+01:00",
+        "2000-02-29T00:00:00-23:59",
+        "9999-12-31T23:59:59.999999999Z",
+    ] {
+        assert!(is_rfc3339(ok), "{ok}");
+    }
+    for bad in [
+        "2026-11-29",
+        "2026-11-29Z",
+        "infinityZ",
+        "2026-11-29 19:40:00Z",
+        "2026-13-01T00:00:00Z",
+        "2026-00-01T00:00:00Z",
+        "2026-04-31T00:00:00Z",
+        "2100-02-29T00:00:00Z",
+        "0000-01-01T00:00:00Z",
+        "2026-11-29T24:00:00Z",
+        "2026-11-29T19:60:00Z",
+        "2026-11-29T19:40:61Z",
+        "2026-11-29T19:40:00.Z",
+        "2026-11-29T19:40:00",
+        "2026-11-29T19:40:00+0100",
+        "2026-11-29T19:40:00+24:00",
+        "2026-11-29T19:40:00+01:00 BC",
+        "+2026-11-29T19:40:00Z",
+        "2026-11-29T19:40:00.123456+00",
+    ] {
+        assert!(!is_rfc3339(bad), "{bad}");
+    }
+}
+
+// ---- debezium key encoding ---------------------------------------------------
+
+#[test]
+fn json_keys_are_what_the_json_converter_writes() {
+    let string = debezium("", DEBEZIUM_TABLE);
+    let json = debezium("key_encoding = \"json\"", DEBEZIUM_TABLE);
+    let mut row = order_row();
+    for (id, as_string, as_json) in [
+        ("1", "1", "\"1\""),
+        ("a\"b\\c\nd", "a\"b\\c\nd", "\"a\\\"b\\\\c\\nd\""),
+        ("Grüße/1", "Grüße/1", "\"Grüße/1\""),
+    ] {
+        row[2] = t(id);
+        let e = string.map(&row, pos()).unwrap();
+        assert_eq!(e.key.as_deref(), Some(as_string.as_bytes()));
+        let e = json.map(&row, pos()).unwrap();
+        assert_eq!(e.key.as_deref(), Some(as_json.as_bytes()), "{id}");
+    }
+    // An integer column: a JSON number; a NULL aggregate id: no key.
+    let mut cols = DEBEZIUM_TABLE.to_vec();
+    cols[2] = ("aggregateid", INT4);
+    let json_int = debezium("key_encoding = \"json\"", &cols);
+    row[2] = t("-42");
+    assert_eq!(
+        json_int.map(&row, pos()).unwrap().key.as_deref(),
+        Some(&b"-42"[..])
+    );
+    row[2] = TupleValue::Null;
+    assert_eq!(json_int.map(&row, pos()).unwrap().key, None);
+    // A type Debezium writes in another form is refused, naming the column.
+    cols[2] = ("aggregateid", 1700);
+    let cfg = config(
+        "table = \"public.outboxevent\"\nformat = \"debezium-outbox\"\nkey_encoding = \"json\"",
+    );
+    let err = Mapper::compile(&cfg, "p", &relation(&cols)).unwrap_err();
+    assert!(
+        err.to_string().contains("aggregateid") && err.to_string().contains("key_encoding"),
+        "{err}"
+    );
+    // Only the debezium-outbox format takes a key encoding.
+    let err = cloudevents("key_encoding = \"json\"", WALBOX_TABLE).unwrap_err();
+    assert!(err.to_string().contains("key_encoding"), "{err}");
+    assert!(toml::from_str::<TableConfig>("table = \"o\"\nkey_encoding = \"avro\"").is_err());
 }

@@ -5,8 +5,8 @@
 use walbox_pgoutput::{Oid, Relation};
 
 use super::{Col, Mapper, MappingError, PayloadKind, TopicSource};
-use crate::config::{Format, Place, TableConfig, ValueFormat};
-use crate::format::{ExtraKind, FieldNames, Formatter, placement_problem};
+use crate::config::{Format, KeyEncoding, Place, TableConfig, ValueFormat};
+use crate::format::{ExtraKind, FieldNames, Formatter, settings_problem};
 use crate::template::{TopicTemplate, validate_topic};
 
 pub(super) const BOOL: Oid = 16;
@@ -21,6 +21,7 @@ pub(super) const TEXT: Oid = 25;
 pub(super) const JSON: Oid = 114;
 pub(super) const BPCHAR: Oid = 1042;
 pub(super) const VARCHAR: Oid = 1043;
+pub(super) const UUID: Oid = 2950;
 pub(super) const JSONB: Oid = 3802;
 
 impl Mapper {
@@ -91,7 +92,7 @@ impl Mapper {
             problem,
         };
 
-        if let Some(p) = placement_problem(&config.formatting) {
+        if let Some(p) = settings_problem(&config.formatting) {
             return Err(format_problem(p));
         }
         let id = required("event id", &c.id, &["id"])?;
@@ -150,6 +151,23 @@ impl Mapper {
                 optional("event type", &c.event_type, names.event_type)?,
                 None,
             )
+        };
+        // What the key's column holds, for key_encoding = "json": Debezium maps
+        // integer columns to JSON numbers and text-like ones to JSON strings;
+        // other types (numeric, timestamps) it writes in forms walbox does not.
+        let key_kind = match key.as_ref().map(type_of) {
+            Some(INT2 | INT4 | INT8) => ExtraKind::Number,
+            Some(TEXT | VARCHAR | BPCHAR | UUID) | None => ExtraKind::Text,
+            Some(other) if config.formatting.key_encoding == KeyEncoding::Json => {
+                return Err(MappingError::WrongType {
+                    table,
+                    role: "aggregate id (key) with key_encoding = \"json\"",
+                    column: key.map(|k| k.name).unwrap_or_default(),
+                    type_oid: other,
+                    expected: "text, varchar, char, uuid, smallint, integer or bigint",
+                });
+            }
+            Some(_) => ExtraKind::Text,
         };
         let headers = optional("headers", &c.headers, &["headers"])?;
         if let Some(h) = &headers
@@ -261,6 +279,10 @@ impl Mapper {
                     .as_ref()
                     .map_or("payload", |(c, _)| &c.name)
                     .to_owned(),
+                occurred_at: occurred_at
+                    .as_ref()
+                    .map_or("occurred_at", |c| &c.name)
+                    .to_owned(),
             },
         )?;
 
@@ -272,6 +294,7 @@ impl Mapper {
             key_nullable: format == Format::DebeziumOutbox,
             id,
             key,
+            key_kind,
             aggregate_type,
             event_type,
             payload,

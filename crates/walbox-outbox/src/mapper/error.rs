@@ -130,6 +130,16 @@ pub enum RowError {
         /// The header's name.
         name: String,
     },
+    /// The occurrence time cannot be a CloudEvents `time` (RFC 3339): a date
+    /// alone, `infinity`, a year before 1 or after 9999, other text.
+    #[error(
+        "{column:?} (occurrence time) is not an RFC 3339 date-time, which the CloudEvents time \
+         attribute must be (a date alone, an infinite timestamp or a year outside 0001-9999 cannot be one)"
+    )]
+    InvalidTime {
+        /// The column (or field).
+        column: String,
+    },
     /// The change has a different number of columns than its Relation announced.
     #[error("row has {got} columns, the table has {expected}")]
     Shape {
@@ -152,6 +162,7 @@ impl RowError {
             Self::HeadersNotObject { .. } => "headers_not_object",
             Self::InvalidTopic { .. } => "invalid_topic",
             Self::ReservedHeader { .. } => "reserved_header",
+            Self::InvalidTime { .. } => "invalid_time",
             Self::Shape { .. } => "row_shape",
         }
     }

@@ -106,6 +106,7 @@ impl Mapper {
         let occurred_at = opt_shared(row, self.occurred_at.as_ref(), "occurrence time")?;
 
         Ok(EventFields {
+            key_kind: self.key_kind,
             event_id,
             topic,
             aggregate_type,

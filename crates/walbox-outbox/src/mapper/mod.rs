@@ -62,6 +62,8 @@ pub struct Mapper {
     key_nullable: bool,
     id: Col,
     key: Option<Col>,
+    /// What the key's column holds (a number or text).
+    key_kind: ExtraKind,
     aggregate_type: Option<Col>,
     event_type: Option<Col>,
     payload: Option<(Col, PayloadKind)>,

@@ -6,8 +6,9 @@ use serde::Deserialize;
 
 use crate::config::{
     CloudEventsMode, ColumnNames, DEFAULT_CLOUDEVENTS_SOURCE, DEFAULT_CLOUDEVENTS_SUBJECT, Format,
-    FormatSettings, Placement,
+    FormatSettings, KeyEncoding, Placement,
 };
+use crate::format::Binding;
 
 /// Logical decoding messages of some prefixes and how they become events.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -42,11 +43,13 @@ struct RawMessageConfig {
     #[serde(default)]
     additional_placement: Vec<Placement>,
     #[serde(default)]
-    cloudevents_mode: CloudEventsMode,
+    cloudevents_mode: Option<CloudEventsMode>,
     #[serde(default)]
     cloudevents_source: Option<String>,
     #[serde(default)]
     cloudevents_subject: Option<String>,
+    #[serde(default)]
+    key_encoding: KeyEncoding,
 }
 
 impl TryFrom<RawMessageConfig> for MessageConfig {
@@ -96,6 +99,8 @@ fn section(raw: RawMessageConfig) -> Result<MessageConfig, String> {
             cloudevents_subject: raw
                 .cloudevents_subject
                 .unwrap_or_else(|| DEFAULT_CLOUDEVENTS_SUBJECT.to_owned()),
+            key_encoding: raw.key_encoding,
+            binding: Binding::default(),
         },
     })
 }

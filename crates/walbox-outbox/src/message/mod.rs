@@ -322,6 +322,7 @@ impl MessageMapper {
                 aggregate_type: aggregate_type.name(),
                 event_type: event_type.name(),
                 payload: payload.name(),
+                occurred_at: occurred_at.name(),
             },
         )
         .map_err(|e| match e {
@@ -455,6 +456,13 @@ impl MessageMapper {
             });
         }
         let aggregate_id = c.required(&self.aggregate_id, true)?.bytes().clone();
+        let key_kind = match c
+            .get(&self.aggregate_id)
+            .and_then(|(_, raw)| raw.first().copied())
+        {
+            Some(b'-' | b'0'..=b'9') => ExtraKind::Number,
+            _ => ExtraKind::Text,
+        };
         let event_type = if self.event_type_required {
             Some(c.required(&self.event_type, false)?)
         } else {
@@ -488,6 +496,7 @@ impl MessageMapper {
             topic,
             aggregate_type,
             aggregate_id: Some(aggregate_id),
+            key_kind,
             event_type,
             schema_version,
             occurred_at,

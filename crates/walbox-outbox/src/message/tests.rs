@@ -336,3 +336,32 @@ fn dead_letters_carry_the_content_the_reason_and_the_prefix() {
             .contains("emit it with transactional = true")
     );
 }
+
+#[test]
+fn cloudevents_refuse_an_occurrence_time_that_cannot_be_rfc3339() {
+    let m = mapper("prefix = \"walbox\"\nformat = \"cloudevents\"");
+    for bad in ["2024-05-01", "infinity", "next tuesday"] {
+        let content = FULL.replace("2026-11-29 19:40:00+00", bad);
+        let err = map(&m, &content).unwrap_err();
+        assert_eq!(err.class(), "invalid_time", "{bad}");
+        assert!(err.to_string().contains("\"occurred_at\""), "{err}");
+        assert!(!err.to_string().contains(bad), "no value: {err}");
+    }
+    let e = map(&m, FULL).unwrap();
+    assert_eq!(header(&e, "ce_time"), Some("2026-11-29T19:40:00+00:00"));
+}
+
+#[test]
+fn debezium_keys_take_the_json_encoding_as_the_content_writes_them() {
+    let m = mapper("prefix = \"walbox\"\nformat = \"debezium-outbox\"\nkey_encoding = \"json\"");
+    let content = |key: &str| {
+        format!(r#"{{"id":"e-1","aggregatetype":"order","aggregateid":{key},"payload":{{}}}}"#)
+    };
+    let e = map(&m, &content("\"42\"")).unwrap();
+    assert_eq!(e.key.as_deref(), Some(&b"\"42\""[..]));
+    let e = map(&m, &content("42")).unwrap();
+    assert_eq!(e.key.as_deref(), Some(&b"42"[..]));
+    let plain = mapper("prefix = \"walbox\"\nformat = \"debezium-outbox\"");
+    let e = map(&plain, &content("\"42\"")).unwrap();
+    assert_eq!(e.key.as_deref(), Some(&b"42"[..]));
+}

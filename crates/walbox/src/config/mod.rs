@@ -350,6 +350,19 @@ pub enum SinkKind {
     Nats,
 }
 
+impl SinkKind {
+    /// The protocol whose CloudEvents binding this sink's records follow (the
+    /// stdout sink prints records as Kafka carries them). A new sink names its
+    /// protocol here; [`walbox_outbox::Protocol::cloudevents`] says the rest.
+    #[must_use]
+    pub fn protocol(self) -> walbox_outbox::Protocol {
+        match self {
+            SinkKind::Kafka | SinkKind::Stdout => walbox_outbox::Protocol::Kafka,
+            SinkKind::Nats => walbox_outbox::Protocol::Nats,
+        }
+    }
+}
+
 /// The destination. Its `Debug` form hides secret Kafka properties.
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -548,7 +561,22 @@ impl Config {
     /// Parses a TOML document. An error names the line, column and problem but
     /// does not quote the line: it may hold a password.
     pub fn parse(text: &str, origin: &Path) -> Result<Self> {
-        toml::from_str(text).map_err(|e| errors::parse_error(text, origin, &e))
+        let mut c: Config =
+            toml::from_str(text).map_err(|e| errors::parse_error(text, origin, &e))?;
+        c.bind_formats();
+        Ok(c)
+    }
+
+    /// Gives every table's and prefix's format the CloudEvents binding of the
+    /// sink's protocol.
+    fn bind_formats(&mut self) {
+        let binding = self.sink.kind.protocol().cloudevents();
+        for t in &mut self.outbox {
+            t.formatting.binding = binding;
+        }
+        for m in &mut self.messages {
+            m.formatting.binding = binding;
+        }
     }
 
     /// Loads the file (if any) and applies the overrides.
@@ -611,6 +639,7 @@ impl Config {
                 table.topic = t.clone();
             }
         }
+        c.bind_formats();
         c.validate()?;
         Ok(c)
     }

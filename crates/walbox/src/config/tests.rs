@@ -255,3 +255,51 @@ fn messages_alone_configure_no_table_and_are_validated_by_key() {
     assert!(e.contains("unknown field") && e.contains("key"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn the_sink_s_type_gives_every_format_its_cloudevents_binding() {
+    let dir = std::env::temp_dir().join(format!("walbox-binding-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("b.toml");
+    let text = |sink: &str| {
+        format!(
+            "[sink]\ntype = \"{sink}\"\n[sink.nats]\nservers = [\"nats://127.0.0.1:4222\"]\n\
+             [[outbox]]\ntable = \"o\"\nformat = \"cloudevents\"\n\
+             [[messages]]\nprefix = \"m\"\nformat = \"cloudevents\""
+        )
+    };
+    let load = |text: &str, sink: Option<SinkKind>| {
+        std::fs::write(&path, text).unwrap();
+        Config::load(&Overrides {
+            config: Some(path.clone()),
+            sink,
+            ..Overrides::default()
+        })
+        .unwrap()
+    };
+    for (sink, over, protocol) in [
+        ("kafka", None, walbox_outbox::Protocol::Kafka),
+        ("stdout", None, walbox_outbox::Protocol::Kafka),
+        ("nats", None, walbox_outbox::Protocol::Nats),
+        // The command line's sink decides.
+        ("kafka", Some(SinkKind::Nats), walbox_outbox::Protocol::Nats),
+        (
+            "nats",
+            Some(SinkKind::Kafka),
+            walbox_outbox::Protocol::Kafka,
+        ),
+    ] {
+        let c = load(&text(sink), over);
+        let binding = protocol.cloudevents();
+        assert_eq!(c.outbox[0].formatting.binding, binding, "{sink} {over:?}");
+        assert_eq!(c.messages[0].formatting.binding, binding, "{sink} {over:?}");
+        assert_eq!(c.outbox[0].formatting.cloudevents_mode, None);
+    }
+    // Parsing alone binds as well.
+    let c = Config::parse(&text("nats"), &path).unwrap();
+    assert_eq!(
+        c.outbox[0].formatting.binding,
+        walbox_outbox::Protocol::Nats.cloudevents()
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
