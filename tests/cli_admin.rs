@@ -163,3 +163,19 @@ async fn slot_create_status_and_list() {
         .collect();
     assert_eq!(names, vec!["second", "walbox"]);
 }
+
+/// `walbox --help` names every destination walbox publishes to, and what
+/// `setup` leaves to `run` with the initial snapshot mode.
+#[test]
+fn help_names_the_destinations_and_what_setup_leaves_to_run() {
+    let out = walbox(&["--help"], "host=unused");
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("to Kafka or NATS JetStream"), "{text}");
+    let out = walbox(&["--help"], "host=unused");
+    assert!(
+        stdout(&out).contains("publishes the rows already in the"),
+        "{}",
+        stdout(&out)
+    );
+}

@@ -645,8 +645,9 @@ fn wait_distinct(walbox: &mut Walbox, n: usize) -> Vec<serde_json::Value> {
 
 /// A new user whose configuration asks for an initial snapshot follows
 /// walbox's own messages: `run` refuses (no publication) and says to run
-/// `walbox setup`; setup leaves the slot to `run`, saying so; rows go in
-/// meanwhile; `run` then publishes every row the table held, before the stream.
+/// `walbox setup`; setup creates the slot and says that `run` publishes the
+/// rows already there first; rows go in meanwhile (the slot holds them); `run`
+/// then publishes every row the table held, before the stream.
 /// Another user had made the slot by hand (`walbox slot create`), before more
 /// rows went in: `run` with the initial mode does not adopt it silently, it
 /// takes the snapshot from a temporary slot first.
@@ -690,8 +691,10 @@ async fn snapshot_mode_initial_publishes_the_existing_rows_after_setup_or_a_slot
     let (code, out, err) = cmd(&["setup"], env.clone()).await.unwrap();
     assert_eq!(code, Some(0), "{err}");
     assert!(
-        out.contains("slot walbox not created") && out.contains("`walbox run` creates it"),
-        "setup says what it left to run:\n{out}"
+        out.contains("created slot walbox")
+            && out.contains("has no snapshot taken on it")
+            && out.contains("publishes the rows already in the outbox first"),
+        "setup says what run does about the rows already there:\n{out}"
     );
     // Something happens before the start.
     round(&db, 5).await;

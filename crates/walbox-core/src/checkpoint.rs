@@ -54,10 +54,11 @@ pub struct Checkpoint {
     /// is in the slot's stream. A configured table whose identity is another
     /// one now (swapped for a new table, added to the publication afresh, or
     /// configured since) may hold rows the slot never decoded: the next start
-    /// takes a snapshot of it before it streams past it. Empty in files written
-    /// before it was recorded: the tables as they are then are recorded.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub tables: BTreeMap<String, TableIdentity>,
+    /// takes a snapshot of it before it streams past it. `None` in files
+    /// written before it was recorded (then the tables as they are are
+    /// recorded); empty when no table is covered (only `[[messages]]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tables: Option<BTreeMap<String, TableIdentity>>,
 }
 
 /// What makes an outbox table the one whose inserts the slot decodes: the
@@ -321,13 +322,13 @@ mod tests {
                     },
                 )]),
             }),
-            tables: BTreeMap::from([(
+            tables: Some(BTreeMap::from([(
                 "public.outbox".into(),
                 TableIdentity {
                     oid: 16_384,
                     membership: 16_395,
                 },
-            )]),
+            )])),
         }
     }
 
@@ -393,7 +394,7 @@ mod tests {
         v["snapshot"].as_object_mut().unwrap().remove("tables");
         fs::write(store.path(), v.to_string()).unwrap();
         let cp = store.load().unwrap().unwrap();
-        assert!(cp.tables.is_empty());
+        assert!(cp.tables.is_none(), "not recorded, not empty");
         assert!(cp.snapshot.unwrap().tables.is_empty());
         let text = serde_json::to_string(&sample()).unwrap();
         assert!(

@@ -132,27 +132,20 @@ pub async fn setup(config: &Config, create_slot_too: bool) -> Result<()> {
 }
 
 /// `walbox setup` with `snapshot.mode = "initial"` (no `--snapshot`): the slot
-/// is left to `walbox run`, which creates it with the snapshot; this says so,
-/// and what `run` will do with a slot that exists already.
-pub async fn say_run_takes_the_snapshot(config: &Config) -> Result<()> {
-    let conn = ConnParams::parse(config.dsn()?)?.resolve().await?;
-    let sql = conn.connect().await?;
+/// exists now (it holds every change from its creation on); this says what
+/// `walbox run` does about the rows that were in the outbox before.
+pub fn say_run_takes_the_snapshot(config: &Config) -> Result<()> {
     let slot = &config.source.slot;
-    let line = match (
-        crate::slot::info(&sql, slot).await?,
-        config.checkpoint_store().load()?,
-    ) {
-        (None, _) => format!(
-            "slot {slot} not created: with snapshot.mode = \"initial\", `walbox run` creates it \
-             with a snapshot and publishes the rows already in the outbox first (`walbox setup \
-             --snapshot` does that now instead)"
-        ),
-        (Some(_), None) => format!(
-            "slot {slot} exists, with no snapshot taken on it: with snapshot.mode = \"initial\", \
-             `walbox run` takes the snapshot from a temporary slot first, then streams slot \
-             {slot} (set snapshot.mode = \"never\" to stream without the rows already there)"
-        ),
-        (Some(_), Some(_)) => format!("slot {slot} exists"),
+    let line = if config.checkpoint_store().load()?.is_some() {
+        format!("slot {slot}: walbox has streamed from it (checkpoint found); no snapshot is due")
+    } else {
+        format!(
+            "slot {slot} has no snapshot taken on it: with snapshot.mode = \"initial\", `walbox \
+             run` publishes the rows already in the outbox first (a snapshot from a temporary \
+             slot), then streams slot {slot} from its position, so rows written in between \
+             come twice with the same event ids (`walbox setup --snapshot` creates the slot \
+             with the snapshot instead; snapshot.mode = \"never\" streams without those rows)"
+        )
     };
     println_out(&line);
     Ok(())

@@ -5,8 +5,8 @@
 //!   slot's position only over events the sink has acknowledged.
 //! - `walbox setup`: creates the publication and the slot, idempotently;
 //!   `--snapshot` creates the slot with a snapshot and publishes the rows already
-//!   in the outbox; with `snapshot.mode = "initial"` the slot is left to
-//!   `walbox run`, which creates it with that snapshot.
+//!   in the outbox; with `snapshot.mode = "initial"` and a slot without one,
+//!   `walbox run` publishes those rows first.
 //! - `walbox replay --from X [--to Y]`: publishes a range again that the replay
 //!   window kept (same event ids).
 //! - `walbox slot create | drop | status | list`: the slot's lifecycle; `status`
@@ -55,8 +55,8 @@ enum Command {
     /// Stream outbox inserts to the sink.
     Run(RunArgs),
     /// Create the publication and the replication slot (idempotent); with
-    /// snapshot.mode = "initial", the slot is left to `run`, which creates it
-    /// with a snapshot of the rows already in the outbox.
+    /// snapshot.mode = "initial", `run` then publishes the rows already in the
+    /// outbox first (a snapshot from a temporary slot).
     Setup(SetupArgs),
     /// Publish again the outbox events committed in a range the replay window
     /// still holds (same event ids); the slot must not be in use.
@@ -308,13 +308,11 @@ fn main() -> std::process::ExitCode {
             }
             Command::Setup(a) => {
                 let config = config::Config::load(&a.overrides)?;
-                // With snapshot.mode = "initial", `run` creates the slot with
-                // the snapshot: a slot created here without one would leave the
-                // rows already in the outbox out.
-                let initial = config.snapshot.mode == config::SnapshotMode::Initial;
-                admin::setup(&config, !a.snapshot && !initial).await?;
-                if initial && !a.snapshot {
-                    admin::say_run_takes_the_snapshot(&config).await?;
+                admin::setup(&config, !a.snapshot).await?;
+                // The slot holds every change from now on; with snapshot.mode =
+                // "initial", `run` publishes the rows already there first.
+                if config.snapshot.mode == config::SnapshotMode::Initial && !a.snapshot {
+                    admin::say_run_takes_the_snapshot(&config)?;
                 }
                 if a.snapshot {
                     relay::setup_snapshot(&config).await?;

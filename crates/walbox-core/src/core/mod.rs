@@ -233,6 +233,12 @@ pub struct Core {
     pause_before: HashMap<Oid, String>,
     /// Reading ended before a transaction with an insert into one of them.
     paused: bool,
+    /// The oids each outbox table (`schema.name`) may come with: a Relation
+    /// message of a configured name with another oid is a table swapped while
+    /// walbox streams, and reading ends before its first insert too.
+    expected: HashMap<String, Vec<Oid>>,
+    /// Outbox tables whose expected oid the stream has shown in this session.
+    seen_expected: std::collections::HashSet<String>,
     /// Outbox inserts not yet taken, all at one WAL start (a multi-insert
     /// record, as `COPY` writes, gives each of its rows its start): a message
     /// that ends there was written before them (see [`Core::in_wal_order`]).
@@ -277,6 +283,8 @@ impl Core {
             renamed: false,
             pause_before: HashMap::new(),
             paused: false,
+            expected: HashMap::new(),
+            seen_expected: std::collections::HashSet::new(),
             held: None,
             held_bytes: 0,
         }
@@ -348,6 +356,23 @@ impl Core {
     /// snapshot.
     pub fn pause_before(&mut self, relations: impl IntoIterator<Item = (Oid, String)>) {
         self.pause_before = relations.into_iter().collect();
+    }
+
+    /// The oids each outbox table (`schema.name`) may have in the stream (the
+    /// one the checkpoint recorded, the one a due snapshot reads, the one it has
+    /// now). A Relation message of a configured name with another oid, after
+    /// one with an expected oid and not one [`pause_before`](Self::pause_before)
+    /// names, is a table swapped while walbox streams: its first insert ends
+    /// reading as a planned pause does, and [`paused`](Self::paused) says so.
+    /// Another oid before any expected one is a table the name had earlier (a
+    /// stream that starts before a swap whose snapshot is done): its inserts are
+    /// taken. A name given no oid is not checked.
+    pub fn expect_tables(&mut self, tables: impl IntoIterator<Item = (String, Oid)>) {
+        self.expected.clear();
+        self.seen_expected.clear();
+        for (table, oid) in tables {
+            self.expected.entry(table).or_default().push(oid);
+        }
     }
 
     /// Whether reading ended before an insert into a relation of
@@ -612,6 +637,21 @@ impl Core {
     fn change(&mut self, msg: LogicalMessage) -> Result<(), CoreError> {
         match msg {
             LogicalMessage::Relation(r) => {
+                let name = format!("{}.{}", r.namespace, r.name);
+                let expected = self.expected.get(&name);
+                if expected.is_some_and(|e| e.contains(&r.oid)) {
+                    self.seen_expected.insert(name.clone());
+                } else if !self.pause_before.contains_key(&r.oid)
+                    && let Some(expected) = expected
+                    && self.seen_expected.contains(&name)
+                    && self.table_config(&r.namespace, &r.name).is_some()
+                {
+                    tracing::warn!(table = %name, oid = r.oid, expected = ?expected,
+                        "an outbox table comes with another oid than walbox recorded (it was \
+                         swapped while walbox streamed): reading ends before its first insert, \
+                         and its snapshot comes first");
+                    self.pause_before.insert(r.oid, name);
+                }
                 if let Some(cfg) = self.table_config(&r.namespace, &r.name) {
                     let mapper = Mapper::compile(cfg, &self.cfg.producer, &r)?;
                     tracing::info!(

@@ -121,6 +121,7 @@ impl Core {
                 s.rows = rows;
                 // Their rows are published: from here on the slot covers them.
                 cp.tables
+                    .get_or_insert_with(Default::default)
                     .extend(s.tables.iter().map(|(t, id)| (t.clone(), *id)));
             }
             self.pending_snapshot = None;

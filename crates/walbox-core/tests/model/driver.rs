@@ -309,9 +309,10 @@ impl<'a> World<'a> {
             return (None, Identities::new());
         };
         let before = cp.clone();
+        let recorded = cp.tables.clone();
         let changed: Identities = current
             .iter()
-            .filter(|(t, id)| cp.tables.get(*t) != Some(*id))
+            .filter(|(t, id)| recorded.as_ref().and_then(|r| r.get(*t)) != Some(*id))
             .map(|(t, id)| (t.clone(), *id))
             .collect();
         let mut catch_up = Identities::new();
@@ -323,12 +324,14 @@ impl<'a> World<'a> {
                     }
                 }
             }
-        } else if cp.tables.is_empty() {
-            cp.tables = current.clone();
+        } else if recorded.is_none() {
+            cp.tables = Some(current.clone());
         } else {
             catch_up = changed;
         }
-        cp.tables.retain(|t, _| current.contains_key(t));
+        if let Some(t) = cp.tables.as_mut() {
+            t.retain(|t, _| current.contains_key(t));
+        }
         if cp != before {
             self.disk = Some(cp.clone());
         }
@@ -378,6 +381,23 @@ impl<'a> World<'a> {
         let (saved, catch_up) = self.reconcile(saved, &current);
         let pause = wal_now.filter(|_| !catch_up.is_empty());
         let mut core = self.new_core(tables);
+        // `identity::expected_oids`.
+        core.expect_tables(current.iter().flat_map(|(t, now)| {
+            let due = saved
+                .as_ref()
+                .and_then(|cp| cp.snapshot.as_ref())
+                .filter(|s| !s.complete)
+                .and_then(|s| s.tables.get(t));
+            let recorded = saved
+                .as_ref()
+                .and_then(|cp| cp.tables.as_ref())
+                .and_then(|r| r.get(t));
+            [Some(now), due, recorded]
+                .into_iter()
+                .flatten()
+                .map(|id| (t.clone(), id.oid))
+                .collect::<Vec<_>>()
+        }));
         // A new session's watch has verified nothing yet.
         self.limit = self.watch.then_some(Lsn(0));
         core.limit_position(self.limit);
@@ -415,7 +435,7 @@ impl<'a> World<'a> {
                 lsn: start,
                 partial: None,
                 snapshot: None,
-                tables: current,
+                tables: Some(current),
             };
             self.disk = Some(cp.clone());
             core.adopt_checkpoint(Some(cp));

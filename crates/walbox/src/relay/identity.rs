@@ -53,9 +53,12 @@ pub(super) fn reconcile(
         })
         .collect();
     let before = cp.clone();
+    let recorded = cp.tables.clone();
     let changed: CatchUp = current
         .iter()
-        .filter(|(t, id)| configured.contains(t) && cp.tables.get(*t) != Some(*id))
+        .filter(|(t, id)| {
+            configured.contains(t) && recorded.as_ref().and_then(|r| r.get(*t)) != Some(*id)
+        })
         .map(|(t, id)| (t.clone(), *id))
         .collect();
     let mut catch_up = CatchUp::new();
@@ -68,15 +71,13 @@ pub(super) fn reconcile(
                 }
             }
         }
-    } else if cp.tables.is_empty() {
-        if !current.is_empty() {
-            tracing::info!(tables = ?current.keys().collect::<Vec<_>>(),
-                "recording the outbox tables' identities in the checkpoint");
-            cp.tables = current.clone();
-        }
+    } else if recorded.is_none() {
+        tracing::info!(tables = ?current.keys().collect::<Vec<_>>(),
+            "recording the outbox tables' identities in the checkpoint");
+        cp.tables = Some(current.clone());
     } else {
         for (t, id) in &changed {
-            match cp.tables.get(t) {
+            match recorded.as_ref().and_then(|r| r.get(t)) {
                 Some(was) => tracing::warn!(table = %t, was = %was, now = %id,
                     "outbox table has a new identity since walbox last streamed (swapped for a \
                      new table, or added to the publication again): the slot has none of its \
@@ -92,11 +93,61 @@ pub(super) fn reconcile(
         }
         catch_up = changed;
     }
-    cp.tables.retain(|t, _| configured.contains(t));
+    if let Some(t) = cp.tables.as_mut() {
+        t.retain(|t, _| configured.contains(t));
+    }
     if cp != before {
         store.save(&cp)?;
     }
     Ok((Some(cp), catch_up))
+}
+
+/// A checkpoint written before walbox recorded the tables records them as they
+/// are now, before the publication is checked: a table not in the publication
+/// yet (swapped, the fix not applied) is recorded without a membership, so the
+/// start after the fix finds its new one and takes its snapshot.
+pub(super) fn record_if_unrecorded(
+    store: &CheckpointFile,
+    saved: Option<Checkpoint>,
+    current: &BTreeMap<String, TableIdentity>,
+) -> Result<Option<Checkpoint>> {
+    match saved {
+        Some(mut cp) if cp.tables.is_none() && !cp.snapshot_interrupted() => {
+            tracing::info!(tables = ?current.keys().collect::<Vec<_>>(),
+                "recording the outbox tables' identities in the checkpoint");
+            cp.tables = Some(current.clone());
+            store.save(&cp)?;
+            Ok(Some(cp))
+        }
+        other => Ok(other),
+    }
+}
+
+/// The oids each configured table may have in the stream: the one the
+/// checkpoint recorded (inserts before a swap), the one a due snapshot reads
+/// (its later inserts follow that snapshot) and the one it has now. Another oid
+/// under a configured name is a table swapped while walbox streams.
+pub(super) fn expected_oids(
+    saved: Option<&Checkpoint>,
+    current: &BTreeMap<String, TableIdentity>,
+) -> Vec<(String, u32)> {
+    let mut expected = Vec::new();
+    for (t, now) in current {
+        expected.push((t.clone(), now.oid));
+        let due = saved
+            .and_then(|cp| cp.snapshot.as_ref())
+            .filter(|s| !s.complete)
+            .and_then(|s| s.tables.get(t));
+        let recorded = saved
+            .and_then(|cp| cp.tables.as_ref())
+            .and_then(|r| r.get(t));
+        expected.extend(
+            due.into_iter()
+                .chain(recorded)
+                .map(|id| (t.clone(), id.oid)),
+        );
+    }
+    expected
 }
 
 #[cfg(test)]
@@ -126,7 +177,7 @@ mod tests {
             lsn: "0/100".parse().unwrap(),
             partial: None,
             snapshot: None,
-            tables: tables.iter().map(|(t, i)| ((*t).to_owned(), *i)).collect(),
+            tables: Some(tables.iter().map(|(t, i)| ((*t).to_owned(), *i)).collect()),
         }
     }
 
@@ -163,8 +214,9 @@ mod tests {
         // The record keeps the old identities until the snapshot is complete;
         // a table no longer configured leaves it.
         let cp = cp.unwrap();
-        assert_eq!(cp.tables.get("public.a"), Some(&id(11, 21)));
-        assert!(!cp.tables.contains_key("public.gone"));
+        let recorded = cp.tables.as_ref().unwrap();
+        assert_eq!(recorded.get("public.a"), Some(&id(11, 21)));
+        assert!(!recorded.contains_key("public.gone"));
         assert_eq!(store.load().unwrap(), Some(cp));
     }
 
@@ -186,10 +238,48 @@ mod tests {
         let store = CheckpointFile::new(dir.path().join("cp.json"));
         let config = config(&["public.outbox"]);
         let current = now(&[("public.outbox", id(10, 20))]);
-        let (cp, catch_up) = reconcile(&config, &store, Some(cp(&[])), &current).unwrap();
+        let mut old = cp(&[]);
+        old.tables = None;
+        let (cp, catch_up) = reconcile(&config, &store, Some(old), &current).unwrap();
         assert!(catch_up.is_empty());
-        assert_eq!(cp.unwrap().tables, current);
-        assert_eq!(store.load().unwrap().unwrap().tables, current);
+        assert_eq!(cp.unwrap().tables, Some(current.clone()));
+        assert_eq!(store.load().unwrap().unwrap().tables, Some(current));
+    }
+
+    #[test]
+    fn an_empty_record_is_no_old_file_a_table_it_lacks_needs_a_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointFile::new(dir.path().join("cp.json"));
+        // Only [[messages]] before, or the one table replaced by another and a
+        // session that ended before the snapshot was marked.
+        let config = config(&["public.b"]);
+        let current = now(&[("public.b", id(12, 22))]);
+        let (first, catch_up) = reconcile(&config, &store, Some(cp(&[])), &current).unwrap();
+        assert_eq!(catch_up, current);
+        assert_eq!(first.unwrap().tables, Some(BTreeMap::new()));
+        let saved = cp(&[("public.a", id(11, 21))]);
+        let (saved, catch_up) = reconcile(&config, &store, Some(saved), &current).unwrap();
+        assert_eq!(catch_up, current);
+        // Saved without a: the next start still finds b missing.
+        let (_, again) = reconcile(&config, &store, saved, &current).unwrap();
+        assert_eq!(again, current);
+    }
+
+    #[test]
+    fn an_old_file_records_the_tables_before_the_check_membership_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointFile::new(dir.path().join("cp.json"));
+        let mut old = cp(&[]);
+        old.tables = None;
+        // The swapped-in table, not in the publication yet.
+        let current = now(&[("public.outbox", id(30, 0))]);
+        let cp = record_if_unrecorded(&store, Some(old), &current).unwrap();
+        assert_eq!(cp.as_ref().unwrap().tables, Some(current.clone()));
+        // After the fix it has a membership: a snapshot is due.
+        let config = config(&["public.outbox"]);
+        let fixed = now(&[("public.outbox", id(30, 31))]);
+        let (_, catch_up) = reconcile(&config, &store, cp, &fixed).unwrap();
+        assert_eq!(catch_up, fixed);
     }
 
     #[test]
@@ -227,6 +317,7 @@ mod tests {
         let store = CheckpointFile::new(dir.path().join("cp.json"));
         let config = config(&["public.outbox"]);
         let mut saved = cp(&[]);
+        saved.tables = None;
         saved.snapshot = Some(SnapshotState {
             consistent_point: None,
             complete: false,
@@ -237,7 +328,7 @@ mod tests {
         let (cp, catch_up) = reconcile(&config, &store, Some(saved), &current).unwrap();
         assert!(catch_up.is_empty());
         let cp = cp.unwrap();
-        assert!(cp.tables.is_empty(), "recorded when the snapshot completes");
+        assert_eq!(cp.tables, None, "recorded when the snapshot completes");
         assert!(cp.snapshot.unwrap().tables.is_empty());
     }
 }

@@ -414,6 +414,7 @@ async fn session(
     let current = crate::publication::identities(&sql, &config.source.publication, &config.outbox)
         .await
         .map_err(classify_sql)?;
+    let saved = identity::record_if_unrecorded(ctx.store, saved, &current)?;
     // Where reading stops when a table has a new identity (before its first
     // insert, or here): the server's WAL position now, past every change to the
     // publication made before this start.
@@ -454,6 +455,9 @@ async fn session(
     // The publication passed its first check: every configured table is in it.
     let (saved, catch_up) = identity::reconcile(config, ctx.store, saved, &current)?;
     let pause = wal_now.filter(|_| !catch_up.is_empty());
+    relay
+        .core
+        .expect_tables(identity::expected_oids(saved.as_ref(), &current));
     relay.adopt_checkpoint(saved);
     relay.tables = current;
     let (start, server_confirmed) = match plan {
@@ -492,8 +496,17 @@ async fn session(
         accept_wal_behind: options.accept_wal_behind,
     };
     let end = stream(&mut relay, &mut deliveries, signals, &spec).await?;
-    if end != StreamEnd::ReachedEnd || pause.is_none() {
+    if end != StreamEnd::ReachedEnd {
         return Ok(SessionEnd::Stopped);
+    }
+    if pause.is_none() {
+        // Reading ended before a table swapped while walbox streamed: the next
+        // session finds its new identity and takes its snapshot first.
+        return Err(transient(anyhow!(
+            "an outbox table came with a new oid in the stream (swapped while walbox streamed); \
+             everything before its first insert is published, and a new session takes its \
+             snapshot"
+        )));
     }
     // Everything before the tables' first insert is published: their snapshot
     // is due at this position (a crash from here on takes it at the next start).

@@ -389,7 +389,7 @@ mod tests {
                 rows: 0,
                 tables: std::collections::BTreeMap::new(),
             }),
-            tables: std::collections::BTreeMap::new(),
+            tables: None,
         }
     }
 

@@ -74,6 +74,26 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
     if to > end {
         bail!("--to {to} is beyond the server's WAL end {end}");
     }
+    // Past the checkpoint, a replay publishes events for the first time: not
+    // before `walbox run` has taken the snapshot of a table with a new identity
+    // (its earlier rows would come after its later events).
+    if let Some(cp) = saved.as_ref().filter(|cp| to > cp.lsn)
+        && let Some(recorded) = &cp.tables
+    {
+        let current =
+            crate::publication::identities(&sql, &config.source.publication, &config.outbox)
+                .await?;
+        if let Some((table, _)) = current.iter().find(|(t, id)| recorded.get(*t) != Some(*id)) {
+            bail!(
+                "outbox table {table} has a new identity since walbox last streamed (swapped, \
+                 added to the publication again, or newly configured), and --to {to} is past the \
+                 checkpoint at {}: run `walbox run` first, which takes the table's snapshot, or \
+                 replay up to {} at most",
+                cp.lsn,
+                cp.lsn
+            );
+        }
+    }
     drop(sql);
     let (mut sink, mut deliveries) = make_sink(config)?;
     sink.replay_as(&from.to_string());

@@ -90,7 +90,7 @@ pub(super) async fn take_snapshot(
                     rows: 0,
                     tables: BTreeMap::new(),
                 }),
-                tables: BTreeMap::new(),
+                tables: None,
             });
         if fresh {
             ctx.store.save(&cp)?;
@@ -148,7 +148,7 @@ pub(super) async fn take_snapshot(
                 rows: 0,
                 tables: BTreeMap::new(),
             }),
-            tables: BTreeMap::new(),
+            tables: None,
         };
         ctx.store.save(&cp)?;
         // FAILOVER: PostgreSQL 17+, which the session checked.
@@ -204,15 +204,34 @@ pub(super) async fn take_snapshot(
         if !only.is_empty() && !only.contains(&format!("{schema}.{name}")) {
             continue;
         }
-        read.extend(
-            crate::publication::identities(
-                &sql,
-                &config.source.publication,
-                std::slice::from_ref(table_cfg),
+        let seen = crate::publication::identities(
+            &sql,
+            &config.source.publication,
+            std::slice::from_ref(table_cfg),
+        )
+        .await
+        .map_err(classify_sql)?;
+        // The cursor names the table, which resolves against the catalog as it
+        // is now; the rows are the snapshot's. A table swapped since the export
+        // would be read empty: the snapshot is taken again instead.
+        let now: Option<u32> = sql
+            .query_one(
+                "SELECT to_regclass(format('%I.%I', $1::text, $2::text))::oid",
+                &[&schema, &name],
             )
             .await
-            .map_err(classify_sql)?,
-        );
+            .map_err(|e| classify_sql(e.into()))?
+            .get(0);
+        if let Some((_, id)) = seen.iter().next()
+            && now != Some(id.oid)
+        {
+            return Err(super::transient(anyhow::anyhow!(
+                "outbox table {schema}.{name} was replaced while its snapshot was taken \
+                 (oid {} in the snapshot, {now:?} now); the next session takes it again",
+                id.oid
+            )));
+        }
+        read.extend(seen);
         let table = catalog::table(&sql, schema, name)
             .await
             .map_err(classify_sql)?

@@ -92,7 +92,7 @@ pub(super) async fn stream(
                 lsn: spec.start,
                 partial: None,
                 snapshot: None,
-                tables: relay.tables.clone(),
+                tables: Some(relay.tables.clone()),
             };
             ctx.store.save(&cp)?;
             tracing::info!(checkpoint = %ctx.store.path().display(), lsn = %cp.lsn, "checkpoint created");

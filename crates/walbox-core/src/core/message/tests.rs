@@ -575,3 +575,64 @@ fn ignored_prefixes_are_remembered_in_bounded_memory() {
     );
     assert!(drain(&mut c).is_empty());
 }
+
+/// `relation()` and `insert()` under another oid.
+fn swapped(msg: WalMessage, oid: u32) -> WalMessage {
+    let WalMessage::Data { data, .. } = msg else {
+        unreachable!()
+    };
+    let mut decoded = walbox_pgoutput::Decoder::new().decode(&data).unwrap();
+    match &mut decoded {
+        LogicalMessage::Relation(r) => r.oid = oid,
+        LogicalMessage::Insert(i) => i.relation_oid = oid,
+        _ => unreachable!(),
+    }
+    self::data(decoded)
+}
+
+#[test]
+fn a_table_swapped_while_streaming_ends_reading_before_its_first_insert() {
+    let mut c = core(false);
+    c.expect_tables([("public.outbox".to_owned(), 16_400)]);
+    for m in [begin(0x200), relation(), insert("a", "k"), commit(0x280)] {
+        c.on_wal(m).unwrap();
+    }
+    assert_eq!(drain(&mut c).len(), 1);
+    // The new table of the same name: its first insert is not taken.
+    for m in [
+        begin(0x300),
+        swapped(relation(), 16_500),
+        swapped(insert("b", "k"), 16_500),
+        commit(0x380),
+    ] {
+        c.on_wal(m).unwrap();
+    }
+    assert!(c.paused() && c.reached_end());
+    assert!(drain(&mut c).is_empty());
+}
+
+#[test]
+fn an_earlier_table_of_the_name_before_the_expected_one_is_streamed() {
+    // The stream starts before a swap whose snapshot is complete: the old
+    // table's inserts come first, then the recorded new table's.
+    let mut c = core(false);
+    c.expect_tables([("public.outbox".to_owned(), 16_500)]);
+    for m in [
+        begin(0x200),
+        relation(),
+        insert("a", "k"),
+        commit(0x280),
+        begin(0x300),
+        swapped(relation(), 16_500),
+        swapped(insert("b", "k"), 16_500),
+        commit(0x380),
+    ] {
+        c.on_wal(m).unwrap();
+    }
+    assert!(!c.paused());
+    let ids: Vec<String> = drain(&mut c)
+        .into_iter()
+        .map(|(e, _, _)| e.event_id.to_string())
+        .collect();
+    assert_eq!(ids, ["a", "b"]);
+}
