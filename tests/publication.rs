@@ -294,6 +294,24 @@ async fn publications_that_leave_events_out_are_refused_by_setup_doctor_and_run(
     );
 }
 
+/// Waits until every event of `ids` is in `earlier` (what an earlier walbox
+/// wrote) or in what `walbox` wrote to the topic (failing early when it exits).
+fn wait_all(walbox: &mut Walbox, earlier: &[serde_json::Value], ids: &[String]) {
+    let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
+    walbox_testkit::wait_until("every event", Duration::from_secs(90), || {
+        assert!(walbox.running(), "walbox exited:\n{}", walbox.log());
+        let now = events(walbox, TOPIC);
+        let got: HashSet<&str> = earlier
+            .iter()
+            .chain(now.iter())
+            .filter_map(|l| l["headers"]["event_id"].as_str())
+            .filter(|id| want.contains(id))
+            .collect();
+        (got.len() == want.len()).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+}
+
 /// Every id once at least; duplicates are copies of the same event; per key,
 /// the first copies carry `seq` in order from 0.
 fn assert_first_copies_complete_in_order(lines: &[serde_json::Value], ids: &[String]) {
@@ -397,23 +415,7 @@ async fn a_table_swapped_while_streaming_is_caught_up_by_a_snapshot_after_the_ad
     ids.extend(insert(&db, "outbox", 10, 20, 10, "now()").await);
     let mut last = Walbox::spawn(&["run"], &env);
     ids.extend(insert(&db, "outbox", 10, 30, 5, "now()").await);
-    let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
-    walbox_testkit::wait_until("every event", Duration::from_secs(90), || {
-        assert!(last.running(), "walbox exited:\n{}", last.log());
-        let got: HashSet<String> = events(&last, TOPIC)
-            .iter()
-            .map(|l| l["headers"]["event_id"].as_str().unwrap().to_owned())
-            .collect();
-        let seen = published
-            .iter()
-            .map(|l| l["headers"]["event_id"].as_str().unwrap())
-            .chain(got.iter().map(String::as_str))
-            .filter(|id| want.contains(id))
-            .collect::<HashSet<_>>()
-            .len();
-        (seen == want.len()).then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", last.log()));
+    wait_all(&mut last, &published, &ids);
     let log = last.log();
     assert!(
         log.contains("outbox table has a new identity"),
@@ -477,17 +479,7 @@ async fn a_table_swapped_under_a_publication_for_all_tables_is_caught_up_without
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
     ids.extend(insert(&db, "outbox", 10, 10, 2, "now()").await);
-    let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
-    walbox_testkit::wait_until("every event", Duration::from_secs(90), || {
-        assert!(walbox.running(), "walbox exited:\n{}", walbox.log());
-        let got: HashSet<String> = events(&walbox, TOPIC)
-            .iter()
-            .map(|l| l["headers"]["event_id"].as_str().unwrap().to_owned())
-            .filter(|id| want.contains(id.as_str()))
-            .collect();
-        (got.len() == want.len()).then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    wait_all(&mut walbox, &[], &ids);
     assert_first_copies_complete_in_order(&events(&walbox, TOPIC), &ids);
     let log = walbox.log();
     assert!(log.contains("outbox table has a new identity"), "{log}");
@@ -562,18 +554,7 @@ async fn an_outbox_table_configured_on_a_busy_database_is_published_from_its_fir
     ids_b.extend(insert_b(&db, 8, 2).await);
     ids.extend(insert(&db, "outbox", 10, 3, 2, "now()").await);
     ids.extend(ids_b);
-    let want: HashSet<&str> = ids.iter().map(String::as_str).collect();
-    walbox_testkit::wait_until("every event", Duration::from_secs(90), || {
-        assert!(walbox.running(), "walbox exited:\n{}", walbox.log());
-        let got: HashSet<String> = events(&walbox, TOPIC)
-            .iter()
-            .chain(published.iter())
-            .map(|l| l["headers"]["event_id"].as_str().unwrap().to_owned())
-            .filter(|id| want.contains(id.as_str()))
-            .collect();
-        (got.len() == want.len()).then_some(())
-    })
-    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    wait_all(&mut walbox, &published, &ids);
     assert!(
         walbox.log().contains("outbox table is new to this slot"),
         "{}",
