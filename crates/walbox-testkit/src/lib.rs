@@ -13,6 +13,9 @@
 //! - [`NatsServer`]: a `nats-server -js` on a free port with a temporary store
 //!   (stop, restart on the same store, SIGKILL), optionally requiring a user and
 //!   password or a token.
+//! - [`TcpProxy`]: a TCP proxy between a program and a server that cuts every
+//!   connection, refuses new ones and accepts again on command, and counts
+//!   the connections it holds (link faults).
 //! - [`kafka`]: topic administration and a reader that drains a topic into
 //!   [`kafka::Record`]s (key, headers, value, partition, offset) for assertions.
 //! - [`Prometheus`]: a real Prometheus on a free port scraping given targets,
@@ -27,6 +30,7 @@ pub mod nats;
 mod postgres;
 mod process;
 pub mod prometheus;
+mod proxy;
 mod tls;
 mod wait;
 
@@ -35,6 +39,7 @@ pub use error::TestkitError;
 pub use nats::{NatsOptions, NatsServer};
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use prometheus::Prometheus;
+pub use proxy::TcpProxy;
 pub use tls::TlsFiles;
 pub use wait::{wait_until, wait_until_async};
 
