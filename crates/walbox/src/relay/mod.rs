@@ -203,7 +203,9 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(base + random % (base / 5 + 1))
 }
 
-/// A session that ran this long resets the backoff.
+/// A session that ran this long, or moved the checkpoint, resets the backoff:
+/// a link that fails now and then between sessions that make progress is
+/// tried again within the first step, not after a wait grown to 30 s.
 const HEALTHY_SESSION: Duration = Duration::from_secs(60);
 
 /// What `walbox run` was asked on its command line.
@@ -294,6 +296,8 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
         if let Some(m) = ctx.metrics {
             m.sessions_started.inc();
         }
+        let saved = || ctx.store.load().ok().flatten().map(|c| c.lsn);
+        let before = saved();
         let result = session(ctx, &options, attempt, &mut signals).await;
         if let Ok(SessionEnd::SnapshotDue) = result {
             if let Some(m) = ctx.metrics {
@@ -344,7 +348,7 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
             },
             format!("{e:#}"),
         );
-        if began.elapsed() >= HEALTHY_SESSION {
+        if began.elapsed() >= HEALTHY_SESSION || saved() > before {
             attempt = 0;
         }
         attempt += 1;
