@@ -50,7 +50,12 @@
 //! (the same start position). Such a drop is verified as any duplicate and
 //! counted apart ([`Sink::duplicates`]), never as stored. The `event_id`
 //! header stays the event's.
+//!
+//! A session's client runs on a thread of its own ([`client`]): an aborted or
+//! dropped session closes it there and then, with its reconnects and the
+//! PubAcks it still awaited.
 
+mod client;
 mod config;
 mod duplicate;
 mod headers;
@@ -82,6 +87,8 @@ use crate::{Deliveries, Delivery, DeliveryClass, Sink, SinkError};
 struct Session {
     js: jetstream::Context,
     acks: mpsc::UnboundedSender<Pending>,
+    /// Runs the client and the reporter; dropped last, it ends them.
+    _thread: client::ClientThread,
 }
 
 /// Publishes events to JetStream, one subject per topic.
@@ -146,21 +153,29 @@ impl NatsSink {
 
     async fn session(&mut self) -> Result<&Session, SinkError> {
         if self.session.is_none() {
-            let client = self.config.connect().await?;
-            let js = jetstream::ContextBuilder::new()
-                .timeout(Duration::from_millis(self.config.ack_timeout_ms))
-                .max_ack_inflight(self.config.max_in_flight.max(1))
-                .build(client);
+            let thread = client::ClientThread::start()?;
+            let config = self.config.clone();
+            let client = thread.run(async move { config.connect().await }).await??;
+            let js = thread.within(|| {
+                jetstream::ContextBuilder::new()
+                    .timeout(Duration::from_millis(self.config.ack_timeout_ms))
+                    .max_ack_inflight(self.config.max_in_flight.max(1))
+                    .build(client)
+            });
             ensure_stream(&js, &self.config).await?;
             let (acks, rx) = mpsc::unbounded_channel();
-            tokio::spawn(report(
+            thread.spawn(report(
                 js.clone(),
                 rx,
                 self.deliveries.clone(),
                 self.in_flight.clone(),
                 self.duplicates.clone(),
             ));
-            self.session = Some(Session { js, acks });
+            self.session = Some(Session {
+                js,
+                acks,
+                _thread: thread,
+            });
         }
         Ok(self.session.as_ref().expect("connected above"))
     }
@@ -388,12 +403,17 @@ impl Sink for NatsSink {
     }
 
     fn abort(&mut self) {
-        // Nothing more is published in this session; what was sent is
-        // reported as the server answers.
+        // Nothing more is published in this session, and what was sent is
+        // not reported: the client closes with its queue and the PubAcks it
+        // awaited.
         self.aborted = true;
+        self.session = None;
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
         let deadline = Instant::now() + timeout;
         if let Some(s) = &self.session {
             let client = s.js.client();
