@@ -1,5 +1,9 @@
 //! The settings of the NATS sink (`[sink.nats]`), their checks, and the
-//! connection they describe (TLS and credentials).
+//! connection they describe (TLS and credentials). Credentials may come in a
+//! server URL (`nats://user:password@host:4222`, `nats://token@host:4222`, as
+//! the NATS clients and CLI take them) or in the keys of `[sink.nats]`, not
+//! both; the client is given the URLs without them, so that nothing it logs
+//! holds them.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -25,7 +29,9 @@ pub enum NatsStorage {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsSinkConfig {
-    /// Server URLs (`nats://host:4222`, `tls://host:4222`).
+    /// Server URLs (`nats://host:4222`, `tls://host:4222`); credentials in a
+    /// URL (`nats://user:password@host`, `nats://token@host`) apply to every
+    /// server.
     #[serde(default = "default_servers")]
     pub servers: Vec<String>,
     /// The stream that holds walbox's subjects.
@@ -145,7 +151,7 @@ impl std::fmt::Debug for NatsSinkConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let hide = |s: &Option<String>| s.as_ref().map(|_| Hidden);
         f.debug_struct("NatsSinkConfig")
-            .field("servers", &self.servers)
+            .field("servers", &self.shown_servers())
             .field("stream", &self.stream)
             .field("create_stream", &self.create_stream)
             .field("subjects", &self.subjects)
@@ -201,7 +207,115 @@ impl NatsSinkConfig {
         if self.create_stream && self.subjects.is_empty() {
             return bad("subjects: a created stream needs subjects (e.g. [\"outbox.>\"])");
         }
+        if self.servers()?.credentials.is_some() && methods.into_iter().any(|m| m) {
+            return bad(
+                "servers: a server URL carries credentials and [sink.nats] sets user/password, \
+                 token, nkey_seed or creds_file too; give them in one place (the URL, or the \
+                 keys and a URL without user:password@)",
+            );
+        }
         Ok(())
+    }
+
+    /// The servers parsed, without the credentials they carry, and those
+    /// credentials (percent-decoded). No error quotes a URL: it may hold a
+    /// password.
+    fn servers(&self) -> Result<Servers, SinkError> {
+        let bad = |m: &str| SinkError::Config(format!("sink.nats.servers: {m}"));
+        let mut addrs = Vec::new();
+        let mut credentials: Option<UrlCredentials> = None;
+        for server in &self.servers {
+            let addr: async_nats::ServerAddr = server
+                .parse()
+                .map_err(|e: std::io::Error| bad(&format!("server {}: {e}", addrs.len() + 1)))?;
+            let mut url = addr.into_inner();
+            let decode = |s: &str| {
+                percent_encoding::percent_decode_str(s)
+                    .decode_utf8()
+                    .map(|c| c.into_owned())
+                    .map_err(|_| {
+                        bad("the credentials of a server URL are not UTF-8 once percent-decoded")
+                    })
+            };
+            let found = match (url.username(), url.password()) {
+                ("", None) => None,
+                ("", Some(_)) => return Err(bad("a server URL has a password without a user")),
+                (user, Some(password)) => Some(UrlCredentials::UserPassword(
+                    decode(user)?,
+                    decode(password)?,
+                )),
+                (token, None) => Some(UrlCredentials::Token(decode(token)?)),
+            };
+            if let Some(found) = found {
+                match &credentials {
+                    Some(c) if *c != found => {
+                        return Err(bad(
+                            "the server URLs carry different credentials; walbox gives every \
+                             server the same: put the same in each URL, or in one",
+                        ));
+                    }
+                    _ => credentials = Some(found),
+                }
+                let stripped = url.set_username("").is_ok() && url.set_password(None).is_ok();
+                if !stripped {
+                    return Err(bad("a server URL with credentials has no host"));
+                }
+            }
+            addrs.push(
+                async_nats::ServerAddr::from_url(url)
+                    .map_err(|e| bad(&format!("server {}: {e}", addrs.len() + 1)))?,
+            );
+        }
+        Ok(Servers { addrs, credentials })
+    }
+
+    /// The server URLs as they may be printed: credentials replaced by
+    /// `<hidden>`.
+    fn shown_servers(&self) -> Vec<String> {
+        self.servers
+            .iter()
+            .map(|s| match s.rsplit_once('@') {
+                Some((before, host)) => match before.split_once("://") {
+                    Some((scheme, _)) => format!("{scheme}://<hidden>@{host}"),
+                    None => format!("<hidden>@{host}"),
+                },
+                None => s.clone(),
+            })
+            .collect()
+    }
+
+    /// Every secret these settings hold, as given and as a server URL holds
+    /// it (percent-encoded), so that a log can keep them out.
+    #[must_use]
+    pub fn secrets(&self) -> Vec<String> {
+        let mut out: Vec<String> = [&self.password, &self.token, &self.nkey_seed]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+        for server in &self.servers {
+            if let Some((before, _)) = server.rsplit_once('@') {
+                let userinfo = before.split_once("://").map_or(before, |(_, u)| u);
+                match userinfo.split_once(':') {
+                    Some((_, password)) => out.push(password.to_owned()),
+                    None => out.push(userinfo.to_owned()),
+                }
+            }
+        }
+        if let Ok(Servers {
+            credentials: Some(c),
+            ..
+        }) = self.servers()
+        {
+            match c {
+                UrlCredentials::UserPassword(_, password) => out.push(password),
+                UrlCredentials::Token(token) => out.push(token),
+            }
+        }
+        out.retain(|s| !s.is_empty());
+        out.sort();
+        out.dedup();
+        out
     }
 
     pub(super) fn duplicate_window(&self) -> Duration {
@@ -209,8 +323,13 @@ impl NatsSinkConfig {
     }
 
     /// The user the credentials name, for errors: never a secret.
-    fn who(&self) -> String {
-        if let Some(u) = &self.user {
+    fn who(&self, from_url: Option<&UrlCredentials>) -> String {
+        if let Some(c) = from_url {
+            match c {
+                UrlCredentials::UserPassword(u, _) => format!("user {u:?} of the server URL"),
+                UrlCredentials::Token(_) => "the token of the server URL".into(),
+            }
+        } else if let Some(u) = &self.user {
             format!("user {u:?}")
         } else if self.token.is_some() {
             "a token".into()
@@ -253,17 +372,19 @@ impl NatsSinkConfig {
                 ))
             })?;
         }
-        let servers = self
-            .servers
-            .iter()
-            .map(|s| s.parse::<async_nats::ServerAddr>())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| SinkError::Config(format!("sink.nats.servers: {e}")))?;
-        options.connect(servers).await.map_err(|e| {
+        let Servers { addrs, credentials } = self.servers()?;
+        match &credentials {
+            Some(UrlCredentials::UserPassword(user, password)) => {
+                options = options.user_and_password(user.clone(), password.clone());
+            }
+            Some(UrlCredentials::Token(token)) => options = options.token(token.clone()),
+            None => {}
+        }
+        options.connect(addrs).await.map_err(|e| {
             use async_nats::ConnectErrorKind as K;
             match e.kind() {
                 K::AuthorizationViolation | K::Authentication => SinkError::NatsAuthentication {
-                    who: self.who(),
+                    who: self.who(credentials.as_ref()),
                     reason: e.to_string(),
                 },
                 K::Tls => SinkError::Config(format!(
@@ -271,10 +392,27 @@ impl NatsSinkConfig {
                      [sink.nats]"
                 )),
                 K::ServerParse => SinkError::Config(format!("sink.nats.servers: {e}")),
-                _ => SinkError::Nats(format!("connecting to {}: {e}", self.servers.join(", "))),
+                _ => SinkError::Nats(format!(
+                    "connecting to {}: {e}",
+                    self.shown_servers().join(", ")
+                )),
             }
         })
     }
+}
+
+/// Credentials a server URL carries, percent-decoded: `user:password@`, or
+/// `token@` (a user without a password, as the NATS clients read it).
+#[derive(Clone, PartialEq, Eq)]
+enum UrlCredentials {
+    UserPassword(String, String),
+    Token(String),
+}
+
+/// The configured servers without credentials, and the credentials they carry.
+struct Servers {
+    addrs: Vec<async_nats::ServerAddr>,
+    credentials: Option<UrlCredentials>,
 }
 
 #[cfg(test)]
@@ -316,5 +454,90 @@ mod tests {
                 .to_string()
                 .contains("duplicate_window_s")
         );
+    }
+
+    #[test]
+    fn credentials_in_a_url_are_taken_out_of_it_and_never_shown() {
+        let c = NatsSinkConfig {
+            servers: vec![
+                "nats://walbox:p%40ss-8e1f@127.0.0.1:4222".into(),
+                "nats://127.0.0.1:4223".into(),
+            ],
+            ..NatsSinkConfig::default()
+        };
+        c.validate().unwrap();
+        let servers = c.servers().unwrap();
+        assert!(
+            servers.credentials
+                == Some(UrlCredentials::UserPassword(
+                    "walbox".into(),
+                    "p@ss-8e1f".into()
+                ))
+        );
+        for a in &servers.addrs {
+            assert!(!a.as_url_str().contains('@'), "{}", a.as_url_str());
+            assert!(!a.has_user_pass());
+        }
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("8e1f"), "{shown}");
+        assert!(shown.contains("nats://<hidden>@127.0.0.1:4222"), "{shown}");
+        let secrets = c.secrets();
+        assert!(secrets.contains(&"p@ss-8e1f".to_owned()), "{secrets:?}");
+        assert!(secrets.contains(&"p%40ss-8e1f".to_owned()), "{secrets:?}");
+        assert_eq!(
+            c.who(servers.credentials.as_ref()),
+            "user \"walbox\" of the server URL"
+        );
+
+        // A user without a password is a token, as the NATS clients read it.
+        let c = NatsSinkConfig {
+            servers: vec!["nats://tok-51d2@127.0.0.1:4222".into()],
+            ..NatsSinkConfig::default()
+        };
+        assert!(c.servers().unwrap().credentials == Some(UrlCredentials::Token("tok-51d2".into())));
+        assert!(!format!("{c:?}").contains("tok-51d2"));
+        assert_eq!(c.secrets(), vec!["tok-51d2".to_owned()]);
+    }
+
+    #[test]
+    fn credentials_in_a_url_and_in_the_keys_are_refused_naming_both() {
+        let url = NatsSinkConfig {
+            servers: vec!["nats://walbox:pw-0c4d@127.0.0.1:4222".into()],
+            ..NatsSinkConfig::default()
+        };
+        for c in [
+            NatsSinkConfig {
+                user: Some("walbox".into()),
+                password: Some("pw-0c4d".into()),
+                ..url.clone()
+            },
+            NatsSinkConfig {
+                token: Some("tk-3a".into()),
+                ..url.clone()
+            },
+        ] {
+            let err = c.validate().unwrap_err().to_string();
+            assert!(
+                err.contains("sink.nats.servers") && err.contains("user/password"),
+                "{err}"
+            );
+            assert!(!err.contains("pw-0c4d") && !err.contains("tk-3a"), "{err}");
+        }
+        let two = NatsSinkConfig {
+            servers: vec![
+                "nats://walbox:pw-0c4d@127.0.0.1:4222".into(),
+                "nats://walbox:pw-other@127.0.0.1:4223".into(),
+            ],
+            ..NatsSinkConfig::default()
+        };
+        let err = two.validate().unwrap_err().to_string();
+        assert!(err.contains("different credentials"), "{err}");
+        assert!(!err.contains("pw-"), "{err}");
+        let bad = NatsSinkConfig {
+            servers: vec!["nats://walbox:pw-%ff@127.0.0.1:4222".into()],
+            ..NatsSinkConfig::default()
+        };
+        let err = bad.validate().unwrap_err().to_string();
+        assert!(err.contains("not UTF-8") && !err.contains("pw-"), "{err}");
     }
 }
