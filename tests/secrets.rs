@@ -3,18 +3,25 @@
 //! `sasl.password`, through success and failure paths (bad host, bad password,
 //! bad configuration key, bad TLS file, bad flag, a DSN that does not parse),
 //! with `WALBOX_LOG=debug`: the passwords appear in no stdout, stderr or log line,
-//! and in no topic record or dead-letter header.
+//! and in no topic record or dead-letter header. And `walbox run` relaying with
+//! each sink at `WALBOX_LOG=trace`, with every client library's logging on
+//! (librdkafka's debug contexts too), credentials in the DSN, in Kafka's
+//! SASL/SCRAM settings and in a NATS server URL: no secret in its output, nor
+//! in `/readyz`, `/healthz` or `/metrics`.
 
 mod common;
 
 use std::time::Duration;
 
 use common::*;
-use walbox_testkit::{Broker, BrokerUser, OUTBOX_DDL, PgCluster, PgOptions, Scram};
+use walbox_testkit::{
+    Broker, BrokerUser, NatsOptions, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, Scram,
+};
 
 const PG_PASSWORD: &str = "pgSecret-4b7e21";
 const KAFKA_PASSWORD: &str = "kafkaSecret-0d93c5";
-const SECRETS: [&str; 2] = [PG_PASSWORD, KAFKA_PASSWORD];
+const NATS_PASSWORD: &str = "natsSecret-7a1c39";
+const SECRETS: [&str; 3] = [PG_PASSWORD, KAFKA_PASSWORD, NATS_PASSWORD];
 
 /// Every command line walbox has (`walbox --help` lists them).
 const COMMANDS: &[&[&str]] = &[
@@ -299,5 +306,114 @@ async fn no_command_prints_a_secret_on_success_or_failure() {
     ));
     for args in COMMANDS {
         run_checked("a DSN that does not parse", args, &unparsable);
+    }
+}
+
+#[allow(clippy::print_stderr)] // prints how much each run logged
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sink_relays_at_trace_with_credentials_everywhere_and_prints_no_secret() {
+    let pg = PgCluster::start_with(PgOptions {
+        password: Some(PG_PASSWORD.into()),
+        ..PgOptions::default()
+    })
+    .unwrap();
+    let broker =
+        Broker::start_authenticated(&[BrokerUser::new("walbox", KAFKA_PASSWORD, Scram::Sha512)])
+            .unwrap();
+    let nats = NatsServer::start_with(NatsOptions {
+        user: Some(("walbox".into(), NATS_PASSWORD.into())),
+        token: None,
+    })
+    .unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    let dsn = pg.conninfo("postgres");
+    assert!(dsn.contains(PG_PASSWORD), "the DSN carries the password");
+    let nats_url = nats
+        .url()
+        .replace("nats://", &format!("nats://walbox:{NATS_PASSWORD}@"));
+    let sinks = [
+        (
+            "kafka",
+            format!(
+                "[sink.kafka]\n\"security.protocol\" = \"SASL_PLAINTEXT\"\n\
+                 \"sasl.mechanism\" = \"SCRAM-SHA-512\"\n\"sasl.username\" = \"walbox\"\n\
+                 \"sasl.password\" = \"{KAFKA_PASSWORD}\"\ndebug = \"all\"\n"
+            ),
+        ),
+        (
+            "nats",
+            format!(
+                "[sink]\ntype = \"nats\"\n[sink.nats]\nservers = [\"{nats_url}\"]\n\
+                 create_stream = true\nsubjects = [\"outbox.>\"]\n"
+            ),
+        ),
+        ("stdout", "[sink]\ntype = \"stdout\"\n".to_owned()),
+    ];
+    for (n, (sink, toml)) in sinks.iter().enumerate() {
+        let mut env = walbox_env(&pg, &broker);
+        env.push((
+            "WALBOX_CONFIG",
+            config_file(&pg, &format!("{sink}.toml"), toml),
+        ));
+        env.push(("WALBOX_METRICS_LISTEN", "127.0.0.1:0".into()));
+        if n == 0 {
+            setup(&env);
+        }
+        env.push(("WALBOX_LOG", "trace".into()));
+        // Text for one sink, JSON (other escaping) for another.
+        if *sink == "nats" {
+            env.push(("WALBOX_LOG_FORMAT", "json".into()));
+        }
+        let mut walbox = Walbox::spawn(&["run"], &env);
+        db.batch_execute(&format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'order', 'k' || n % 3, 'Created', jsonb_build_object('n', n, 'sink', '{sink}')
+             FROM generate_series(1, 20) n"
+        ))
+        .await
+        .unwrap();
+        let target = current_lsn(&db).await;
+        walbox_testkit::wait_until_async(
+            "walbox to relay the events",
+            Duration::from_secs(60),
+            || async { (confirmed_lsn(&db, "walbox").await >= target).then_some(()) },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{sink}: {e}; log:\n{}", walbox.log()));
+        let addr = walbox_testkit::wait_until("/metrics", Duration::from_secs(60), || {
+            walbox
+                .log()
+                .lines()
+                .filter(|l| l.contains("serving /metrics"))
+                .find_map(|l| match serde_json::from_str::<serde_json::Value>(l) {
+                    Ok(v) => v["addr"].as_str().map(str::to_owned),
+                    Err(_) => log_field(l, "serving /metrics", "addr"),
+                })
+        })
+        .unwrap();
+        let mut served = String::new();
+        for path in ["readyz", "healthz", "metrics"] {
+            let (status, body) =
+                walbox_testkit::prometheus::get_status(&format!("http://{addr}/{path}")).unwrap();
+            assert!(
+                status < 500 || path != "metrics",
+                "{sink}: /{path}: {status}"
+            );
+            served.push_str(&body);
+        }
+        assert!(served.contains("walbox_"), "{sink}: {served}");
+        walbox.stop();
+        let log = walbox.log();
+        assert!(
+            log.contains("TRACE") || log.contains("\"TRACE\""),
+            "{sink}: not at trace"
+        );
+        assert_no_secret(&format!("walbox run with the {sink} sink at trace"), &log);
+        assert_no_secret(&format!("the {sink} sink's endpoints"), &served);
+        eprintln!(
+            "{sink}: {} lines of log, none with a secret",
+            log.lines().count()
+        );
     }
 }

@@ -31,6 +31,7 @@ mod metrics;
 mod pg;
 mod privileges;
 mod publication;
+mod redact;
 mod relay;
 mod slot;
 mod snapshot;
@@ -203,12 +204,13 @@ impl Cli {
 }
 
 /// Log lines to stderr, as text or (`WALBOX_LOG_FORMAT=json`, `[log] format`)
-/// one JSON object per line with the same fields.
+/// one JSON object per line with the same fields; every secret the
+/// configuration holds is replaced in them ([`redact`]).
 fn init_logging(format: config::LogFormat) {
     let filter = log_filter(std::env::var("WALBOX_LOG").ok().as_deref());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(redact::RedactedStderr);
     match format {
         config::LogFormat::Text => builder
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

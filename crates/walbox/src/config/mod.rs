@@ -640,8 +640,24 @@ impl Config {
             }
         }
         c.bind_formats();
+        c.keep_secrets_out_of_the_log();
         c.validate()?;
         Ok(c)
+    }
+
+    /// Registers every secret the sink settings hold with the log's redaction
+    /// (the connection string's password is registered as it is parsed).
+    fn keep_secrets_out_of_the_log(&self) {
+        if let Ok(properties) = self.sink.kafka_properties() {
+            for (k, v) in properties {
+                if walbox_sink::is_secret_property(&k) {
+                    crate::redact::keep_out(&v);
+                }
+            }
+        }
+        for secret in self.sink.nats.secrets() {
+            crate::redact::keep_out(&secret);
+        }
     }
 
     fn validate(&self) -> Result<()> {

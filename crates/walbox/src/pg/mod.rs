@@ -200,7 +200,10 @@ impl ConnParams {
             sslrootcert.as_deref(),
         )?;
         let passfile = match pg.get_password() {
-            Some(_) => PassFile::default(),
+            Some(password) => {
+                crate::redact::keep_out(&String::from_utf8_lossy(password));
+                PassFile::default()
+            }
             None => env
                 .passfile(settings.get("passfile").map(String::as_str))
                 .map(|path| PassFile::load(&path))

@@ -335,7 +335,13 @@ impl PassFile {
             }
         }
         match std::fs::read_to_string(path) {
-            Ok(text) => Self::parse(&text),
+            Ok(text) => {
+                let file = Self::parse(&text);
+                for e in &file.entries {
+                    crate::redact::keep_out(&e.password);
+                }
+                file
+            }
             Err(e) => {
                 tracing::warn!(file = %path.display(), error = %e.kind(), "password file could not be read; ignored");
                 Self::default()
