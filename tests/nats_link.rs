@@ -22,7 +22,8 @@ const FLAPS: usize = 20;
 /// How far walbox's resident memory may grow from the 2nd flap to the last
 /// (kB). A session's in-flight state is bounded by `max_in_flight` (2,000
 /// events of about 1 KiB here); a client kept per failed session adds its
-/// queue, its buffers and the PubAcks it awaits, 18 times over.
+/// queue, its buffers and the PubAcks it awaits, 18 times over (measured: flat
+/// within 1 MB when each is closed, 64 MB more when each lives on).
 const RSS_MARGIN_KB: u64 = 8 * 1024;
 
 /// One outbox insert whose payload carries `seq` and 1 KiB of padding, so that
