@@ -18,6 +18,7 @@ use crate::{Result, TestkitError};
 pub struct TcpProxy {
     runtime: Option<tokio::runtime::Runtime>,
     addr: SocketAddr,
+    target: SocketAddr,
     state: Arc<State>,
 }
 
@@ -34,7 +35,7 @@ impl std::fmt::Debug for TcpProxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpProxy")
             .field("addr", &self.addr)
-            .field("target", &"..")
+            .field("target", &self.target)
             .field("live", &self.live())
             .finish()
     }
@@ -82,6 +83,7 @@ impl TcpProxy {
         Ok(TcpProxy {
             runtime: Some(runtime),
             addr,
+            target,
             state,
         })
     }
