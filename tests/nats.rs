@@ -153,6 +153,65 @@ async fn a_message_the_stream_refuses_goes_to_the_dead_letter_subject() {
     drop(pg);
 }
 
+/// A stream made with a 2-minute duplicate window (the `nats` CLI's default, and
+/// what streams made before walbox's default grew have): with
+/// `duplicate_window_s` left unset walbox relays into it and warns, naming the
+/// fix; set to more than the stream keeps, it is refused, naming the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_with_a_shorter_window_is_used_with_a_warning_unless_a_window_is_set() {
+    let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "EVENTS".into(),
+        subjects: vec!["outbox.>".into()],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'k', 'E', '{}')",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    assert_eq!(read_subject(&nats, "outbox.order").await.len(), 1);
+    let log = walbox.log();
+    assert!(
+        log.contains("keeps message ids for less than walbox's default duplicate window")
+            && log.contains("--dupe-window 600s"),
+        "{log}"
+    );
+    walbox.stop();
+    let explicit = config_file(
+        &pg,
+        "explicit.toml",
+        &format!(
+            "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\nstream = \"EVENTS\"\n\
+             duplicate_window_s = 600\n",
+            nats.url()
+        ),
+    );
+    let mut env = env;
+    env.retain(|(k, _)| *k != "WALBOX_CONFIG");
+    env.push(("WALBOX_CONFIG", explicit));
+    let mut refused = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'k', 'E', '{}')",
+    )
+    .await
+    .unwrap();
+    let status = refused.wait(Duration::from_secs(60));
+    let log = refused.log();
+    assert_ne!(status.code(), Some(0), "{log}");
+    assert!(log.contains("keeps message ids for 120 s"), "{log}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_stream_stops_walbox_with_what_to_do() {
     let (pg, _nats, db, env) = servers_nats("stream = \"NOPE\"").await;

@@ -276,7 +276,7 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
     }
 
     if config.sink.kind == crate::config::SinkKind::Nats {
-        let window = config.sink.nats.duplicate_window_s;
+        let window = config.sink.nats.duplicate_window_s();
         match duplicate_window_risk(window) {
             Some(w) => r.add(Verdict::Warn, w),
             None => r.add(
@@ -347,7 +347,7 @@ mod window_tests {
         assert_eq!(duplicate_window_risk(600), None);
         // The default is no risk.
         assert_eq!(
-            duplicate_window_risk(walbox_sink::NatsSinkConfig::default().duplicate_window_s),
+            duplicate_window_risk(walbox_sink::NatsSinkConfig::default().duplicate_window_s()),
             None
         );
     }

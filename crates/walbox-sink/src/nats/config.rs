@@ -55,9 +55,11 @@ pub struct NatsSinkConfig {
     /// one must keep message ids at least this long. Exactly once into the
     /// stream holds for outages shorter than it. The default, 600 s, covers a
     /// crash-looping Kubernetes pod's longest restart delay (300 s) and the
-    /// systemd unit's (5 s), with as long again to catch up.
-    #[serde(default = "default_duplicate_window_s")]
-    pub duplicate_window_s: u64,
+    /// systemd unit's (5 s), with as long again to catch up. Unset, a stream
+    /// that exists with a shorter window is used with a warning (streams made
+    /// before the default grew); set, it is refused.
+    #[serde(default)]
+    pub duplicate_window_s: Option<u64>,
     /// How long to wait for a PubAck, in ms.
     #[serde(default = "default_ack_timeout_ms")]
     pub ack_timeout_ms: u64,
@@ -108,9 +110,8 @@ fn default_subjects() -> Vec<String> {
 fn default_replicas() -> usize {
     1
 }
-fn default_duplicate_window_s() -> u64 {
-    600
-}
+/// The duplicate window when `duplicate_window_s` is unset, in seconds.
+pub const DEFAULT_DUPLICATE_WINDOW_S: u64 = 600;
 fn default_ack_timeout_ms() -> u64 {
     10_000
 }
@@ -130,7 +131,7 @@ impl Default for NatsSinkConfig {
             subjects: default_subjects(),
             storage: NatsStorage::default(),
             replicas: default_replicas(),
-            duplicate_window_s: default_duplicate_window_s(),
+            duplicate_window_s: None,
             ack_timeout_ms: default_ack_timeout_ms(),
             connect_timeout_ms: default_connect_timeout_ms(),
             tls_required: false,
@@ -184,7 +185,7 @@ impl NatsSinkConfig {
         if self.stream.is_empty() || self.stream.contains(['.', ' ', '*', '>']) {
             return bad("stream: a stream name without '.', ' ', '*' or '>'");
         }
-        if self.duplicate_window_s == 0 {
+        if self.duplicate_window_s == Some(0) {
             return bad(
                 "duplicate_window_s: must be at least 1 (without it a replay is stored twice)",
             );
@@ -319,7 +320,14 @@ impl NatsSinkConfig {
     }
 
     pub(super) fn duplicate_window(&self) -> Duration {
-        Duration::from_secs(self.duplicate_window_s)
+        Duration::from_secs(self.duplicate_window_s())
+    }
+
+    /// The duplicate window asked for, in seconds (the default when unset).
+    #[must_use]
+    pub fn duplicate_window_s(&self) -> u64 {
+        self.duplicate_window_s
+            .unwrap_or(DEFAULT_DUPLICATE_WINDOW_S)
     }
 
     /// The user the credentials name, for errors: never a secret.
@@ -445,7 +453,7 @@ mod tests {
         assert!(err.contains("set one of them"), "{err}");
         assert!(!err.contains("tk-77d1"), "{err}");
         let c = NatsSinkConfig {
-            duplicate_window_s: 0,
+            duplicate_window_s: Some(0),
             ..NatsSinkConfig::default()
         };
         assert!(

@@ -45,7 +45,7 @@ pub(super) async fn ensure_stream(
             tracing::info!(
                 stream = config.stream,
                 subjects = ?config.subjects,
-                duplicate_window_s = config.duplicate_window_s,
+                duplicate_window_s = config.duplicate_window_s(),
                 "created stream"
             );
             Ok(())
@@ -73,15 +73,28 @@ pub(super) async fn check_window(
         .await
         .map_err(|e| SinkError::Nats(format!("reading stream {name}'s settings: {e}")))?;
     let window = info.config.duplicate_window;
-    if window < config.duplicate_window() {
+    if window < config.duplicate_window() && config.duplicate_window_s.is_none() {
+        // A stream made before the default window grew: refusing it would stop
+        // a walbox that ran on it until now.
+        tracing::warn!(
+            stream = name,
+            window_s = window.as_secs(),
+            default_s = config.duplicate_window_s(),
+            "the stream keeps message ids for less than walbox's default duplicate window: \
+             exactly once into it holds only for outages shorter than its window; raise it \
+             (nats stream edit {name} --dupe-window {}s), or set sink.nats.duplicate_window_s \
+             to the stream's window to silence this",
+            config.duplicate_window_s()
+        );
+    } else if window < config.duplicate_window() {
         return Err(SinkError::Config(format!(
             "stream {name} keeps message ids for {} s, less than sink.nats.duplicate_window_s = \
              {}: a replay after a longer outage would be stored twice; raise the stream's \
              duplicate window (nats stream edit {name} --dupe-window {}s) or lower \
              duplicate_window_s",
             window.as_secs(),
-            config.duplicate_window_s,
-            config.duplicate_window_s
+            config.duplicate_window_s(),
+            config.duplicate_window_s()
         )));
     }
     Ok(info.config.max_message_size)
@@ -114,7 +127,7 @@ mod tests {
 
     #[test]
     fn the_default_window_covers_the_longest_restart_delay_of_the_shipped_deployments() {
-        let window = NatsSinkConfig::default().duplicate_window_s;
+        let window = NatsSinkConfig::default().duplicate_window_s();
         let delay = longest_restart_delay_s();
         assert_eq!(delay, 300);
         // The restart, then as long again to reach the event and publish it.

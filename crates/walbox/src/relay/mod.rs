@@ -203,10 +203,14 @@ fn backoff(attempt: u32) -> Duration {
     Duration::from_millis(base + random % (base / 5 + 1))
 }
 
-/// A session that ran this long, or moved the checkpoint, resets the backoff:
-/// a link that fails now and then between sessions that make progress is
-/// tried again within the first step, not after a wait grown to 30 s.
+/// A session that ran this long, or moved the checkpoint over events the
+/// destination acknowledged, resets the backoff: a link that fails now and then
+/// between sessions that make progress is tried again within the first step,
+/// not after a wait grown to 30 s.
 const HEALTHY_SESSION: Duration = Duration::from_secs(60);
+
+/// Events the destination acknowledged in this process, over every session.
+static ACKNOWLEDGED: AtomicU64 = AtomicU64::new(0);
 
 /// What `walbox run` was asked on its command line.
 #[derive(Debug, Clone, Default)]
@@ -282,7 +286,7 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
     };
     if config.sink.kind == crate::config::SinkKind::Nats
         && let Some(risk) =
-            crate::doctor::duplicate_window_risk(config.sink.nats.duplicate_window_s)
+            crate::doctor::duplicate_window_risk(config.sink.nats.duplicate_window_s())
     {
         tracing::warn!("{risk}");
     }
@@ -298,6 +302,7 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
         }
         let saved = || ctx.store.load().ok().flatten().map(|c| c.lsn);
         let before = saved();
+        let acknowledged = ACKNOWLEDGED.load(Ordering::Relaxed);
         let result = session(ctx, &options, attempt, &mut signals).await;
         if let Ok(SessionEnd::SnapshotDue) = result {
             if let Some(m) = ctx.metrics {
@@ -348,7 +353,10 @@ pub async fn run(config: Config, mut options: RunOptions) -> Result<()> {
             },
             format!("{e:#}"),
         );
-        if began.elapsed() >= HEALTHY_SESSION || saved() > before {
+        // A checkpoint moved by keepalives alone (an idle outbox) is no
+        // progress: a fault that recurs in every session still backs off.
+        let progressed = saved() > before && ACKNOWLEDGED.load(Ordering::Relaxed) > acknowledged;
+        if began.elapsed() >= HEALTHY_SESSION || progressed {
             attempt = 0;
         }
         attempt += 1;

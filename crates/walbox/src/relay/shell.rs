@@ -222,6 +222,7 @@ impl<'a> Relay<'a> {
         }
         match self.core.on_delivery(d.token, outcome) {
             Ok(Some(committed)) => {
+                super::ACKNOWLEDGED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if let Some(micros) = self.latency.record(committed)
                     && let Some(m) = self.ctx.metrics
                 {
