@@ -16,35 +16,6 @@ use std::time::Duration;
 use common::*;
 use walbox_testkit::{NatsOptions, NatsServer};
 
-/// Each key's `seq` grows by one from 0 in stream order: no gap, no repeat.
-fn assert_per_key_order_once(messages: &[Stored]) {
-    let mut next: HashMap<String, i64> = HashMap::new();
-    let mut last_sequence = 0;
-    for m in messages {
-        assert!(m.sequence > last_sequence, "stream order");
-        last_sequence = m.sequence;
-        let key = m.header("walbox_key").to_owned();
-        let seq = m.value["payload"]["seq"].as_i64().unwrap();
-        let expected = next.entry(key.clone()).or_insert(0);
-        assert_eq!(
-            seq, *expected,
-            "key {key}: seq {seq} where {expected} was expected"
-        );
-        *expected += 1;
-    }
-}
-
-/// No two messages with one event id, and each carries it as `Nats-Msg-Id`.
-fn assert_each_event_once(messages: &[Stored], ids: &HashSet<String>) {
-    let mut seen = HashSet::new();
-    for m in messages {
-        let id = m.header("event_id");
-        assert_eq!(m.header("Nats-Msg-Id"), id);
-        assert!(seen.insert(id.to_owned()), "event {id} stored twice");
-    }
-    assert_eq!(&seen, ids, "the stream holds exactly the table's events");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_are_stored_once_in_per_key_order_with_their_headers_and_verify_agrees() {
     let (pg, nats, db, env) = servers_nats(CREATE).await;
@@ -106,17 +77,7 @@ async fn kill_9_rounds_under_load_leave_no_duplicate_message_in_the_stream() {
 async fn a_message_the_stream_refuses_goes_to_the_dead_letter_subject() {
     let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
     // A stream of the operator's, with a message size limit.
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: "EVENTS".into(),
-        subjects: vec!["outbox.>".into()],
-        max_message_size: 4096,
-        duplicate_window: Duration::from_secs(600),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    events_stream(&nats, 4096, 600).await;
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     db.batch_execute(
@@ -160,16 +121,7 @@ async fn a_message_the_stream_refuses_goes_to_the_dead_letter_subject() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_with_a_shorter_window_is_used_with_a_warning_unless_a_window_is_set() {
     let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: "EVENTS".into(),
-        subjects: vec!["outbox.>".into()],
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    events_stream(&nats, -1, 120).await;
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     db.batch_execute(
@@ -370,15 +322,7 @@ async fn a_nats_server_stopped_or_killed_under_load_loses_nothing_and_stores_not
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_replayed_to_their_subject_after_a_fix_once_and_kept() {
     let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
-    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    let mut stream_config = async_nats::jetstream::stream::Config {
-        name: "EVENTS".into(),
-        subjects: vec!["outbox.>".into()],
-        max_message_size: 4096,
-        duplicate_window: Duration::from_secs(600),
-        ..Default::default()
-    };
-    js.create_stream(stream_config.clone()).await.unwrap();
+    let (js, mut stream_config) = events_stream(&nats, 4096, 600).await;
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     db.batch_execute(
@@ -710,15 +654,7 @@ async fn an_id_used_again_for_another_event_stops_walbox_naming_both_positions()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_replay_run_again_after_a_kill_reports_what_the_first_run_stored() {
     let (pg, nats, db, env) = servers_nats("stream = \"EVENTS\"").await;
-    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    let mut stream_config = async_nats::jetstream::stream::Config {
-        name: "EVENTS".into(),
-        subjects: vec!["outbox.>".into()],
-        max_message_size: 4096,
-        duplicate_window: Duration::from_secs(600),
-        ..Default::default()
-    };
-    js.create_stream(stream_config.clone()).await.unwrap();
+    let (js, mut stream_config) = events_stream(&nats, 4096, 600).await;
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     db.batch_execute(

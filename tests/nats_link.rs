@@ -8,7 +8,6 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -97,16 +96,7 @@ async fn the_link_flapping_20_times_under_load_leaves_no_client_behind_and_loses
          [\"nats://{}\"]\n{CREATE}\nack_timeout_ms = 2000\n",
         proxy.addr()
     );
-    let env = vec![
-        ("WALBOX_DSN", pg.conninfo("postgres")),
-        ("WALBOX_SLOT", "walbox".into()),
-        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
-        (
-            "WALBOX_CHECKPOINT",
-            checkpoint_path(&pg).display().to_string(),
-        ),
-        ("WALBOX_CONFIG", config_file(&pg, "flaps.toml", &toml)),
-    ];
+    let env = nats_env(&pg, &toml);
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     let stop_writing = Arc::new(AtomicBool::new(false));
@@ -173,20 +163,7 @@ async fn the_link_flapping_20_times_under_load_leaves_no_client_behind_and_loses
     let messages = read_subject(&nats, SUBJECT).await;
     let ids = outbox_ids(&db).await;
     assert_eq!(ids.len(), written);
-    let mut next: HashMap<String, i64> = HashMap::new();
-    let mut seen = HashSet::new();
-    for m in &messages {
-        let id = m.header("event_id").to_owned();
-        assert!(seen.insert(id.clone()), "event {id} stored twice");
-        let key = m.header("walbox_key").to_owned();
-        let seq = m.value["payload"]["seq"].as_i64().unwrap();
-        let expected = next.entry(key.clone()).or_insert(0);
-        assert_eq!(
-            seq, *expected,
-            "key {key}: seq {seq} where {expected} was expected"
-        );
-        *expected += 1;
-    }
-    assert_eq!(seen, ids, "the stream holds exactly the table's events");
+    assert_each_event_once(&messages, &ids);
+    assert_per_key_order_once(&messages);
     drop(pg);
 }

@@ -2,7 +2,7 @@
 //! `nats-server -js` with walbox's configuration pointing at both, the stream's
 //! messages read back, and waiting for the slot to catch up.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use walbox_sink::NatsSinkConfig;
@@ -101,17 +101,7 @@ pub async fn servers_nats_with(
         "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\n{nats_table}\n",
         nats.url()
     );
-    let config = config_file(&pg, "walbox-nats.toml", &toml);
-    let env = vec![
-        ("WALBOX_DSN", pg.conninfo("postgres")),
-        ("WALBOX_SLOT", "walbox".into()),
-        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
-        (
-            "WALBOX_CHECKPOINT",
-            checkpoint_path(&pg).display().to_string(),
-        ),
-        ("WALBOX_CONFIG", config),
-    ];
+    let env = nats_env(&pg, &toml);
     (pg, nats, db, env)
 }
 
@@ -134,4 +124,69 @@ pub const CREATE: &str =
 /// How often walbox logged that a session ended.
 pub fn sessions_ended(walbox: &Walbox) -> usize {
     walbox.log().matches("session ended").count()
+}
+
+/// Each key's `seq` grows by one from 0 in stream order: no gap, no repeat.
+pub fn assert_per_key_order_once(messages: &[Stored]) {
+    let mut next: HashMap<String, i64> = HashMap::new();
+    let mut last_sequence = 0;
+    for m in messages {
+        assert!(m.sequence > last_sequence, "stream order");
+        last_sequence = m.sequence;
+        let key = m.header("walbox_key").to_owned();
+        let seq = m.value["payload"]["seq"].as_i64().unwrap();
+        let expected = next.entry(key.clone()).or_insert(0);
+        assert_eq!(
+            seq, *expected,
+            "key {key}: seq {seq} where {expected} was expected"
+        );
+        *expected += 1;
+    }
+}
+
+/// No two messages with one event id, and each carries it as `Nats-Msg-Id`.
+pub fn assert_each_event_once(messages: &[Stored], ids: &HashSet<String>) {
+    let mut seen = HashSet::new();
+    for m in messages {
+        let id = m.header("event_id");
+        assert_eq!(m.header("Nats-Msg-Id"), id);
+        assert!(seen.insert(id.to_owned()), "event {id} stored twice");
+    }
+    assert_eq!(&seen, ids, "the stream holds exactly the table's events");
+}
+
+/// Creates the operator's stream `EVENTS` on `outbox.>` with a largest message
+/// size (-1: none) and a duplicate window; returns the context and its settings.
+pub async fn events_stream(
+    nats: &NatsServer,
+    max_message_size: i32,
+    duplicate_window_s: u64,
+) -> (
+    async_nats::jetstream::Context,
+    async_nats::jetstream::stream::Config,
+) {
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let config = async_nats::jetstream::stream::Config {
+        name: "EVENTS".into(),
+        subjects: vec!["outbox.>".into()],
+        max_message_size,
+        duplicate_window: Duration::from_secs(duplicate_window_s),
+        ..Default::default()
+    };
+    js.create_stream(config.clone()).await.unwrap();
+    (js, config)
+}
+
+/// Environment for `walbox` against `pg` with the configuration `toml`.
+pub fn nats_env(pg: &PgCluster, toml: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("WALBOX_DSN", pg.conninfo("postgres")),
+        ("WALBOX_SLOT", "walbox".into()),
+        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
+        (
+            "WALBOX_CHECKPOINT",
+            checkpoint_path(pg).display().to_string(),
+        ),
+        ("WALBOX_CONFIG", config_file(pg, "walbox-nats.toml", toml)),
+    ]
 }

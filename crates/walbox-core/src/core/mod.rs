@@ -539,59 +539,6 @@ impl Core {
         Ok(())
     }
 
-    /// Takes `msg`, sent at `at`, in the order its transaction wrote it. The
-    /// server orders a transaction's changes by LSN, taking a message at the end
-    /// of its record and an insert at the start of its own: a message written in
-    /// a subtransaction (a savepoint, a PL/pgSQL exception block) right before an
-    /// insert of another (sub)transaction ties with it, and may come after it.
-    /// So outbox inserts are held until a change at another position: a
-    /// transactional message at the very LSN they start at goes first. Only
-    /// with `[[messages]]`.
-    fn in_wal_order(&mut self, at: Lsn, msg: LogicalMessage) -> Result<(), CoreError> {
-        match msg {
-            LogicalMessage::Message(m) if m.transactional() => {
-                if let Some((held_at, held)) = self.held.take() {
-                    self.held_bytes = 0;
-                    if held_at == at {
-                        self.change(LogicalMessage::Message(m))?;
-                        return held.into_iter().try_for_each(|c| self.change(c));
-                    }
-                    held.into_iter().try_for_each(|c| self.change(c))?;
-                }
-                self.change(LogicalMessage::Message(m))
-            }
-            LogicalMessage::Insert(ref i)
-                if !self.cfg.messages.is_empty()
-                    && self.txn.is_some()
-                    && self.mappers.contains_key(&i.relation_oid) =>
-            {
-                let bytes = tuple_bytes(&i.new);
-                match &mut self.held {
-                    Some((held_at, held)) if *held_at == at => held.push(msg),
-                    _ => {
-                        self.release_held()?;
-                        self.held = Some((at, vec![msg]));
-                    }
-                }
-                self.held_bytes += bytes;
-                Ok(())
-            }
-            other => {
-                self.release_held()?;
-                self.change(other)
-            }
-        }
-    }
-
-    /// Takes the held inserts, if any.
-    fn release_held(&mut self) -> Result<(), CoreError> {
-        self.held_bytes = 0;
-        match self.held.take() {
-            Some((_, held)) => held.into_iter().try_for_each(|c| self.change(c)),
-            None => Ok(()),
-        }
-    }
-
     fn table_config(&self, namespace: &str, name: &str) -> Option<&TableConfig> {
         self.cfg
             .tables
@@ -822,17 +769,4 @@ impl Core {
             }
         }
     }
-}
-
-/// The bytes of a row's values as the server sent them.
-fn tuple_bytes(tuple: &[walbox_pgoutput::TupleValue]) -> usize {
-    tuple
-        .iter()
-        .map(|v| match v {
-            walbox_pgoutput::TupleValue::Text(b) | walbox_pgoutput::TupleValue::Binary(b) => {
-                b.len()
-            }
-            _ => 0,
-        })
-        .sum()
 }
