@@ -127,6 +127,11 @@ async fn debezium_outbox_records_are_what_the_outbox_event_router_emits() {
 /// A virtual environment with the CloudEvents SDK, made once per target
 /// directory; its python.
 fn cloudevents_python() -> PathBuf {
+    // Tests of this file run at once: one of them makes the environment.
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = MAKING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cloudevents-sdk");
     let python = dir.join("bin").join("python");
     let ready = dir.join("installed");

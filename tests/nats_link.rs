@@ -104,6 +104,12 @@ async fn the_link_flapping_20_times_under_load_leaves_no_client_behind_and_loses
     let started = Instant::now();
     let mut rss = Vec::new();
     let mut connections = Vec::new();
+    // The stream exists (the sink makes it at its first publication) before
+    // the first flap, and the first session has relayed past its checkpoint.
+    walbox_testkit::wait_until("the stream to be created", Duration::from_secs(60), || {
+        walbox.log().contains("created stream").then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
     wait_saved_moves(&pg, &walbox, "the first session to relay");
     for flap in 1..=FLAPS {
         let ended = sessions_ended(&walbox);
