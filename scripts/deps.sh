@@ -6,6 +6,9 @@
 #     Kafka TLS and SASL work)
 #   - the tansu Kafka-protocol broker, pinned
 #   - nats-server (Debian's package), the JetStream server the NATS sink's tests run
+#   - rabbitmq-server and redis-server (Debian's packages): the RabbitMQ and Redis
+#     Streams sinks' tests start their own nodes; the packages' services are
+#     disabled, never started
 #   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
 #     check the alert rules and the service file in deploy/
 #   - python3 with venv, in which tests/formats.rs installs the CloudEvents SDK
@@ -60,6 +63,8 @@ if ! $build_only; then
   command -v python3 >/dev/null 2>&1 || apt_packages+=(python3)
   python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_packages+=(python3-venv)
   command -v nats-server >/dev/null 2>&1 || apt_packages+=(nats-server)
+  [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || apt_packages+=(rabbitmq-server)
+  command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
 fi
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
@@ -76,7 +81,21 @@ if [ ${#apt_packages[@]} -gt 0 ]; then
   fi
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
+  # Packages start their services on install unless policy-rc.d says no: the
+  # tests start their own servers, on their own ports, as an unprivileged user.
+  policy_added=false
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d
+    policy_added=true
+  fi
   apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
+  if $policy_added; then rm -f /usr/sbin/policy-rc.d; fi
+  if command -v systemctl >/dev/null 2>&1; then
+    for unit in rabbitmq-server redis-server epmd.socket epmd.service; do
+      systemctl disable "$unit" >/dev/null 2>&1 || true
+    done
+  fi
 fi
 
 if $build_only; then
@@ -97,4 +116,4 @@ for major in "${majors[@]}"; do
   "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
 done
 
-log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, tansu $TANSU_VERSION"
+log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, rabbitmq-server, redis-server, tansu $TANSU_VERSION"
