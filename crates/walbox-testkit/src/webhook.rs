@@ -34,6 +34,8 @@ pub struct Arrival {
     pub status: u16,
     /// When it arrived.
     pub at: Instant,
+    /// Whether it came over HTTP/2.
+    pub http2: bool,
 }
 
 impl Arrival {
@@ -323,6 +325,7 @@ async fn handle(
     req: Request<Incoming>,
 ) -> std::result::Result<Response<Full<Bytes>>, Dropped> {
     let path = req.uri().path().to_owned();
+    let http2 = req.version() == hyper::Version::HTTP_2;
     let headers: Vec<(String, String)> = req
         .headers()
         .iter()
@@ -384,6 +387,7 @@ async fn handle(
             body,
             status,
             at: Instant::now(),
+            http2,
         });
     }
     response
