@@ -54,16 +54,20 @@ enum Lane {
     DeadLetters,
 }
 
+/// The queue of events and the sender of deliveries, until the dispatcher
+/// starts.
+type Waiting = (
+    mpsc::UnboundedReceiver<(Event, usize)>,
+    mpsc::UnboundedSender<Delivery>,
+);
+
 /// POSTs events to an HTTP receiver.
 pub struct WebhookSink {
     shared: Arc<Shared>,
     letters: Arc<Mutex<LetterFile>>,
     events: mpsc::UnboundedSender<(Event, usize)>,
     /// Taken by the dispatcher when the first event comes.
-    waiting: Option<(
-        mpsc::UnboundedReceiver<(Event, usize)>,
-        mpsc::UnboundedSender<Delivery>,
-    )>,
+    waiting: Option<Waiting>,
     dispatcher: Option<JoinHandle<()>>,
     /// Sent, not yet reported.
     in_flight: Arc<AtomicUsize>,

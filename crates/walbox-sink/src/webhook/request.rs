@@ -95,10 +95,10 @@ fn printable(v: &[u8]) -> bool {
 /// percent-encoded already), else percent-encoded as the CloudEvents HTTP
 /// binding encodes (UTF-8, `%XY`).
 fn header_value(v: &[u8]) -> HeaderValue {
-    if printable(v) {
-        if let Ok(h) = HeaderValue::from_bytes(v) {
-            return h;
-        }
+    if printable(v)
+        && let Ok(h) = HeaderValue::from_bytes(v)
+    {
+        return h;
     }
     let text = String::from_utf8_lossy(v);
     let encoded = percent_encode(&text);
