@@ -129,7 +129,8 @@ async fn one_key_retried_holds_back_only_that_key_while_50_others_flow() {
             Reply::Ok
         }
     });
-    let (_pg, db, env) = servers_webhook(&receiver, "").await;
+    let (_pg, db, mut env) = servers_webhook(&receiver, "").await;
+    env.push(("WALBOX_METRICS_LISTEN", "127.0.0.1:0".into()));
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     insert_rounds(&db, "stuck-", 1, 5).await;
@@ -166,6 +167,21 @@ async fn one_key_retried_holds_back_only_that_key_while_50_others_flow() {
     assert_eq!(delivered.len(), 255);
     let log = walbox.log();
     assert!(log.contains("webhook delivery failed; retrying"), "{log}");
+    // Each retry counted, by topic.
+    let metrics =
+        walbox_testkit::prometheus::get(&format!("http://{}/metrics", walbox.metrics_addr()))
+            .unwrap();
+    let retries: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("walbox_sink_retries_total{topic=\"outbox.order\"} "))
+        .unwrap_or_else(|| panic!("{metrics}"))
+        .parse()
+        .unwrap();
+    assert!(
+        retries + 1 >= stuck.len() as u64,
+        "{retries} retries, {} attempts",
+        stuck.len()
+    );
     walbox.stop();
 }
 

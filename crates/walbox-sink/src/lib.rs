@@ -69,7 +69,7 @@ pub use stdout::StdoutSink;
 pub use webhook::{
     DROPPED_HEADERS_HEADER as WEBHOOK_DROPPED_HEADERS_HEADER,
     KEY_ENCODING_HEADER as WEBHOOK_KEY_ENCODING_HEADER, KEY_HEADER as WEBHOOK_KEY_HEADER,
-    LetterLine, WebhookSink, WebhookSinkConfig, read_letters, replayed_path,
+    LetterLine, WebhookSink, WebhookSinkConfig, read_letters, replayed_path, retries_by_topic,
 };
 
 /// Receives one [`Delivery`] per event sent.

@@ -36,6 +36,29 @@ pub(super) struct Shared {
     pub retries: Arc<AtomicU64>,
 }
 
+/// Retries so far in this process, by topic (for `walbox_sink_retries_total`).
+static RETRIES: std::sync::Mutex<std::collections::BTreeMap<String, u64>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+fn count_retry(topic: &str) {
+    let mut r = RETRIES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *r.entry(topic.to_owned()).or_insert(0) += 1;
+}
+
+/// Attempts made again after a failure so far in this process, by topic: a
+/// webhook's 408, 425, 429, 5xx, timeouts and connection errors.
+#[must_use]
+pub fn retries_by_topic() -> Vec<(String, u64)> {
+    RETRIES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .map(|(t, n)| (t.clone(), *n))
+        .collect()
+}
+
 /// The most bytes of a refusal's answer a dead letter keeps.
 const EXCERPT: usize = 256;
 
@@ -231,6 +254,7 @@ pub(super) async fn deliver(shared: &Shared, event: &Event) -> Result<(), Delive
             ));
         }
         shared.retries.fetch_add(1, Ordering::Relaxed);
+        count_retry(&event.topic);
         tracing::warn!(
             event_id = %event.event_id,
             topic = %event.topic,

@@ -36,6 +36,7 @@ use tokio::sync::{Mutex, Semaphore, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 use walbox_outbox::Event;
 
+pub use attempt::retries_by_topic;
 pub use config::WebhookSinkConfig;
 pub use dead_letters::{LetterLine, read_letters, replayed_path};
 pub use request::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER};
