@@ -314,7 +314,7 @@ async fn main() -> Result<(), Error> {
     }
     println!("== summary");
     println!(
-        "  events {:<18}{} ({} distinct event ids) of {rows} committed",
+        "  events {:<19}{} ({} distinct event ids) of {rows} committed",
         if sink == "webhook" {
             "received (2xx):"
         } else {
