@@ -302,3 +302,36 @@ async fn tls_with_a_custom_ca_and_a_client_certificate_speaks_http2() {
     assert_eq!(d.len(), 9);
     assert!(d.iter().all(|a| a.http2), "HTTP/2 over ALPN");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_sends_the_range_again_under_webhook_ids_of_its_own() {
+    let receiver = Receiver::start().unwrap();
+    let (pg, db, env) = servers_webhook(&receiver, "\n[source]\nreplay_window = \"1h\"").await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    insert_rounds(&db, "before-", 3, 2).await;
+    let from = current_lsn(&db).await;
+    insert_rounds(&db, "range-", 2, 2).await;
+    // The replay window holds the slot back: wait for the checkpoint.
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    walbox.stop();
+    assert_eq!(receiver.delivered().len(), 10, "{}", walbox.log());
+    let (from, to) = (from.to_string(), checkpoint(&pg).unwrap().lsn.to_string());
+    let (code, out, err) = walbox_cmd(&["replay", "--from", &from, "--to", &to], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let replayed: Vec<_> = receiver
+        .delivered()
+        .into_iter()
+        .filter(|a| a.id.contains("_replay_"))
+        .collect();
+    assert_eq!(replayed.len(), 4, "{out}");
+    for a in &replayed {
+        // A receiver deduplicating by webhook-id takes the replay; the
+        // event's own id is unchanged.
+        let event_id = a.header("event_id").unwrap();
+        assert_eq!(a.id, format!("{event_id}_replay_{from}"));
+        assert!(a.key.as_deref().unwrap().starts_with("range-"));
+    }
+    let (ok, report) = verify_with_library(&replayed, SECRET);
+    assert!(ok, "{report}");
+}

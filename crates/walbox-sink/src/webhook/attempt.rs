@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Semaphore;
 use walbox_outbox::{Event, TopicTemplate};
 
-use super::request::{Prepared, prepare, signed_headers};
+use super::request::{Prepared, prepare, signed_headers, webhook_id};
 use crate::{DeliveryClass, DeliveryError, RejectedRecord};
 
 /// What every delivery of a sink shares.
@@ -34,6 +34,8 @@ pub(super) struct Shared {
     pub connections: Arc<Semaphore>,
     /// Attempts that failed and were tried again.
     pub retries: Arc<AtomicU64>,
+    /// The name of the replay the events belong to, if any.
+    pub replay: std::sync::OnceLock<String>,
 }
 
 /// Retries so far in this process, by topic (for `walbox_sink_retries_total`).
@@ -223,7 +225,8 @@ fn error(event: &Event, class: DeliveryClass, reason: String) -> DeliveryError {
 /// Delivers `event`: `Ok` on a 2xx, else the failure (a refusal or retries
 /// run out: about the event; a gone or moved endpoint: final).
 pub(super) async fn deliver(shared: &Shared, event: &Event) -> Result<(), DeliveryError> {
-    let prepared = prepare(event, &shared.template)
+    let id = webhook_id(event, shared.replay.get().map(String::as_str));
+    let prepared = prepare(event, id, &shared.template)
         .map_err(|why| error(event, DeliveryClass::InvalidRecord, why))?;
     let started = Instant::now();
     let mut attempts = 0u32;

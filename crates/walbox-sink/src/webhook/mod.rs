@@ -17,6 +17,11 @@
 //! event once: delivered, refused (its dead letter takes its place), or a
 //! final failure that stops walbox (410, a redirect not followed).
 //!
+//! A receiver deduplicates by `webhook-id`, so `walbox replay` sends each
+//! event under an id of its own, `{event id}_replay_{name}` (the `event_id`
+//! header unchanged): the receiver takes the replay, and drops only what an
+//! earlier run of the same replay delivered.
+//!
 //! Dead letters (events that carry `walbox_error_class`: a refusal's, a row
 //! the mapping refused) never go to the receiver: they are appended to a local
 //! file and fsynced before they are reported ([`dead_letters`]).
@@ -102,6 +107,7 @@ impl WebhookSink {
             max_retry: config.max_retry_duration(),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             retries: Arc::new(AtomicU64::new(0)),
+            replay: std::sync::OnceLock::new(),
         };
         let (tx, rx) = mpsc::unbounded_channel();
         let (events, queue) = mpsc::unbounded_channel();
@@ -152,6 +158,11 @@ impl Sink for WebhookSink {
         self.events
             .send((event, token))
             .map_err(|_| SinkError::Config("the webhook dispatcher stopped".into()))
+    }
+
+    fn replay_as(&mut self, name: &str) {
+        // Set before the replay's first event; one sink serves one replay.
+        let _ = self.shared.replay.set(name.to_owned());
     }
 
     fn abort(&mut self) {

@@ -105,9 +105,25 @@ fn header_value(v: &[u8]) -> HeaderValue {
     HeaderValue::from_str(&encoded).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
-/// The event as a request, or why it cannot be one (about the event: a field
-/// of the URL template it lacks, a URL that does not parse).
-pub(super) fn prepare(event: &Event, template: &TopicTemplate) -> Result<Prepared, String> {
+/// The `webhook-id` of `event`: its event id, or in a replay named `replay`
+/// (`walbox replay`: its start position) `{event id}_replay_{name}`, so that a
+/// receiver deduplicating by `webhook-id` takes the replay (Standard Webhooks
+/// ids hold no `.`).
+pub(super) fn webhook_id(event: &Event, replay: Option<&str>) -> String {
+    match replay {
+        Some(name) => format!("{}_replay_{name}", event.event_id),
+        None => event.event_id.clone(),
+    }
+}
+
+/// The event as a request under `webhook-id` `id`, or why it cannot be one
+/// (about the event: a field of the URL template it lacks, a URL that does
+/// not parse).
+pub(super) fn prepare(
+    event: &Event,
+    id: String,
+    template: &TopicTemplate,
+) -> Result<Prepared, String> {
     let url = render_owned(template, event)?;
     let url =
         reqwest::Url::parse(&url).map_err(|e| format!("the URL {url:?} is not valid: {e}"))?;
@@ -159,13 +175,13 @@ pub(super) fn prepare(event: &Event, template: &TopicTemplate) -> Result<Prepare
     headers.insert(CONTENT_TYPE, content_type);
     headers.insert(
         HeaderName::from_static("webhook-id"),
-        header_value(event.event_id.as_bytes()),
+        header_value(id.as_bytes()),
     );
     Ok(Prepared {
         url,
         headers,
         body: event.value.clone(),
-        id: event.event_id.clone(),
+        id,
     })
 }
 
@@ -284,7 +300,7 @@ mod tests {
     #[test]
     fn urls_headers_and_keys_are_made_valid() {
         let t = TopicTemplate::parse("https://h.example/in/{aggregate_type}/{topic}").unwrap();
-        let p = prepare(&event(), &t).unwrap();
+        let p = prepare(&event(), webhook_id(&event(), None), &t).unwrap();
         assert_eq!(
             p.url.as_str(),
             "https://h.example/in/Order%2Fx/outbox.Order"
@@ -301,7 +317,15 @@ mod tests {
             h("webhook-id").as_deref(),
             Some("msg_p5jXN8AQM9LWM0D4loKWxJek")
         );
+        assert_eq!(
+            webhook_id(&event(), Some("0/16B3D28")),
+            "msg_p5jXN8AQM9LWM0D4loKWxJek_replay_0/16B3D28"
+        );
         let missing = TopicTemplate::parse("https://h.example/{tenant}").unwrap();
-        assert!(prepare(&event(), &missing).unwrap_err().contains("tenant"));
+        assert!(
+            prepare(&event(), webhook_id(&event(), Some("0/16B3D28")), &missing)
+                .unwrap_err()
+                .contains("tenant")
+        );
     }
 }
