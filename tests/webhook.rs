@@ -62,6 +62,10 @@ async fn events_arrive_in_per_key_order_signed_for_the_official_library_under_ea
     // A signature under another secret is refused: the check can fail.
     let (ok, report) = verify_with_library(&arrivals[..1], "whsec_b3RoZXIgc2VjcmV0IGhlcmU=");
     assert!(!ok, "{report}");
+    // doctor checks the retry ceiling and the dead-letter file.
+    let (_, out, err) = walbox_cmd(&["doctor"], &env);
+    assert!(out.contains("max_retry_duration_s = 3600"), "{out}{err}");
+    assert!(out.contains("(writable)"), "{out}{err}");
     // The signing secrets never reach the log.
     let log = walbox.log();
     assert!(!log.contains("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"));
