@@ -339,3 +339,51 @@ async fn a_replay_sends_the_range_again_under_webhook_ids_of_its_own() {
     let (ok, report) = verify_with_library(&replayed, SECRET);
     assert!(ok, "{report}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_go_in_the_http_binding_s_binary_mode_percent_encoded() {
+    let receiver = Receiver::start().unwrap();
+    let pg = walbox_testkit::PgCluster::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(walbox_testkit::OUTBOX_DDL).await.unwrap();
+    let env = webhook_env(
+        &pg,
+        &format!("{}/ce/{{topic}}", receiver.base_url()),
+        "\n[[outbox]]\ntable = \"public.outbox\"\nformat = \"cloudevents\"\n\
+         cloudevents_source = \"urn:walbox:{table}\"\n\
+         cloudevents_subject = \"{aggregate_type}/{aggregate_id}\"\n",
+    );
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'o 1 Grüße', 'OrderPlaced', '{\"total\": 12}')",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let d = receiver.delivered();
+    assert_eq!(d.len(), 1, "{}", walbox.log());
+    let a = &d[0];
+    assert_eq!(a.path, "/ce/outbox.order");
+    assert_eq!(a.header("ce-specversion"), Some("1.0"));
+    assert_eq!(a.header("ce-id"), Some(a.id.as_str()));
+    assert_eq!(a.header("ce-type"), Some("OrderPlaced"));
+    assert_eq!(
+        a.header("ce-subject"),
+        Some("order/o%201%20Gr%C3%BC%C3%9Fe")
+    );
+    assert_eq!(a.header("content-type"), Some("application/json"));
+    assert_eq!(
+        a.header("ce-datacontenttype"),
+        None,
+        "Content-Type carries it"
+    );
+    // A key that is not printable ASCII goes in base64.
+    assert_eq!(a.header("walbox-key-encoding"), Some("base64"));
+    let body: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(body, serde_json::json!({"total": 12}));
+    let (ok, report) = verify_with_library(&d, SECRET);
+    assert!(ok, "{report}");
+}

@@ -37,14 +37,16 @@ pub async fn servers_webhook(
     let pg = PgCluster::start().unwrap();
     let db = pg.connect("postgres").await.unwrap();
     db.batch_execute(OUTBOX_DDL).await.unwrap();
-    let env = webhook_env(&pg, &receiver.base_url(), extra);
+    let url = format!("{}/hooks/{{aggregate_type}}", receiver.base_url());
+    let env = webhook_env(&pg, &url, extra);
     (pg, db, env)
 }
 
-/// Environment for `walbox` against `pg` and a receiver at `base`.
-pub fn webhook_env(pg: &PgCluster, base: &str, extra: &str) -> Vec<(&'static str, String)> {
+/// Environment for `walbox` against `pg` and a receiver at the URL template
+/// `url`.
+pub fn webhook_env(pg: &PgCluster, url: &str, extra: &str) -> Vec<(&'static str, String)> {
     let toml = format!(
-        "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\nurl = \"{base}/hooks/{{aggregate_type}}\"\n\
+        "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\nurl = \"{url}\"\n\
          secrets = [\"{SECRET}\"]\nsecret_env = [\"WALBOX_TEST_WEBHOOK_SECRET\"]\n\
          retry_initial_ms = 50\nretry_max_ms = 1000\nrequest_timeout_ms = 3000\n\
          dead_letter_file = \"{}\"\n{extra}\n",
