@@ -125,9 +125,15 @@ async fn one_key_retried_holds_back_only_that_key_while_50_others_flow() {
     // terms is the same path, kept short for the test's time).
     const STUCK_FOR: Duration = Duration::from_secs(20);
     let receiver = Receiver::start().unwrap();
-    let since = Instant::now();
+    // The clock starts at the stuck key's first request.
+    let first = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let since = Arc::clone(&first);
     receiver.set_script(move |seen| {
-        if seen.key == Some("stuck-0") && since.elapsed() < STUCK_FOR {
+        if seen.key != Some("stuck-0") {
+            return Reply::Ok;
+        }
+        let mut at = since.lock().unwrap();
+        if at.get_or_insert_with(Instant::now).elapsed() < STUCK_FOR {
             Reply::Status(503, String::new())
         } else {
             Reply::Ok
@@ -149,9 +155,14 @@ async fn one_key_retried_holds_back_only_that_key_while_50_others_flow() {
             .then_some(())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    let held = first
+        .lock()
+        .unwrap()
+        .expect("the stuck key was tried")
+        .elapsed();
     assert!(
-        since.elapsed() < STUCK_FOR,
-        "the others waited for the stuck key"
+        held < STUCK_FOR,
+        "the others waited for the stuck key ({held:?})"
     );
     let stuck: Vec<_> = receiver
         .arrivals()
