@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -92,6 +93,20 @@ async fn kill_9_rounds_under_four_writers_with_a_failing_receiver_lose_nothing_a
     for w in 0..4 {
         writers.push(keyed_writer(&pg, w, Arc::clone(&stop)).await);
     }
+    // The slot's confirmed position, sampled with the time it was seen.
+    let sampling = Arc::new(AtomicBool::new(true));
+    let sampler = {
+        let db = pg.connect("postgres").await.unwrap();
+        let sampling = Arc::clone(&sampling);
+        tokio::spawn(async move {
+            let mut samples = Vec::new();
+            while sampling.load(Ordering::Relaxed) {
+                samples.push((confirmed_lsn(&db, "walbox").await, Instant::now()));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            samples
+        })
+    };
     kill_9_rounds(&pg, &db, &env, 6).await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     stop.store(true, Ordering::Relaxed);
@@ -101,10 +116,29 @@ async fn kill_9_rounds_under_four_writers_with_a_failing_receiver_lose_nothing_a
     }
     caught_up(&db, &walbox).await;
     walbox.stop();
+    sampling.store(false, Ordering::Relaxed);
     let ids = outbox_ids(&db).await;
     assert_eq!(ids.len(), written);
     let arrivals = receiver.arrivals();
     let delivered = assert_arrival_order(&arrivals);
+    // The position never passed an event before its first 2xx: every event
+    // whose transaction commits below a confirmed position had been answered
+    // 2xx when that position was seen.
+    let mut first_2xx: HashMap<String, (walbox_pgoutput::Lsn, Instant)> = HashMap::new();
+    for a in arrivals.iter().filter(|a| a.delivered()) {
+        let lsn = a.header("walbox_commit_lsn").unwrap().parse().unwrap();
+        first_2xx.entry(a.id.clone()).or_insert((lsn, a.at));
+    }
+    let samples = sampler.await.unwrap();
+    assert!(samples.len() > 20, "{} samples", samples.len());
+    for (confirmed, seen) in &samples {
+        for (id, (lsn, at)) in &first_2xx {
+            assert!(
+                lsn >= confirmed || at <= seen,
+                "the slot confirmed {confirmed} before event {id} (commit {lsn}) got its 2xx"
+            );
+        }
+    }
     assert_eq!(
         delivered, ids,
         "every committed event answered 2xx at least once"
