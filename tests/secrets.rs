@@ -21,7 +21,8 @@ use walbox_testkit::{
 const PG_PASSWORD: &str = "pgSecret-4b7e21";
 const KAFKA_PASSWORD: &str = "kafkaSecret-0d93c5";
 const NATS_PASSWORD: &str = "natsSecret-7a1c39";
-const SECRETS: [&str; 3] = [PG_PASSWORD, KAFKA_PASSWORD, NATS_PASSWORD];
+const WEBHOOK_SECRET: &str = "whsec_d2ViaG9va1NlY3JldC05YzRlMmE=";
+const SECRETS: [&str; 4] = [PG_PASSWORD, KAFKA_PASSWORD, NATS_PASSWORD, WEBHOOK_SECRET];
 
 /// Every command line walbox has (`walbox --help` lists them).
 const COMMANDS: &[&[&str]] = &[
@@ -325,6 +326,7 @@ async fn every_sink_relays_at_trace_with_credentials_everywhere_and_prints_no_se
         token: None,
     })
     .unwrap();
+    let receiver = walbox_testkit::Receiver::start().unwrap();
     let db = pg.connect("postgres").await.unwrap();
     db.batch_execute(OUTBOX_DDL).await.unwrap();
     let dsn = pg.conninfo("postgres");
@@ -349,6 +351,15 @@ async fn every_sink_relays_at_trace_with_credentials_everywhere_and_prints_no_se
             ),
         ),
         ("stdout", "[sink]\ntype = \"stdout\"\n".to_owned()),
+        (
+            "webhook",
+            format!(
+                "[sink]\ntype = \"webhook\"\n[sink.webhook]\nurl = \"{}/{{topic}}\"\n\
+                 secrets = [\"{WEBHOOK_SECRET}\"]\ndead_letter_file = \"{}\"\n",
+                receiver.base_url(),
+                pg.client_dir().join("dead-letters.jsonl").display()
+            ),
+        ),
     ];
     for (n, (sink, toml)) in sinks.iter().enumerate() {
         let mut env = walbox_env(&pg, &broker);

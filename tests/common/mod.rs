@@ -11,6 +11,8 @@
 //! - [`servers`]: a cluster with the outbox table and a broker for one test.
 //! - [`nats`]: a cluster with the outbox table and a JetStream server, the
 //!   stream read back.
+//! - [`webhook`]: a cluster with the outbox table and a scripted HTTP
+//!   receiver, arrivals checked for order and by the Standard Webhooks library.
 //!
 //! Each test file starts its own PostgreSQL cluster and broker through
 //! `walbox-testkit`; nothing here talks to a server the test did not start, except
@@ -26,6 +28,7 @@ mod positions;
 mod process;
 mod servers;
 mod topics;
+mod webhook;
 mod writers;
 
 // Each test binary uses a different part.
@@ -45,5 +48,7 @@ pub use process::*;
 pub use servers::*;
 #[allow(unused_imports)]
 pub use topics::*;
+#[allow(unused_imports)]
+pub use webhook::*;
 #[allow(unused_imports)]
 pub use writers::*;

@@ -8,6 +8,7 @@ use crate::Error;
 const USAGE: &str = "\
 usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                     [--rates LIST] [--only LIST] [--svg-dir DIR] [--walbox PATH]
+                    [--webhook-events N]
 
   --events N          backlog size, a multiple of 10 (default 1000000)
   --big-txn N         rows in the one big transaction (default 1000000)
@@ -15,8 +16,9 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                       big-txn scenarios, in rotating order (default 3)
   --steady-seconds N  seconds of writing per steady rate (default 60)
   --rates LIST        steady rates in events/s (default 1000,5000,20000)
-  --only LIST         scenarios to run: backlog, polling, messages, big-txn, steady
-                      (default all)
+  --only LIST         scenarios to run: backlog, polling, messages, big-txn, steady,
+                      webhook (default all)
+  --webhook-events N  events of each webhook run, a multiple of 10 (default 20000)
   --svg-dir DIR       where a full run writes its charts
   --walbox PATH       the walbox binary (default: next to this one)";
 
@@ -32,6 +34,8 @@ pub struct Args {
     pub only: Vec<Scenario>,
     /// Rates of the steady-load scenario, events/s.
     pub rates: Vec<u64>,
+    /// Events of each run of the webhook scenario.
+    pub webhook_events: u64,
 }
 
 /// A part of the run that `--only` can pick.
@@ -43,15 +47,18 @@ pub enum Scenario {
     Messages,
     BigTxn,
     Steady,
+    /// A backlog POSTed to a local HTTP receiver at 1, 16 and 256 keys.
+    Webhook,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 5] = [
+    pub const ALL: [Scenario; 6] = [
         Scenario::Backlog,
         Scenario::Polling,
         Scenario::Messages,
         Scenario::BigTxn,
         Scenario::Steady,
+        Scenario::Webhook,
     ];
 
     fn parse(s: &str) -> Result<Self, Error> {
@@ -61,9 +68,10 @@ impl Scenario {
             "messages" => Scenario::Messages,
             "big-txn" => Scenario::BigTxn,
             "steady" => Scenario::Steady,
+            "webhook" => Scenario::Webhook,
             other => {
                 return Err(format!(
-                    "--only: unknown scenario {other:?} (backlog, polling, messages, big-txn, steady)"
+                    "--only: unknown scenario {other:?} (backlog, polling, messages, big-txn, steady, webhook)"
                 )
                 .into());
             }
@@ -85,6 +93,7 @@ pub fn args() -> Result<Option<Args>, Error> {
             .unwrap_or_else(|| PathBuf::from("walbox")),
         only: Scenario::ALL.to_vec(),
         rates: vec![1_000, 5_000, 20_000],
+        webhook_events: 20_000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -105,6 +114,12 @@ pub fn args() -> Result<Option<Args>, Error> {
                     .ok_or("--steady-seconds needs a number")?
                     .parse()?;
             }
+            "--webhook-events" => {
+                a.webhook_events = it
+                    .next()
+                    .ok_or("--webhook-events needs a number")?
+                    .parse()?;
+            }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
             "--rates" => {
                 let list = it.next().ok_or("--rates needs a list such as 1000,5000")?;
@@ -120,6 +135,9 @@ pub fn args() -> Result<Option<Args>, Error> {
                 return Err(format!("unknown argument {other:?}\n{USAGE}").into());
             }
         }
+    }
+    if a.webhook_events == 0 || !a.webhook_events.is_multiple_of(10) {
+        return Err("--webhook-events must be a positive multiple of 10".into());
     }
     if a.events == 0 || !a.events.is_multiple_of(10) {
         return Err("--events must be a positive multiple of 10".into());

@@ -42,10 +42,14 @@
 //!    p50/p95/p99/max) and, of it, the commit-to-read latency (to walbox reading
 //!    the transaction); the bench samples the slot's lag every second.
 //!
+//! 5. Webhooks (`webhook.rs`): `--webhook-events` (default 20,000) POSTed by
+//!    `walbox run` to the test kit's HTTP receiver, the events spread over 1, 16
+//!    and 256 keys (so as many requests in flight), one run each.
+//!
 //! A contender that writes to the broker or JetStream must have added every event
 //! to it by the end of its run (`delivered.rs`), else the bench fails.
 //!
-//! `--only backlog,polling,messages,big-txn,steady` runs some of them and `--rates` picks
+//! `--only backlog,polling,messages,big-txn,steady,webhook` runs some of them and `--rates` picks
 //! the steady rates; only a full run writes the charts. Figures are printed with
 //! the setup they came from.
 
@@ -60,6 +64,7 @@ mod report;
 mod scenarios;
 mod steady;
 mod svg;
+mod webhook;
 
 use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions};
 
@@ -171,6 +176,14 @@ async fn main() -> Result<(), Error> {
         }
     }
 
+    // 5. A backlog POSTed to a local HTTP receiver.
+    let mut webhooks = Vec::new();
+    if runs(Scenario::Webhook) {
+        let n = bench.a.webhook_events;
+        println!("scenario 5: {n} events to a webhook receiver at 1, 16 and 256 keys");
+        webhooks = bench.webhook(n).await?;
+    }
+
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mem_gb = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -246,6 +259,7 @@ async fn main() -> Result<(), Error> {
     if !steady.is_empty() {
         report::print_steady(bench.a.steady_seconds, &steady);
     }
+    webhook::print(&webhooks);
     // The charts compare all contenders: only a full run writes them.
     if let Some(dir) = &bench.a.svg_dir
         && bench.a.only.len() == Scenario::ALL.len()

@@ -57,11 +57,21 @@ pub enum DeliveryClass {
     /// sink counts it apart ([`crate::Sink::duplicates`]); see the crate's
     /// rules for destinations that deduplicate.
     DuplicateId,
+    /// An HTTP receiver refused the event (a 4xx other than 408, 410, 425
+    /// and 429).
+    HttpRefused,
+    /// An HTTP receiver gave no 2xx within the retry ceiling
+    /// (`max_retry_duration_s`).
+    RetriesExhausted,
+    /// The HTTP endpoint is gone (410).
+    EndpointGone,
+    /// The HTTP endpoint redirects, and redirects are not followed (3xx).
+    EndpointMoved,
 }
 
 impl DeliveryClass {
     /// Every class, for checks over all of them.
-    pub const ALL: [DeliveryClass; 11] = [
+    pub const ALL: [DeliveryClass; 15] = [
         DeliveryClass::Timeout,
         DeliveryClass::MessageTooLarge,
         DeliveryClass::InvalidRecord,
@@ -73,6 +83,10 @@ impl DeliveryClass {
         DeliveryClass::OutputClosed,
         DeliveryClass::IoError,
         DeliveryClass::DuplicateId,
+        DeliveryClass::HttpRefused,
+        DeliveryClass::RetriesExhausted,
+        DeliveryClass::EndpointGone,
+        DeliveryClass::EndpointMoved,
     ];
 
     /// The short, stable text form (for logs and dead-letter headers).
@@ -90,11 +104,17 @@ impl DeliveryClass {
             DeliveryClass::OutputClosed => "output_closed",
             DeliveryClass::IoError => "io_error",
             DeliveryClass::DuplicateId => "duplicate_id",
+            DeliveryClass::HttpRefused => "http_refused",
+            DeliveryClass::RetriesExhausted => "retries_exhausted",
+            DeliveryClass::EndpointGone => "endpoint_gone",
+            DeliveryClass::EndpointMoved => "endpoint_moved",
         }
     }
 
     /// Whether a failure of this class is about the message itself, so that
     /// sending it again would fail again (it belongs in a dead-letter topic).
+    /// An HTTP receiver's refusal and retries run out count so: the event
+    /// goes to a dead letter instead of holding its key for good.
     #[must_use]
     pub const fn is_about_the_message(self) -> bool {
         matches!(
@@ -102,6 +122,8 @@ impl DeliveryClass {
             DeliveryClass::MessageTooLarge
                 | DeliveryClass::InvalidRecord
                 | DeliveryClass::InvalidTopic
+                | DeliveryClass::HttpRefused
+                | DeliveryClass::RetriesExhausted
         )
     }
 
@@ -116,6 +138,8 @@ impl DeliveryClass {
             DeliveryClass::OutputClosed
                 | DeliveryClass::Authentication
                 | DeliveryClass::DuplicateId
+                | DeliveryClass::EndpointGone
+                | DeliveryClass::EndpointMoved
         )
     }
 }
@@ -179,6 +203,10 @@ mod tests {
                 "output_closed",
                 "io_error",
                 "duplicate_id",
+                "http_refused",
+                "retries_exhausted",
+                "endpoint_gone",
+                "endpoint_moved",
             ]
         );
         for class in DeliveryClass::ALL {
@@ -198,7 +226,9 @@ mod tests {
             [
                 DeliveryClass::MessageTooLarge,
                 DeliveryClass::InvalidRecord,
-                DeliveryClass::InvalidTopic
+                DeliveryClass::InvalidTopic,
+                DeliveryClass::HttpRefused,
+                DeliveryClass::RetriesExhausted
             ]
         );
         let last: Vec<DeliveryClass> = DeliveryClass::ALL
@@ -210,7 +240,9 @@ mod tests {
             [
                 DeliveryClass::Authentication,
                 DeliveryClass::OutputClosed,
-                DeliveryClass::DuplicateId
+                DeliveryClass::DuplicateId,
+                DeliveryClass::EndpointGone,
+                DeliveryClass::EndpointMoved
             ]
         );
         let e = DeliveryError {

@@ -10,6 +10,9 @@
 //!   with murmur2 as the Java client does, topics checked or created on first use.
 //! - [`NatsSink`]: NATS JetStream, each event with `Nats-Msg-Id` = its event id,
 //!   acknowledged on the server's PubAck; the stream checked or created.
+//! - [`WebhookSink`]: HTTP POSTs signed as Standard Webhooks say, per-key
+//!   order with many keys in flight, retried inside the sink until a 2xx or
+//!   the retry ceiling; dead letters in a local file.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed to the pipe or file (not once read); a closed pipe
 //!   fails deliveries for good.
@@ -49,6 +52,7 @@ mod nats_reader;
 mod reader;
 mod secrets;
 mod stdout;
+mod webhook;
 
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
@@ -62,6 +66,11 @@ pub use nats_reader::{DurableLetters, read_subject};
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;
+pub use webhook::{
+    DROPPED_HEADERS_HEADER as WEBHOOK_DROPPED_HEADERS_HEADER,
+    KEY_ENCODING_HEADER as WEBHOOK_KEY_ENCODING_HEADER, KEY_HEADER as WEBHOOK_KEY_HEADER,
+    LetterLine, WebhookSink, WebhookSinkConfig, read_letters, replayed_path, retries_by_topic,
+};
 
 /// Receives one [`Delivery`] per event sent.
 pub type Deliveries = mpsc::UnboundedReceiver<Delivery>;

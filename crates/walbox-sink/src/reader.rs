@@ -33,6 +33,13 @@ enum Inner<'a> {
         /// The key, decoded when it came in base64.
         key: Option<Vec<u8>>,
     },
+    /// A line of the webhook sink's dead-letter file (partition 0, its line
+    /// number as offset).
+    Letter {
+        line: &'a crate::LetterLine,
+        number: u64,
+        key: Option<Vec<u8>>,
+    },
 }
 
 impl<'a> RecordView<'a> {
@@ -52,12 +59,24 @@ impl<'a> RecordView<'a> {
         }
     }
 
+    /// A line of the webhook sink's dead-letter file, numbered `number`.
+    #[must_use]
+    pub fn letter(line: &'a crate::LetterLine, number: u64) -> Self {
+        RecordView {
+            inner: Inner::Letter {
+                line,
+                number,
+                key: line.key_bytes(),
+            },
+        }
+    }
+
     /// Partition (0 for a JetStream message).
     #[must_use]
     pub fn partition(&self) -> i32 {
         match &self.inner {
             Inner::Kafka(m) => m.partition(),
-            Inner::Nats { .. } => 0,
+            Inner::Nats { .. } | Inner::Letter { .. } => 0,
         }
     }
 
@@ -67,6 +86,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.offset(),
             Inner::Nats { sequence, .. } => i64::try_from(*sequence).unwrap_or(i64::MAX),
+            Inner::Letter { number, .. } => i64::try_from(*number).unwrap_or(i64::MAX),
         }
     }
 
@@ -75,7 +95,7 @@ impl<'a> RecordView<'a> {
     pub fn key(&self) -> Option<&[u8]> {
         match &self.inner {
             Inner::Kafka(m) => m.key(),
-            Inner::Nats { key, .. } => key.as_deref(),
+            Inner::Nats { key, .. } | Inner::Letter { key, .. } => key.as_deref(),
         }
     }
 
@@ -85,6 +105,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.payload(),
             Inner::Nats { msg, .. } => Some(msg.payload.as_ref()),
+            Inner::Letter { line, .. } => Some(line.value.as_bytes()),
         }
     }
 
@@ -99,6 +120,7 @@ impl<'a> RecordView<'a> {
                 .and_then(|h| h.value)
                 .and_then(|v| std::str::from_utf8(v).ok()),
             Inner::Nats { msg, .. } => msg.headers.as_ref()?.get(name).map(|v| v.as_str()),
+            Inner::Letter { line, .. } => line.header(name),
         }
     }
 }

@@ -20,6 +20,9 @@
 //!   [`kafka::Record`]s (key, headers, value, partition, offset) for assertions.
 //! - [`Prometheus`]: a real Prometheus on a free port scraping given targets,
 //!   queried through its HTTP API; [`prometheus::get_status`] for plain GETs.
+//! - [`Receiver`]: a real HTTP receiver for webhooks (HTTP/1.1 and HTTP/2,
+//!   optionally TLS) on a free port that records each request and answers by
+//!   a script (2xx, a status, `Retry-After`, slow, a dropped connection).
 //! - [`wait_until`]: polls a condition with a deadline, so tests wait on conditions,
 //!   never on fixed sleeps.
 
@@ -33,6 +36,7 @@ pub mod prometheus;
 mod proxy;
 mod tls;
 mod wait;
+pub mod webhook;
 
 pub use broker::{Broker, BrokerOptions, BrokerStorage, BrokerUser, Scram};
 pub use error::TestkitError;
@@ -42,6 +46,7 @@ pub use prometheus::Prometheus;
 pub use proxy::TcpProxy;
 pub use tls::TlsFiles;
 pub use wait::{wait_until, wait_until_async};
+pub use webhook::Receiver;
 
 /// The outbox table of the tests, demo and benchmark: walbox's default column names.
 pub const OUTBOX_DDL: &str = "

@@ -5,7 +5,9 @@
 //! Kafka as a consumer group's offsets on the dead-letter topic (stopping, per
 //! partition, before the first letter that still fails), with NATS JetStream as
 //! the acknowledgements of a durable consumer on the dead-letter subject (a
-//! letter that still fails is handed back, the others are done).
+//! letter that still fails is handed back, the others are done), with the
+//! webhook sink as a count of the dead-letter file's lines done, kept beside
+//! it (`<file>.replayed`, stopping before the first letter that still fails).
 //!
 //! A letter's event is published under its own event id (a dead letter holds
 //! `{id}.dlq` on NATS), so a run again after a kill, before its progress was
@@ -20,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
-use walbox_sink::{DurableLetters, KafkaSink, NatsSink, Sink};
+use walbox_sink::{DurableLetters, KafkaSink, NatsSink, Sink, WebhookSink};
 
 use crate::catalog::{self, ident};
 use crate::config::{Config, Overrides, SinkKind};
@@ -272,6 +274,49 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 published?;
             }
         }
+        SinkKind::Webhook => {
+            let sink_config = config.webhook_sink()?;
+            let file = sink_config
+                .dead_letter_file
+                .clone()
+                .context("sink.webhook.dead_letter_file")?;
+            let progress = walbox_sink::replayed_path(&file);
+            let done: u64 = match std::fs::read_to_string(&progress) {
+                Ok(s) => s.trim().parse().unwrap_or(0),
+                Err(_) => 0,
+            };
+            let lines = walbox_sink::read_letters(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let (mut sink, mut deliveries) = WebhookSink::new(sink_config)?;
+            // Letters of the named topics (all of them by default).
+            let letters: Vec<DeadLetter> = lines
+                .iter()
+                .filter(|(n, l)| {
+                    *n >= done && (args.topics.is_empty() || args.topics.contains(&l.topic))
+                })
+                .map(|(n, l)| parse(&walbox_sink::RecordView::letter(l, *n)))
+                .collect();
+            let failed = run
+                .publish(
+                    &mut sink,
+                    &mut deliveries,
+                    &file.display().to_string(),
+                    &letters,
+                )
+                .await?;
+            if !args.dry_run {
+                // The lines before the first letter that still fails are done.
+                let next = letters
+                    .iter()
+                    .find(|l| failed.contains(&l.offset_key()))
+                    .map_or_else(
+                        || lines.last().map_or(done, |(n, _)| n + 1),
+                        |l| u64::try_from(l.offset).unwrap_or(done),
+                    );
+                std::fs::write(&progress, format!("{next}\n"))
+                    .with_context(|| format!("recording progress in {}", progress.display()))?;
+            }
+        }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
     let (replayed, already, failing, kept) = (run.replayed, run.already, run.failing, run.kept);
@@ -304,8 +349,8 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\" or \"nats\" (or --sink) to replay the dead letters of that \
-         broker"
+         [sink] type = \"kafka\", \"nats\" or \"webhook\" (or --sink) to replay the dead \
+         letters it stored"
     )
 }
 

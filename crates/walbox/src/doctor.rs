@@ -66,6 +66,24 @@ pub(crate) fn duplicate_window_risk(window_s: u64) -> Option<String> {
     })
 }
 
+/// The longest `sink.webhook.max_retry_duration_s` walbox takes without a
+/// warning: 6 hours.
+const WEBHOOK_RETRY_CEILING_S: u64 = 6 * 3600;
+
+/// The risk of a webhook retry ceiling of `seconds`: a key the receiver keeps
+/// refusing holds the slot's WAL from its event on for that long.
+pub(crate) fn webhook_retry_risk(seconds: u64) -> Option<String> {
+    (seconds > WEBHOOK_RETRY_CEILING_S).then(|| {
+        format!(
+            "sink.webhook.max_retry_duration_s = {seconds}: one key the receiver keeps failing \
+             holds the slot's WAL from its event on for up to {} h before the event is \
+             dead-lettered; the primary's disk must hold that much WAL (see \
+             max_slot_wal_keep_size and the retained-WAL alert), or lower it",
+            seconds / 3600
+        )
+    })
+}
+
 async fn setting(sql: &tokio_postgres::Client, name: &str) -> Result<String> {
     Ok(sql
         .query_one("SELECT current_setting($1)", &[&name])
@@ -289,6 +307,45 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
         }
     }
 
+    if config.sink.kind == crate::config::SinkKind::Webhook {
+        match config.webhook_sink() {
+            Ok(w) => {
+                match webhook_retry_risk(w.max_retry_duration_s) {
+                    Some(risk) => r.add(Verdict::Warn, risk),
+                    None => r.add(
+                        Verdict::Ok,
+                        format!(
+                            "sink.webhook.max_retry_duration_s = {}: a key held by retries is \
+                             dead-lettered within {} min",
+                            w.max_retry_duration_s,
+                            w.max_retry_duration_s / 60
+                        ),
+                    ),
+                }
+                let path = w.dead_letter_file.unwrap_or_default();
+                match std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                {
+                    Ok(_) => r.add(
+                        Verdict::Ok,
+                        format!("dead letters go to {} (writable)", path.display()),
+                    ),
+                    Err(e) => r.add(
+                        Verdict::Fail,
+                        format!(
+                            "sink.webhook.dead_letter_file {}: {e}; dead letters could not be \
+                             kept",
+                            path.display()
+                        ),
+                    ),
+                }
+            }
+            Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
+        }
+    }
+
     print(&r);
     let failed = r.lines.iter().filter(|(v, _)| *v == Verdict::Fail).count();
     if failed > 0 {
@@ -331,6 +388,18 @@ fn print(r: &Report) {
 #[cfg(test)]
 mod window_tests {
     use super::*;
+
+    #[test]
+    fn a_webhook_retry_ceiling_past_six_hours_is_a_risk_and_the_default_is_not() {
+        assert_eq!(
+            webhook_retry_risk(walbox_sink::WebhookSinkConfig::default().max_retry_duration_s),
+            None
+        );
+        assert_eq!(webhook_retry_risk(6 * 3600), None);
+        let risk = webhook_retry_risk(24 * 3600).expect("a day is a risk");
+        assert!(risk.contains("24 h"), "{risk}");
+        assert!(risk.contains("max_slot_wal_keep_size"), "{risk}");
+    }
 
     #[test]
     fn a_duplicate_window_shorter_than_a_crash_loop_restart_and_catch_up_is_a_risk() {

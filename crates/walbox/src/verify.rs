@@ -175,12 +175,22 @@ async fn read_records(
         SinkKind::Kafka | SinkKind::Stdout => tokio::task::block_in_place(|| {
             walbox_sink::read_topic(properties, topic, timeout, each)
         }),
+        SinkKind::Webhook => Err(walbox_sink::SinkError::Config(
+            "an HTTP receiver keeps no record walbox can read back".into(),
+        )),
     }
 }
 
 /// Runs the audit; fails when events are missing or out of order.
 pub async fn run(args: Args) -> Result<()> {
     let config = Config::load(&args.overrides)?;
+    if config.sink.kind == SinkKind::Webhook {
+        bail!(
+            "verify reads the events back from the destination, and an HTTP receiver keeps \
+             nothing walbox can read; audit the receiver's own store by webhook-id (the event \
+             id) instead"
+        );
+    }
     if config.outbox.is_empty() && !config.messages.is_empty() {
         bail!(
             "verify cannot check logical decoding messages ([[messages]]): they are in no table \

@@ -1,7 +1,8 @@
 //! `make demo`: walbox end to end on throwaway infrastructure.
 //!
 //! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker
-//! (or, with `--sink nats`, a JetStream server),
+//! (or, with `--sink nats`, a JetStream server; with `--sink webhook`, an HTTP
+//! receiver that records each signed POST),
 //! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
 //! concurrent writers commit a few hundred outbox events, reads them back from the
 //! topic and prints them with a summary: events, keys, per-key order, and the slot's
@@ -15,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use walbox_testkit::{
-    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, kafka, wait_until_async,
+    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, Receiver, kafka, wait_until_async,
 };
 
 const WRITERS: usize = 4;
@@ -41,6 +42,7 @@ fn arg(name: &str) -> Option<String> {
 enum Destination {
     Kafka(Broker),
     Nats(NatsServer),
+    Webhook(Receiver),
 }
 
 impl Destination {
@@ -48,11 +50,48 @@ impl Destination {
         matches!(self, Destination::Nats(_))
     }
 
+    /// The receiver's 2xx arrivals as records (partition 0, arrival order as
+    /// offset), once at least `wanted` came.
+    async fn delivered(&self, wanted: usize) -> Result<Option<Vec<kafka::Record>>, Error> {
+        let Destination::Webhook(r) = self else {
+            return Ok(None);
+        };
+        wait_until_async(
+            "the receiver's 2xx arrivals",
+            Duration::from_secs(120),
+            || async { (r.delivered().len() >= wanted).then_some(()) },
+        )
+        .await?;
+        Ok(Some(
+            r.delivered()
+                .into_iter()
+                .enumerate()
+                .map(|(i, a)| kafka::Record {
+                    topic: a.path.clone(),
+                    partition: 0,
+                    offset: i64::try_from(i).unwrap_or(i64::MAX),
+                    key: a.key.clone().map(String::into_bytes),
+                    headers: a
+                        .headers
+                        .iter()
+                        .map(|(k, v)| (k.clone(), Some(v.clone().into_bytes())))
+                        .collect(),
+                    value: Some(a.body.to_vec()),
+                })
+                .collect(),
+        ))
+    }
+
     /// The broker's log so far, for a failed demo.
     fn log_tail(&self) -> String {
         match self {
             Destination::Kafka(b) => b.log_tail(),
             Destination::Nats(n) => n.log_tail(),
+            Destination::Webhook(r) => format!(
+                "{} requests, {} answered 2xx",
+                r.count(),
+                r.delivered().len()
+            ),
         }
     }
 }
@@ -74,13 +113,18 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
-    let nats = match arg("--sink").as_deref() {
-        None | Some("kafka") => false,
-        Some("nats") => true,
-        Some(other) => return Err(format!("--sink {other}: use kafka or nats").into()),
-    };
+    let sink = arg("--sink").unwrap_or_else(|| "kafka".into());
+    if !["kafka", "nats", "webhook"].contains(&sink.as_str()) {
+        return Err(format!("--sink {sink}: use kafka, nats or webhook").into());
+    }
+    let nats = sink == "nats";
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
-    let (destination, address) = if nats {
+    let (destination, address) = if sink == "webhook" {
+        println!("== starting a throwaway PostgreSQL (wal_level=logical) and an HTTP receiver");
+        let receiver = Receiver::start()?;
+        let url = receiver.base_url();
+        (Destination::Webhook(receiver), url)
+    } else if nats {
         println!("== starting a throwaway PostgreSQL (wal_level=logical) and a JetStream server");
         let server = NatsServer::start()?;
         let url = server.url();
@@ -103,6 +147,13 @@ async fn main() -> Result<(), Error> {
             format!(
                 "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{address}\"]\n\
                  create_stream = true\nsubjects = [\"outbox.>\"]\n"
+            )
+        } else if sink == "webhook" {
+            format!(
+                "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\nurl = \"{address}/hooks/{{topic}}\"\n\
+                 secrets = [\"whsec_ZGVtbyBzZWNyZXQgb25seSBmb3IgdGhlIGRlbW8=\"]\n\
+                 dead_letter_file = \"{}\"\n",
+                pg.client_dir().join("dead-letters.jsonl").display()
             )
         } else {
             String::new()
@@ -186,7 +237,9 @@ async fn main() -> Result<(), Error> {
     );
 
     let wanted = usize::try_from(rows)?;
-    let records = if destination.is_nats() {
+    let records = if let Some(records) = destination.delivered(wanted).await? {
+        records
+    } else if destination.is_nats() {
         walbox_testkit::nats::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
             .await
             .map_err(|e| e.to_string())?
@@ -214,7 +267,12 @@ async fn main() -> Result<(), Error> {
     )
     .await?;
 
-    println!("== the events, read back from topic {TOPIC} (partition @offset key event payload)");
+    let place = if sink == "webhook" {
+        format!("as the receiver took them (2xx) at {address}/hooks/{TOPIC}")
+    } else {
+        format!("read back from topic {TOPIC}")
+    };
+    println!("== the events, {place} (partition @offset key event payload)");
     let mut sorted: Vec<&kafka::Record> = records.iter().collect();
     sorted.sort_by_key(|r| (r.partition, r.offset));
     let mut per_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
@@ -256,7 +314,12 @@ async fn main() -> Result<(), Error> {
     }
     println!("== summary");
     println!(
-        "  events in the topic:      {} ({} distinct event ids) of {rows} committed",
+        "  events {:<19}{} ({} distinct event ids) of {rows} committed",
+        if sink == "webhook" {
+            "received (2xx):"
+        } else {
+            "in the topic:"
+        },
         records.len(),
         ids.len()
     );

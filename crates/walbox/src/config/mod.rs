@@ -348,6 +348,8 @@ pub enum SinkKind {
     Stdout,
     /// NATS JetStream (`[sink.nats]`).
     Nats,
+    /// HTTP webhooks (`[sink.webhook]`).
+    Webhook,
 }
 
 impl SinkKind {
@@ -359,6 +361,7 @@ impl SinkKind {
         match self {
             SinkKind::Kafka | SinkKind::Stdout => walbox_outbox::Protocol::Kafka,
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
+            SinkKind::Webhook => walbox_outbox::Protocol::Http,
         }
     }
 }
@@ -367,7 +370,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats` or `stdout`.
+    /// `kafka`, `nats`, `webhook` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -391,6 +394,9 @@ pub struct SinkConfig {
     /// The NATS JetStream sink's settings (`type = "nats"`).
     #[serde(default)]
     pub nats: walbox_sink::NatsSinkConfig,
+    /// The webhook sink's settings (`type = "webhook"`).
+    #[serde(default)]
+    pub webhook: walbox_sink::WebhookSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -417,6 +423,7 @@ impl Default for SinkConfig {
             max_in_flight_bytes: default_max_in_flight_bytes(),
             kafka: BTreeMap::new(),
             nats: walbox_sink::NatsSinkConfig::default(),
+            webhook: walbox_sink::WebhookSinkConfig::default(),
         }
     }
 }
@@ -444,6 +451,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("kafka", &kafka)
             .field("nats", &self.nats)
+            .field("webhook", &self.webhook)
             .finish()
     }
 }
@@ -658,6 +666,9 @@ impl Config {
         for secret in self.sink.nats.secrets() {
             crate::redact::keep_out(&secret);
         }
+        for secret in self.sink.webhook.secrets() {
+            crate::redact::keep_out(&secret);
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -698,6 +709,9 @@ impl Config {
         if self.sink.kind == SinkKind::Nats {
             self.sink.nats_sink()?;
         }
+        if self.sink.kind == SinkKind::Webhook {
+            self.webhook_sink()?;
+        }
         self.dead_letter.template()?;
         walbox_outbox::check_prefixes(&self.messages)
             .map_err(|e| anyhow::anyhow!("[[messages]]: {e}"))?;
@@ -722,6 +736,22 @@ impl Config {
     /// `source.replay_window`, parsed.
     pub fn replay_window(&self) -> Result<ReplayWindow> {
         parse_replay_window(&self.source.replay_window).context("source.replay_window")
+    }
+
+    /// The webhook sink's settings, with the in-flight bound and the dead-letter
+    /// file (default `walbox-<slot>.dead-letters.jsonl`, beside the default
+    /// checkpoint).
+    pub fn webhook_sink(&self) -> Result<walbox_sink::WebhookSinkConfig> {
+        let mut c = self.sink.webhook.clone();
+        c.max_in_flight = self.sink.max_in_flight;
+        if c.dead_letter_file.is_none() {
+            c.dead_letter_file = Some(PathBuf::from(format!(
+                "walbox-{}.dead-letters.jsonl",
+                self.source.slot
+            )));
+        }
+        c.validate()?;
+        Ok(c)
     }
 
     /// The checkpoint store.

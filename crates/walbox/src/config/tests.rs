@@ -264,6 +264,7 @@ fn the_sink_s_type_gives_every_format_its_cloudevents_binding() {
     let text = |sink: &str| {
         format!(
             "[sink]\ntype = \"{sink}\"\n[sink.nats]\nservers = [\"nats://127.0.0.1:4222\"]\n\
+             [sink.webhook]\nurl = \"https://h.example/{{topic}}\"\nsecrets = [\"whsec_aGVsbG8=\"]\n\
              [[outbox]]\ntable = \"o\"\nformat = \"cloudevents\"\n\
              [[messages]]\nprefix = \"m\"\nformat = \"cloudevents\""
         )
@@ -281,6 +282,7 @@ fn the_sink_s_type_gives_every_format_its_cloudevents_binding() {
         ("kafka", None, walbox_outbox::Protocol::Kafka),
         ("stdout", None, walbox_outbox::Protocol::Kafka),
         ("nats", None, walbox_outbox::Protocol::Nats),
+        ("webhook", None, walbox_outbox::Protocol::Http),
         // The command line's sink decides.
         ("kafka", Some(SinkKind::Nats), walbox_outbox::Protocol::Nats),
         (
@@ -301,5 +303,47 @@ fn the_sink_s_type_gives_every_format_its_cloudevents_binding() {
         c.outbox[0].formatting.binding,
         walbox_outbox::Protocol::Nats.cloudevents()
     );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn the_webhook_sink_s_settings_are_checked_and_its_dead_letters_have_a_default_file() {
+    let dir = std::env::temp_dir().join(format!("walbox-webhook-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.toml");
+    let load = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        Config::load(&Overrides {
+            config: Some(path.clone()),
+            ..Overrides::default()
+        })
+    };
+    let base = "[source]\nslot = \"s1\"\n[sink]\ntype = \"webhook\"\n[sink.webhook]\n";
+    let c = load(&format!(
+        "{base}url = \"https://h.example/{{aggregate_type}}\"\nsecrets = [\"whsec_aGVsbG8=\"]"
+    ))
+    .unwrap();
+    let w = c.webhook_sink().unwrap();
+    assert_eq!(
+        w.dead_letter_file.as_deref(),
+        Some(std::path::Path::new("walbox-s1.dead-letters.jsonl"))
+    );
+    assert_eq!(w.max_retry_duration_s, 3600);
+    assert!(!w.follow_redirects);
+    assert!(
+        !format!("{c:?}").contains("aGVsbG8"),
+        "the secret is hidden"
+    );
+    let err = |text: &str| format!("{:#}", load(text).unwrap_err());
+    let e = err(&format!(
+        "{base}url = \"https://h.example/\"\nsecrets = [\"whsec_aGVsbG8=\"]\ncolour = 1"
+    ));
+    assert!(e.contains("unknown field") && e.contains("colour"), "{e}");
+    let e = err(&format!("{base}url = \"https://h.example/\""));
+    assert!(e.contains("sink.webhook.secrets"), "{e}");
+    let e = err(&format!(
+        "{base}url = \"https://h.example/\"\nsecret_env = [\"WALBOX_TEST_NO_SUCH_SECRET\"]"
+    ));
+    assert!(e.contains("WALBOX_TEST_NO_SUCH_SECRET"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -55,6 +55,7 @@ pub struct Metrics {
     events_published: Family<Labels, Counter>,
     events_dead_lettered: Family<Labels, Counter>,
     published_bytes: Family<Labels, Counter>,
+    sink_retries: Family<Labels, Counter>,
     pub(crate) in_flight_events: Gauge,
     pub(crate) in_flight_bytes: Gauge,
     pub(crate) in_flight_events_limit: Gauge,
@@ -92,6 +93,7 @@ impl Metrics {
             events_published: Family::default(),
             events_dead_lettered: Family::default(),
             published_bytes: Family::default(),
+            sink_retries: Family::default(),
             in_flight_events: Gauge::default(),
             in_flight_bytes: Gauge::default(),
             in_flight_events_limit: Gauge::default(),
@@ -152,6 +154,12 @@ impl Metrics {
             "walbox_published_bytes",
             "Bytes (key, value, headers) the broker acknowledged, by topic",
             self.published_bytes.clone(),
+        );
+        r.register(
+            "walbox_sink_retries",
+            "Attempts the sink made again after a failure (a webhook's 408, 425, 429, 5xx, \
+             timeout or connection error), by topic",
+            self.sink_retries.clone(),
         );
         let gauges: [(&str, &str, &Gauge); 13] = [
             (
@@ -338,6 +346,10 @@ impl Metrics {
             .set(self.health.since_last_ack(now).as_secs_f64());
         self.seconds_since_last_server_message
             .set(self.health.since_last_server_message(now).as_secs_f64());
+        for (topic, n) in walbox_sink::retries_by_topic() {
+            let c = self.sink_retries.get_or_create(&vec![("topic", topic)]);
+            c.inc_by(n.saturating_sub(c.get()));
+        }
         let (ready, _, _) = self.health.readiness(now);
         self.ready.set(i64::from(ready));
         let mut out = String::new();

@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use walbox_outbox::Event;
-use walbox_sink::{Deliveries, DeliveryError, KafkaSink, NatsSink, Sink, SinkError, StdoutSink};
+use walbox_sink::{
+    Deliveries, DeliveryError, KafkaSink, NatsSink, Sink, SinkError, StdoutSink, WebhookSink,
+};
 
 use super::transient;
 use crate::config::{Config, SinkKind};
@@ -14,6 +16,7 @@ pub(super) enum AnySink {
     Kafka(KafkaSink),
     Nats(Box<NatsSink>),
     Stdout(StdoutSink),
+    Webhook(Box<WebhookSink>),
 }
 
 impl Sink for AnySink {
@@ -22,6 +25,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.send(event, token).await,
             AnySink::Nats(s) => s.send(event, token).await,
             AnySink::Stdout(s) => s.send(event, token).await,
+            AnySink::Webhook(s) => s.send(event, token).await,
         }
     }
 
@@ -30,6 +34,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.end_batch(),
             AnySink::Nats(s) => s.end_batch(),
             AnySink::Stdout(s) => s.end_batch(),
+            AnySink::Webhook(s) => s.end_batch(),
         }
     }
 
@@ -38,6 +43,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.abort(),
             AnySink::Nats(s) => s.abort(),
             AnySink::Stdout(s) => s.abort(),
+            AnySink::Webhook(s) => s.abort(),
         }
     }
 
@@ -46,6 +52,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.flush(timeout).await,
             AnySink::Nats(s) => s.flush(timeout).await,
             AnySink::Stdout(s) => s.flush(timeout).await,
+            AnySink::Webhook(s) => s.flush(timeout).await,
         }
     }
 
@@ -54,6 +61,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.replay_as(name),
             AnySink::Nats(s) => s.replay_as(name),
             AnySink::Stdout(s) => s.replay_as(name),
+            AnySink::Webhook(s) => s.replay_as(name),
         }
     }
 
@@ -62,6 +70,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.duplicates(),
             AnySink::Nats(s) => s.duplicates(),
             AnySink::Stdout(s) => s.duplicates(),
+            AnySink::Webhook(s) => s.duplicates(),
         }
     }
 }
@@ -79,6 +88,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
             (AnySink::Stdout(sink), deliveries)
+        }
+        SinkKind::Webhook => {
+            let (sink, deliveries) = WebhookSink::new(config.webhook_sink()?)?;
+            (AnySink::Webhook(Box::new(sink)), deliveries)
         }
     })
 }

@@ -1,0 +1,136 @@
+//! The webhook contender: `walbox run` POSTing a backlog to the test kit's
+//! HTTP receiver (on the same machine, answering 200 at once), with the
+//! backlog's events spread over 1, 16 and 256 keys, so that at most that many
+//! requests are in flight (one per key). Each run has a slot of its own,
+//! created before its load, and is timed from walbox's start until the
+//! receiver answered 2xx to every event. One run per key count.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use walbox_testkit::Receiver;
+
+use crate::Error;
+use crate::contenders::checkpoint_file;
+use crate::scenarios::{Bench, INSERT, ROW_SELECT};
+
+/// The keys in flight of the runs.
+pub const KEYS: [usize; 3] = [1, 16, 256];
+
+/// One run's result.
+#[derive(Debug)]
+pub struct WebhookRun {
+    pub keys: usize,
+    pub events: u64,
+    pub seconds: f64,
+    /// Requests the receiver answered (one per event, plus any resend).
+    pub requests: usize,
+}
+
+impl Bench {
+    /// Drains `events` to a receiver once per key count of [`KEYS`].
+    pub async fn webhook(&self, events: u64) -> Result<Vec<WebhookRun>, Error> {
+        let mut out = Vec::new();
+        for keys in KEYS {
+            let slot = format!("bench_webhook_{keys}");
+            self.db
+                .execute(
+                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&slot],
+                )
+                .await?;
+            let select = ROW_SELECT.replace("(n % 1000)", &format!("(n % {keys})"));
+            self.db
+                .batch_execute(&format!(
+                    "DO $$
+                     BEGIN
+                       FOR t IN 0..{last} LOOP
+                         {INSERT} {select} FROM generate_series(t * 10, t * 10 + 9) n;
+                         COMMIT;
+                       END LOOP;
+                     END $$;",
+                    last = events / 10 - 1
+                ))
+                .await?;
+            let receiver = Receiver::start()?;
+            let config = self.pg.client_dir().join(format!("{slot}.webhook.toml"));
+            std::fs::write(
+                &config,
+                format!(
+                    "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\n\
+                     url = \"{}/hooks/{{topic}}\"\n\
+                     secrets = [\"whsec_YmVuY2ggc2VjcmV0IGZvciB0aGUgd2ViaG9vaw==\"]\n\
+                     max_connections = 256\ndead_letter_file = \"{}\"\n",
+                    receiver.base_url(),
+                    self.pg
+                        .client_dir()
+                        .join(format!("{slot}.dead-letters.jsonl"))
+                        .display()
+                ),
+            )?;
+            let started = Instant::now();
+            let mut child = Command::new(&self.a.walbox)
+                .arg("run")
+                .env("WALBOX_CONFIG", &config)
+                .env("WALBOX_DSN", self.pg.conninfo("postgres"))
+                .env("WALBOX_SLOT", &slot)
+                .env("WALBOX_CHECKPOINT", checkpoint_file(&self.pg, &slot))
+                .env("WALBOX_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()?;
+            let wanted = usize::try_from(events)?;
+            let deadline = started + Duration::from_secs(3_600);
+            while receiver.count() < wanted {
+                if Instant::now() > deadline || child.try_wait()?.is_some() {
+                    let _ = child.kill();
+                    return Err(format!(
+                        "webhook run with {keys} keys: {} of {wanted} events arrived",
+                        receiver.count()
+                    )
+                    .into());
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let seconds = started.elapsed().as_secs_f64();
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(i32::try_from(child.id())?),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            child.wait()?;
+            self.db
+                .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+                .await?;
+            out.push(WebhookRun {
+                keys,
+                events,
+                seconds,
+                requests: receiver.count(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The runs as a table.
+pub fn print(runs: &[WebhookRun]) {
+    let Some(first) = runs.first() else {
+        return;
+    };
+    println!();
+    println!(
+        "Webhooks: {} events POSTed to a local receiver (200 at once), one request in flight per key",
+        first.events
+    );
+    println!("| keys in flight | seconds | events/s | requests |");
+    println!("|---:|---:|---:|---:|");
+    for r in runs {
+        println!(
+            "| {} | {:.1} | {:.0} | {} |",
+            r.keys,
+            r.seconds,
+            r.events as f64 / r.seconds,
+            r.requests
+        );
+    }
+}

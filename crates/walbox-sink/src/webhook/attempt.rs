@@ -1,0 +1,326 @@
+//! One event's delivery: POST, signed anew for every attempt, until a 2xx, a
+//! status that is final, or `max_retry_duration` runs out. What each answer
+//! means:
+//!
+//! - 2xx: delivered.
+//! - 408, 425, 429, 5xx, a timeout or a connection error: tried again after a
+//!   backoff (doubling from `retry_initial_ms` up to `retry_max_ms`, with
+//!   jitter), or after `Retry-After` when that is longer.
+//! - 410: the endpoint is gone; 3xx (not followed): it moved. Both are about
+//!   where events go, not about the event: final, walbox stops.
+//! - any other 4xx: the receiver refuses the event; it is dead-lettered with
+//!   the status and a short, sanitized excerpt of the answer.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::Semaphore;
+use walbox_outbox::{Event, TopicTemplate};
+
+use super::request::{Prepared, prepare, signed_headers, webhook_id};
+use crate::{DeliveryClass, DeliveryError, RejectedRecord};
+
+/// What every delivery of a sink shares.
+#[derive(Debug)]
+pub(super) struct Shared {
+    pub client: reqwest::Client,
+    pub keys: Vec<Vec<u8>>,
+    pub template: TopicTemplate,
+    pub retry_initial: Duration,
+    pub retry_max: Duration,
+    pub max_retry: Duration,
+    /// Requests open at once.
+    pub connections: Arc<Semaphore>,
+    /// Attempts that failed and were tried again.
+    pub retries: Arc<AtomicU64>,
+    /// The name of the replay the events belong to, if any.
+    pub replay: std::sync::OnceLock<String>,
+}
+
+/// Retries so far in this process, by topic (for `walbox_sink_retries_total`).
+static RETRIES: std::sync::Mutex<std::collections::BTreeMap<String, u64>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+fn count_retry(topic: &str) {
+    let mut r = RETRIES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *r.entry(topic.to_owned()).or_insert(0) += 1;
+}
+
+/// Attempts made again after a failure so far in this process, by topic: a
+/// webhook's 408, 425, 429, 5xx, timeouts and connection errors.
+#[must_use]
+pub fn retries_by_topic() -> Vec<(String, u64)> {
+    RETRIES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .map(|(t, n)| (t.clone(), *n))
+        .collect()
+}
+
+/// The most bytes of a refusal's answer a dead letter keeps.
+const EXCERPT: usize = 256;
+
+/// What one attempt's answer asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum Answer {
+    Delivered,
+    Retry {
+        why: String,
+        after: Option<Duration>,
+    },
+    Refused {
+        status: u16,
+        excerpt: String,
+    },
+    Stop {
+        class: DeliveryClass,
+        why: String,
+    },
+}
+
+fn classify(status: u16, retry_after: Option<Duration>, excerpt: String) -> Answer {
+    match status {
+        200..=299 => Answer::Delivered,
+        408 | 425 | 429 | 500..=599 => Answer::Retry {
+            why: format!("HTTP {status}"),
+            after: retry_after,
+        },
+        410 => Answer::Stop {
+            class: DeliveryClass::EndpointGone,
+            why: "HTTP 410 Gone: the receiver says this endpoint is gone; fix sink.webhook.url"
+                .into(),
+        },
+        300..=399 => Answer::Stop {
+            class: DeliveryClass::EndpointMoved,
+            why: format!(
+                "HTTP {status}: the receiver redirects; point sink.webhook.url at the new \
+                 location, or set follow_redirects = true"
+            ),
+        },
+        400..=499 => Answer::Refused { status, excerpt },
+        other => Answer::Retry {
+            why: format!("HTTP {other}"),
+            after: retry_after,
+        },
+    }
+}
+
+/// `Retry-After`: seconds, or an HTTP date.
+pub(super) fn retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+    let v = value.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// A refusal's answer made safe for a header and a log line: at most
+/// [`EXCERPT`] bytes, control characters as spaces, marked when cut.
+pub(super) fn sanitized(body: &[u8]) -> String {
+    let cut = body.len() > EXCERPT;
+    let mut text: String = String::from_utf8_lossy(&body[..body.len().min(EXCERPT)])
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    text = text.trim().to_owned();
+    if cut {
+        text.push_str("...");
+    }
+    text
+}
+
+/// The delay before attempt `attempt + 1` (1 = the first retry): doubling from
+/// `initial`, at most `max`, drawn uniformly from its upper half (jitter).
+pub(super) fn backoff(attempt: u32, initial: Duration, max: Duration) -> Duration {
+    let full = initial
+        .saturating_mul(1u32 << attempt.saturating_sub(1).min(20))
+        .min(max);
+    let half = full / 2;
+    half + half.mul_f64(fastrand::f64())
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// One attempt: the answer, or why there was none.
+async fn attempt(shared: &Shared, prepared: &Prepared) -> Answer {
+    let _permit = shared.connections.acquire().await;
+    let headers = signed_headers(prepared, &shared.keys, unix_now());
+    let sent = shared
+        .client
+        .post(prepared.url.clone())
+        .headers(headers)
+        .body(prepared.body.clone())
+        .send()
+        .await;
+    let mut response = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            return Answer::Retry {
+                why: e.without_url().to_string(),
+                after: None,
+            };
+        }
+    };
+    let status = response.status().as_u16();
+    let after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| retry_after(v, SystemTime::now()));
+    // The answer's start, for a refusal's dead letter; the rest is read and
+    // dropped so the connection is reused.
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(c)) => {
+                if body.len() <= EXCERPT {
+                    body.extend_from_slice(&c[..c.len().min(EXCERPT + 1 - body.len())]);
+                }
+            }
+            Ok(None) => break,
+            Err(e) if (200..300).contains(&status) => {
+                // The 2xx came: the receiver took the event.
+                tracing::debug!(error = %e.without_url(), "reading a 2xx answer's body");
+                break;
+            }
+            Err(e) => {
+                return Answer::Retry {
+                    why: format!("HTTP {status}, then {}", e.without_url()),
+                    after,
+                };
+            }
+        }
+    }
+    classify(status, after, sanitized(&body))
+}
+
+fn error(event: &Event, class: DeliveryClass, reason: String) -> DeliveryError {
+    let rejected = class.is_about_the_message().then(|| RejectedRecord {
+        key: event.key.as_ref().map(|k| k.to_vec()),
+        headers: event
+            .headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_vec()))
+            .collect(),
+        value_len: event.value.len(),
+    });
+    DeliveryError {
+        event_id: event.event_id.clone(),
+        topic: event.topic.clone(),
+        class,
+        reason,
+        rejected,
+    }
+}
+
+/// Delivers `event`: `Ok` on a 2xx, else the failure (a refusal or retries
+/// run out: about the event; a gone or moved endpoint: final).
+pub(super) async fn deliver(shared: &Shared, event: &Event) -> Result<(), DeliveryError> {
+    let id = webhook_id(event, shared.replay.get().map(String::as_str));
+    let prepared = prepare(event, id, &shared.template)
+        .map_err(|why| error(event, DeliveryClass::InvalidRecord, why))?;
+    let started = Instant::now();
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let (why, after) = match attempt(shared, &prepared).await {
+            Answer::Delivered => return Ok(()),
+            Answer::Refused { status, excerpt } => {
+                return Err(error(
+                    event,
+                    DeliveryClass::HttpRefused,
+                    format!("HTTP {status}: {excerpt}"),
+                ));
+            }
+            Answer::Stop { class, why } => return Err(error(event, class, why)),
+            Answer::Retry { why, after } => (why, after),
+        };
+        let delay = backoff(attempts, shared.retry_initial, shared.retry_max)
+            .max(after.unwrap_or_default());
+        if started.elapsed() + delay > shared.max_retry {
+            return Err(error(
+                event,
+                DeliveryClass::RetriesExhausted,
+                format!(
+                    "no 2xx within max_retry_duration_s ({} s, {attempts} attempts); last: {why}",
+                    shared.max_retry.as_secs()
+                ),
+            ));
+        }
+        shared.retries.fetch_add(1, Ordering::Relaxed);
+        count_retry(&event.topic);
+        tracing::warn!(
+            event_id = %event.event_id,
+            topic = %event.topic,
+            attempt = attempts,
+            retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            error = %why,
+            "webhook delivery failed; retrying"
+        );
+        tokio::time::sleep(delay).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_status_means_what_standard_webhooks_says() {
+        assert_eq!(classify(204, None, String::new()), Answer::Delivered);
+        for s in [408, 425, 429, 500, 502, 503, 504] {
+            assert!(
+                matches!(classify(s, None, String::new()), Answer::Retry { .. }),
+                "{s}"
+            );
+        }
+        assert!(matches!(
+            classify(410, None, String::new()),
+            Answer::Stop {
+                class: DeliveryClass::EndpointGone,
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify(301, None, String::new()),
+            Answer::Stop {
+                class: DeliveryClass::EndpointMoved,
+                ..
+            }
+        ));
+        assert_eq!(
+            classify(422, None, "no".into()),
+            Answer::Refused {
+                status: 422,
+                excerpt: "no".into()
+            }
+        );
+    }
+
+    #[test]
+    fn retry_after_backoff_and_excerpts() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        assert_eq!(retry_after(" 7 ", now), Some(Duration::from_secs(7)));
+        let later = httpdate::fmt_http_date(now + Duration::from_secs(30));
+        assert_eq!(retry_after(&later, now), Some(Duration::from_secs(30)));
+        assert_eq!(retry_after("soon", now), None);
+        let (i, m) = (Duration::from_millis(100), Duration::from_secs(1));
+        for attempt in 1..30 {
+            let d = backoff(attempt, i, m);
+            let full = (i * (1 << (attempt - 1).min(20))).min(m);
+            assert!(d >= full / 2 && d <= full, "{attempt}: {d:?}");
+        }
+        assert_eq!(sanitized(b"bad\r\n\x00thing"), "bad   thing");
+        let long = sanitized(&[b'x'; 1000]);
+        assert_eq!(long.len(), EXCERPT + 3);
+    }
+}

@@ -1,0 +1,311 @@
+//! The HTTP webhook sink: each event is POSTed to the URL its template names,
+//! signed as Standard Webhooks says (`webhook-id` = the event id, the same on
+//! every attempt and after a restart; `webhook-timestamp` and
+//! `webhook-signature` made anew per attempt), and counts as delivered only on
+//! a 2xx.
+//!
+//! Per-key order with many keys in flight: events go into lanes by key (all
+//! events without a key share one lane). A lane has at most one request in
+//! flight; the next event of its key waits until the one before it is settled
+//! (a 2xx, or a dead letter). Lanes run at once, as many as the relay's
+//! in-flight bound lets events in, with at most `max_connections` requests
+//! open; a lane waiting to retry holds no connection. Acknowledgements so come
+//! out of send order, which the relay's tracker takes (it moves the position
+//! over the acknowledged prefix only).
+//!
+//! Retries happen inside the sink (see [`attempt`]); the relay hears of an
+//! event once: delivered, refused (its dead letter takes its place), or a
+//! final failure that stops walbox (410, a redirect not followed).
+//!
+//! A receiver deduplicates by `webhook-id`, so `walbox replay` sends each
+//! event under an id of its own, `{event id}_replay_{name}` (the `event_id`
+//! header unchanged): the receiver takes the replay, and drops only what an
+//! earlier run of the same replay delivered.
+//!
+//! Dead letters (events that carry `walbox_error_class`: a refusal's, a row
+//! the mapping refused) never go to the receiver: they are appended to a local
+//! file and fsynced before they are reported ([`dead_letters`]).
+
+mod attempt;
+mod config;
+mod dead_letters;
+mod request;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::{Mutex, Semaphore, mpsc};
+use tokio::task::{JoinHandle, JoinSet};
+use walbox_outbox::Event;
+
+pub use attempt::retries_by_topic;
+pub use config::WebhookSinkConfig;
+pub use dead_letters::{LetterLine, read_letters, replayed_path};
+pub use request::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER};
+
+use attempt::{Shared, deliver};
+use dead_letters::LetterFile;
+
+use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, Sink, SinkError};
+
+/// Where an event waits for the one before it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Lane {
+    /// Events of one key (or, `None`, without one).
+    Key(Option<Bytes>),
+    /// Dead letters, appended in the order they come.
+    DeadLetters,
+}
+
+/// The queue of events and the sender of deliveries, until the dispatcher
+/// starts.
+type Waiting = (
+    mpsc::UnboundedReceiver<(Event, usize)>,
+    mpsc::UnboundedSender<Delivery>,
+);
+
+/// POSTs events to an HTTP receiver.
+pub struct WebhookSink {
+    shared: Arc<Shared>,
+    letters: Arc<Mutex<LetterFile>>,
+    events: mpsc::UnboundedSender<(Event, usize)>,
+    /// Taken by the dispatcher when the first event comes.
+    waiting: Option<Waiting>,
+    dispatcher: Option<JoinHandle<()>>,
+    /// Sent, not yet reported.
+    in_flight: Arc<AtomicUsize>,
+    aborted: bool,
+}
+
+impl std::fmt::Debug for WebhookSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookSink")
+            .field("in_flight", &self.in_flight.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl WebhookSink {
+    /// A sink with these settings. Returns the sink and the receiver of its
+    /// deliveries.
+    pub fn new(config: WebhookSinkConfig) -> Result<(Self, Deliveries), SinkError> {
+        config.validate()?;
+        let path = config
+            .dead_letter_file
+            .clone()
+            .ok_or_else(|| SinkError::Config("sink.webhook.dead_letter_file: not set".into()))?;
+        let letters = LetterFile::open(&path)?;
+        let shared = Shared {
+            client: config.client()?,
+            keys: config.keys()?,
+            template: config.template()?,
+            retry_initial: Duration::from_millis(config.retry_initial_ms),
+            retry_max: Duration::from_millis(config.retry_max_ms),
+            max_retry: config.max_retry_duration(),
+            connections: Arc::new(Semaphore::new(config.max_connections)),
+            retries: Arc::new(AtomicU64::new(0)),
+            replay: std::sync::OnceLock::new(),
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (events, queue) = mpsc::unbounded_channel();
+        Ok((
+            WebhookSink {
+                shared: Arc::new(shared),
+                letters: Arc::new(Mutex::new(letters)),
+                events,
+                waiting: Some((queue, tx)),
+                dispatcher: None,
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                aborted: false,
+            },
+            rx,
+        ))
+    }
+
+    /// Attempts that failed and were tried again, so far.
+    #[must_use]
+    pub fn retries(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.shared.retries)
+    }
+}
+
+impl Drop for WebhookSink {
+    fn drop(&mut self) {
+        if let Some(d) = self.dispatcher.take() {
+            d.abort();
+        }
+    }
+}
+
+impl Sink for WebhookSink {
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        if let Some((queue, deliveries)) = self.waiting.take() {
+            self.dispatcher = Some(tokio::spawn(dispatch(
+                Arc::clone(&self.shared),
+                Arc::clone(&self.letters),
+                queue,
+                deliveries,
+                Arc::clone(&self.in_flight),
+            )));
+        }
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.events
+            .send((event, token))
+            .map_err(|_| SinkError::Config("the webhook dispatcher stopped".into()))
+    }
+
+    fn replay_as(&mut self, name: &str) {
+        // Set before the replay's first event; one sink serves one replay.
+        let _ = self.shared.replay.set(name.to_owned());
+    }
+
+    fn abort(&mut self) {
+        // Nothing more of this session reaches the receiver: requests in
+        // flight are dropped with their connections.
+        self.aborted = true;
+        if let Some(d) = self.dispatcher.take() {
+            d.abort();
+        }
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        let deadline = Instant::now() + timeout;
+        while self.in_flight.load(Ordering::Acquire) > 0
+            && self.dispatcher.is_some()
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `event` is a dead letter (it carries the error class).
+fn is_dead_letter(event: &Event) -> bool {
+    event
+        .headers
+        .iter()
+        .any(|(k, _)| k.as_ref() == walbox_outbox::dead_letter_header::ERROR_CLASS)
+}
+
+/// One settled event: its lane, token and outcome.
+type Settled = (Lane, usize, Result<(), DeliveryError>);
+
+fn start(
+    running: &mut JoinSet<Settled>,
+    shared: &Arc<Shared>,
+    letters: &Arc<Mutex<LetterFile>>,
+    lane: Lane,
+    event: Event,
+    token: usize,
+) {
+    let shared = Arc::clone(shared);
+    let letters = Arc::clone(letters);
+    running.spawn(async move {
+        let result = if lane == Lane::DeadLetters {
+            write_letter(&letters, &event).await
+        } else {
+            deliver(&shared, &event).await
+        };
+        (lane, token, result)
+    });
+}
+
+async fn write_letter(
+    letters: &Arc<Mutex<LetterFile>>,
+    event: &Event,
+) -> Result<(), DeliveryError> {
+    let mut file = Arc::clone(letters).lock_owned().await;
+    let event_for_file = event.clone();
+    let written = tokio::task::spawn_blocking(move || {
+        let r = file.append(&event_for_file);
+        (r, file.path().display().to_string())
+    })
+    .await;
+    match written {
+        Ok((Ok(()), _)) => Ok(()),
+        Ok((Err(e), path)) => Err(DeliveryError {
+            event_id: event.event_id.clone(),
+            topic: event.topic.clone(),
+            class: DeliveryClass::IoError,
+            reason: format!("appending the dead letter to {path}: {e}"),
+            rejected: None,
+        }),
+        Err(e) => Err(DeliveryError {
+            event_id: event.event_id.clone(),
+            topic: event.topic.clone(),
+            class: DeliveryClass::IoError,
+            reason: format!("appending the dead letter: {e}"),
+            rejected: None,
+        }),
+    }
+}
+
+/// Runs the lanes: starts an event when its lane is free, reports each
+/// settled event and starts the next of its lane.
+async fn dispatch(
+    shared: Arc<Shared>,
+    letters: Arc<Mutex<LetterFile>>,
+    mut events: mpsc::UnboundedReceiver<(Event, usize)>,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+    in_flight: Arc<AtomicUsize>,
+) {
+    // Lanes with an event in flight, and the events waiting behind it.
+    let mut lanes: HashMap<Lane, VecDeque<(Event, usize)>> = HashMap::new();
+    let mut running: JoinSet<Settled> = JoinSet::new();
+    let mut open = true;
+    // A final failure (the endpoint gone or moved): nothing more starts.
+    let mut stopped = false;
+    while open || !running.is_empty() {
+        tokio::select! {
+            next = events.recv(), if open => {
+                let Some((event, token)) = next else {
+                    open = false;
+                    continue;
+                };
+                let lane = if is_dead_letter(&event) {
+                    Lane::DeadLetters
+                } else {
+                    Lane::Key(event.key.clone())
+                };
+                if stopped {
+                    continue;
+                }
+                if let Some(queue) = lanes.get_mut(&lane) {
+                    queue.push_back((event, token));
+                } else {
+                    lanes.insert(lane.clone(), VecDeque::new());
+                    start(&mut running, &shared, &letters, lane, event, token);
+                }
+            }
+            Some(done) = running.join_next() => {
+                let Ok((lane, token, result)) = done else {
+                    // A task cancelled: the sink is going away.
+                    continue;
+                };
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+                if result.as_ref().is_err_and(|e| !e.is_about_the_message()) {
+                    stopped = true;
+                    lanes.clear();
+                }
+                if deliveries.send(Delivery { token, result }).is_err() {
+                    return;
+                }
+                match lanes.get_mut(&lane).and_then(VecDeque::pop_front) {
+                    Some((event, token)) => {
+                        start(&mut running, &shared, &letters, lane, event, token);
+                    }
+                    None => {
+                        lanes.remove(&lane);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,331 @@
+//! What one POST carries: the URL rendered from the template, the record's
+//! headers made valid HTTP headers, the key, the content type, and the
+//! Standard Webhooks signature (`webhook-id`, `webhook-timestamp`,
+//! `webhook-signature`), made again for every attempt.
+
+use base64::Engine as _;
+use bytes::Bytes;
+use hmac::{Hmac, Mac};
+use percent_encoding::{AsciiSet, CONTROLS, NON_ALPHANUMERIC, utf8_percent_encode};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
+use sha2::Sha256;
+use walbox_outbox::{Event, TopicTemplate};
+
+/// The header that carries the record key.
+pub const KEY_HEADER: &str = "walbox-key";
+/// `base64` when the key is not printable ASCII (it is then base64).
+pub const KEY_ENCODING_HEADER: &str = "walbox-key-encoding";
+/// The record headers an HTTP request cannot carry as they are named (those
+/// HTTP or the signature reserve): their names, separated by `,`.
+pub const DROPPED_HEADERS_HEADER: &str = "walbox-dropped-headers";
+
+/// What a URL path segment keeps unencoded: the unreserved characters.
+const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// The CloudEvents HTTP binding's percent-encoding set: space, `"`, `%`, the
+/// control characters, and every byte outside ASCII.
+const ENCODED: &AsciiSet = &CONTROLS.add(b' ').add(b'"').add(b'%');
+
+fn percent_encode(v: &str) -> String {
+    utf8_percent_encode(v, ENCODED).to_string()
+}
+
+/// An event made ready to POST, unsigned.
+#[derive(Debug, Clone)]
+pub(super) struct Prepared {
+    pub url: reqwest::Url,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    /// The `webhook-id`: the event id.
+    pub id: String,
+}
+
+/// Names a record header may not take: HTTP's own (hop-by-hop, framing,
+/// routing) and the signature's.
+fn reserved(name: &str) -> bool {
+    matches!(
+        name,
+        "host"
+            | "content-length"
+            | "transfer-encoding"
+            | "connection"
+            | "keep-alive"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "expect"
+            | "webhook-id"
+            | "webhook-timestamp"
+            | "webhook-signature"
+            | KEY_HEADER
+            | KEY_ENCODING_HEADER
+            | DROPPED_HEADERS_HEADER
+    ) || name.starts_with("proxy-")
+        || name.starts_with(':')
+}
+
+/// A header name made valid: ASCII letters, digits and `!#$%&'*+-.^_`|~`
+/// kept (lower case), anything else `-`.
+fn header_name(name: &str) -> Option<HeaderName> {
+    let valid: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c) {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    HeaderName::from_bytes(valid.as_bytes()).ok()
+}
+
+/// Whether `v` goes into a header as it is: printable ASCII (spaces inside).
+fn printable(v: &[u8]) -> bool {
+    v.iter().all(|b| (0x20..0x7f).contains(b))
+        && v.first() != Some(&b' ')
+        && v.last() != Some(&b' ')
+}
+
+/// A header value: as it is when printable ASCII (CloudEvents `ce-` values are
+/// percent-encoded already), else percent-encoded as the CloudEvents HTTP
+/// binding encodes (UTF-8, `%XY`).
+fn header_value(v: &[u8]) -> HeaderValue {
+    if printable(v)
+        && let Ok(h) = HeaderValue::from_bytes(v)
+    {
+        return h;
+    }
+    let text = String::from_utf8_lossy(v);
+    let encoded = percent_encode(&text);
+    HeaderValue::from_str(&encoded).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// The `webhook-id` of `event`: its event id, or in a replay named `replay`
+/// (`walbox replay`: its start position) `{event id}_replay_{name}`, so that a
+/// receiver deduplicating by `webhook-id` takes the replay (Standard Webhooks
+/// ids hold no `.`).
+pub(super) fn webhook_id(event: &Event, replay: Option<&str>) -> String {
+    match replay {
+        Some(name) => format!("{}_replay_{name}", event.event_id),
+        None => event.event_id.clone(),
+    }
+}
+
+/// The event as a request under `webhook-id` `id`, or why it cannot be one
+/// (about the event: a field of the URL template it lacks, a URL that does
+/// not parse).
+pub(super) fn prepare(
+    event: &Event,
+    id: String,
+    template: &TopicTemplate,
+) -> Result<Prepared, String> {
+    let url = render_owned(template, event)?;
+    let url =
+        reqwest::Url::parse(&url).map_err(|e| format!("the URL {url:?} is not valid: {e}"))?;
+    let mut headers = HeaderMap::new();
+    let mut dropped = Vec::new();
+    let mut content_type = None;
+    for (name, value) in &event.headers {
+        let lower = name.to_ascii_lowercase();
+        if lower == "content-type" {
+            content_type = Some(header_value(value));
+            continue;
+        }
+        match header_name(name) {
+            Some(n) if !reserved(n.as_str()) => {
+                headers.append(n, header_value(value));
+            }
+            _ => dropped.push(percent_encode(name)),
+        }
+    }
+    if !dropped.is_empty() {
+        headers.insert(
+            HeaderName::from_static(DROPPED_HEADERS_HEADER),
+            header_value(dropped.join(",").as_bytes()),
+        );
+    }
+    if let Some(key) = &event.key {
+        if printable(key) {
+            headers.insert(HeaderName::from_static(KEY_HEADER), header_value(key));
+        } else {
+            let b64 = base64::engine::general_purpose::STANDARD.encode(key);
+            headers.insert(
+                HeaderName::from_static(KEY_HEADER),
+                header_value(b64.as_bytes()),
+            );
+            headers.insert(
+                HeaderName::from_static(KEY_ENCODING_HEADER),
+                HeaderValue::from_static("base64"),
+            );
+        }
+    }
+    let content_type = content_type.unwrap_or_else(|| {
+        if event.json_value || serde_json::from_slice::<serde::de::IgnoredAny>(&event.value).is_ok()
+        {
+            HeaderValue::from_static("application/json")
+        } else {
+            HeaderValue::from_static("application/octet-stream")
+        }
+    });
+    headers.insert(CONTENT_TYPE, content_type);
+    headers.insert(
+        HeaderName::from_static("webhook-id"),
+        header_value(id.as_bytes()),
+    );
+    Ok(Prepared {
+        url,
+        headers,
+        body: event.value.clone(),
+        id,
+    })
+}
+
+/// The URL template rendered for `event`, each field's value percent-encoded
+/// as a path segment.
+fn render_owned(template: &TopicTemplate, event: &Event) -> Result<String, String> {
+    let mut values = Vec::new();
+    for field in template.fields() {
+        let raw = match field {
+            "topic" => event.topic.clone(),
+            "key" => event
+                .key
+                .as_ref()
+                .map(|k| String::from_utf8_lossy(k).into_owned())
+                .ok_or("the URL template names {key} and the event has no key")?,
+            name => event
+                .headers
+                .iter()
+                .find(|(k, _)| k.as_ref() == name)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+                .ok_or_else(|| {
+                    format!("the URL template names {{{name}}} and the event has no header {name}")
+                })?,
+        };
+        values.push(utf8_percent_encode(&raw, SEGMENT).to_string());
+    }
+    template.render(|i, _| {
+        values
+            .get(i)
+            .map(String::as_str)
+            .ok_or_else(|| "the URL template changed".to_owned())
+    })
+}
+
+/// The `webhook-signature` value for `id`, `timestamp` and `body`: `v1,` and
+/// the base64 HMAC-SHA256 of `id.timestamp.body` under each key, separated by
+/// spaces.
+pub(super) fn signature(keys: &[Vec<u8>], id: &str, timestamp: u64, body: &[u8]) -> String {
+    let ts = timestamp.to_string();
+    keys.iter()
+        .map(|key| {
+            // HMAC takes a key of any length.
+            let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length");
+            mac.update(id.as_bytes());
+            mac.update(b".");
+            mac.update(ts.as_bytes());
+            mac.update(b".");
+            mac.update(body);
+            format!(
+                "v1,{}",
+                base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The headers of one attempt: the prepared ones, with this attempt's
+/// `webhook-timestamp` and signature.
+pub(super) fn signed_headers(prepared: &Prepared, keys: &[Vec<u8>], timestamp: u64) -> HeaderMap {
+    let mut headers = prepared.headers.clone();
+    headers.insert(
+        HeaderName::from_static("webhook-timestamp"),
+        HeaderValue::from(timestamp),
+    );
+    let sig = signature(keys, &prepared.id, timestamp, &prepared.body);
+    if let Ok(v) = HeaderValue::from_str(&sig) {
+        headers.insert(HeaderName::from_static("webhook-signature"), v);
+    }
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use walbox_outbox::Position;
+
+    fn event() -> Event {
+        Event {
+            event_id: "msg_p5jXN8AQM9LWM0D4loKWxJek".into(),
+            topic: "outbox.Order".into(),
+            key: Some(Bytes::from_static(b"order 1/\xff")),
+            value: Bytes::from_static(br#"{"test": 2432232314}"#),
+            json_value: false,
+            headers: vec![
+                ("aggregate_type".into(), Bytes::from_static(b"Order/x")),
+                ("ce-source".into(), Bytes::from_static(b"a%20b")),
+                ("note".into(), "caf\u{e9}".into()),
+                ("Host".into(), Bytes::from_static(b"evil")),
+                ("bad name".into(), Bytes::from_static(b"v")),
+            ],
+            position: Position {
+                commit_lsn: walbox_pgoutput::Lsn(1),
+                index: 0,
+                xid: 7,
+            },
+        }
+    }
+
+    #[test]
+    fn the_signature_is_the_standard_webhooks_example() {
+        // The example of the Standard Webhooks specification and its libraries.
+        let key = base64::engine::general_purpose::STANDARD
+            .decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+            .unwrap();
+        let sig = signature(
+            &[key.clone(), key],
+            "msg_p5jXN8AQM9LWM0D4loKWxJek",
+            1614265330,
+            br#"{"test": 2432232314}"#,
+        );
+        let one = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=";
+        assert_eq!(sig, format!("{one} {one}"));
+    }
+
+    #[test]
+    fn urls_headers_and_keys_are_made_valid() {
+        let t = TopicTemplate::parse("https://h.example/in/{aggregate_type}/{topic}").unwrap();
+        let p = prepare(&event(), webhook_id(&event(), None), &t).unwrap();
+        assert_eq!(
+            p.url.as_str(),
+            "https://h.example/in/Order%2Fx/outbox.Order"
+        );
+        let h = |n: &str| p.headers.get(n).map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(h("ce-source").as_deref(), Some("a%20b"));
+        assert_eq!(h("note").as_deref(), Some("caf%C3%A9"));
+        assert_eq!(h("bad-name").as_deref(), Some("v"));
+        assert_eq!(h("host"), None);
+        assert_eq!(h(DROPPED_HEADERS_HEADER).as_deref(), Some("Host"));
+        assert_eq!(h(KEY_ENCODING_HEADER).as_deref(), Some("base64"));
+        assert_eq!(h("content-type").as_deref(), Some("application/json"));
+        assert_eq!(
+            h("webhook-id").as_deref(),
+            Some("msg_p5jXN8AQM9LWM0D4loKWxJek")
+        );
+        assert_eq!(
+            webhook_id(&event(), Some("0/16B3D28")),
+            "msg_p5jXN8AQM9LWM0D4loKWxJek_replay_0/16B3D28"
+        );
+        let missing = TopicTemplate::parse("https://h.example/{tenant}").unwrap();
+        assert!(
+            prepare(&event(), webhook_id(&event(), Some("0/16B3D28")), &missing)
+                .unwrap_err()
+                .contains("tenant")
+        );
+    }
+}

@@ -1,0 +1,139 @@
+//! The webhook sink against the test kit's receiver, without PostgreSQL: one
+//! request in flight per key, acknowledgements out of send order across keys,
+//! a refusal reported as about the event while its key moves on, and nothing
+//! sent after an abort.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use walbox_outbox::{Event, Position};
+use walbox_sink::{DeliveryClass, Sink, WebhookSink, WebhookSinkConfig};
+use walbox_testkit::Receiver;
+use walbox_testkit::webhook::Reply;
+
+fn event(key: &str, n: u32) -> Event {
+    Event {
+        event_id: format!("{key}-{n}"),
+        topic: "outbox.order".into(),
+        key: Some(Bytes::from(key.to_owned())),
+        value: Bytes::from(format!("{{\"n\": {n}}}")),
+        json_value: true,
+        headers: vec![("event_id".into(), Bytes::from(format!("{key}-{n}")))],
+        position: Position {
+            commit_lsn: walbox_pgoutput::Lsn(u64::from(n) + 1),
+            index: 0,
+            xid: 1,
+        },
+    }
+}
+
+fn sink(receiver: &Receiver, dir: &std::path::Path) -> (WebhookSink, walbox_sink::Deliveries) {
+    WebhookSink::new(WebhookSinkConfig {
+        url: format!("{}/{{topic}}", receiver.base_url()),
+        secrets: vec!["whsec_aGVsbG8gd29ybGQ=".into()],
+        retry_initial_ms: 20,
+        retry_max_ms: 100,
+        dead_letter_file: Some(dir.join("dl.jsonl")),
+        ..WebhookSinkConfig::default()
+    })
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_flow_apart_one_request_per_key_and_acks_come_out_of_send_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().unwrap();
+    // Key a's first event fails three times; b's go through.
+    receiver.set_script(|seen| {
+        if seen.id == "a-0" && seen.earlier < 3 {
+            Reply::Status(500, String::new())
+        } else if seen.id == "a-2" {
+            Reply::Status(422, "no such order".into())
+        } else {
+            Reply::Ok
+        }
+    });
+    let (mut sink, mut deliveries) = sink(&receiver, dir.path());
+    let mut token = 0;
+    for n in 0..3 {
+        for key in ["a", "b"] {
+            sink.send(event(key, n), token).await.unwrap();
+            token += 1;
+        }
+    }
+    sink.end_batch();
+    let mut order = Vec::new();
+    let mut refused = Vec::new();
+    for _ in 0..6 {
+        let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if let Err(e) = &d.result {
+            assert_eq!(e.class, DeliveryClass::HttpRefused);
+            assert!(e.is_about_the_message());
+            assert!(e.reason.contains("422") && e.reason.contains("no such order"));
+            assert!(e.rejected.is_some());
+            refused.push(d.token);
+        }
+        order.push(d.token);
+    }
+    // Tokens: a-0 = 0, b-0 = 1, a-1 = 2, b-1 = 3, a-2 = 4, b-2 = 5.
+    assert_eq!(refused, [4]);
+    let pos = |t: usize| order.iter().position(|x| *x == t).unwrap();
+    assert!(
+        pos(5) < pos(0),
+        "b's events are acknowledged before a's first: {order:?}"
+    );
+    assert!(
+        pos(0) < pos(2) && pos(2) < pos(4),
+        "a's in order: {order:?}"
+    );
+    // At the receiver: a's arrivals in order, each after the one before it
+    // was answered 2xx.
+    let a: Vec<(String, u16)> = receiver
+        .arrivals()
+        .into_iter()
+        .filter(|x| x.key.as_deref() == Some("a"))
+        .map(|x| (x.id, x.status))
+        .collect();
+    assert_eq!(
+        a,
+        [
+            ("a-0".to_owned(), 500),
+            ("a-0".to_owned(), 500),
+            ("a-0".to_owned(), 500),
+            ("a-0".to_owned(), 200),
+            ("a-1".to_owned(), 200),
+            ("a-2".to_owned(), 422),
+        ]
+    );
+    assert!(sink.retries().load(std::sync::atomic::Ordering::Relaxed) >= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_is_final_and_nothing_of_its_key_follows_and_an_abort_sends_nothing_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().unwrap();
+    receiver.set_script(|_| Reply::Status(410, String::new()));
+    let (mut sink, mut deliveries) = sink(&receiver, dir.path());
+    for n in 0..3 {
+        sink.send(event("a", n), n as usize).await.unwrap();
+    }
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let e = d.result.unwrap_err();
+    assert_eq!(e.class, DeliveryClass::EndpointGone);
+    assert!(e.is_final());
+    sink.abort();
+    sink.send(event("b", 9), 9).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), deliveries.recv())
+            .await
+            .map_or(true, |d| d.is_none()),
+        "nothing reported after the abort"
+    );
+    assert_eq!(receiver.count(), 1, "{:?}", receiver.arrivals());
+}
