@@ -10,12 +10,17 @@
 //!   with murmur2 as the Java client does, topics checked or created on first use.
 //! - [`NatsSink`]: NATS JetStream, each event with `Nats-Msg-Id` = its event id,
 //!   acknowledged on the server's PubAck; the stream checked or created.
+//! - [`RedisSink`]: Redis Streams, each event an entry at the id its source
+//!   position gives (`<commit LSN>-<index>`), written in batches by a script
+//!   that stops at the first entry it cannot write; a resend is checked to be
+//!   the entry already there.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed to the pipe or file (not once read); a closed pipe
 //!   fails deliveries for good.
 //!
 //! [`read_topic`] reads back what a topic holds, [`read_subject`] what a
-//! JetStream stream holds of a subject, for audits.
+//! JetStream stream holds of a subject, [`read_stream`] what a Redis stream
+//! holds, for audits.
 //!
 //! # Destinations that deduplicate
 //!
@@ -47,6 +52,7 @@ mod kafka;
 mod nats;
 mod nats_reader;
 mod reader;
+mod redis_streams;
 mod secrets;
 mod stdout;
 
@@ -60,6 +66,10 @@ pub use nats::{
 };
 pub use nats_reader::{DurableLetters, read_subject};
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
+pub use redis_streams::{
+    RedisSink, RedisSinkConfig, StreamEntry, StreamLetters, entry_id, position_of, read_stream,
+    shown_url,
+};
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;
 
@@ -112,6 +122,22 @@ pub enum SinkError {
     NatsAuthentication {
         /// Which credentials (never their secret part).
         who: String,
+        /// What the server said.
+        reason: String,
+    },
+    /// The Redis server could not be reached or did not answer; a new
+    /// session may succeed.
+    #[error("redis: {0}")]
+    Redis(String),
+    /// The Redis server refused the credentials. Trying again would only
+    /// repeat it.
+    #[error(
+        "redis: the server refused walbox's credentials (user {user:?}): {reason}; check the \
+         URL, username and password in [sink.redis] (or WALBOX_REDIS_PASSWORD)"
+    )]
+    RedisAuthentication {
+        /// The ACL user (never the password).
+        user: String,
         /// What the server said.
         reason: String,
     },

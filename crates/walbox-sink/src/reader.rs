@@ -18,7 +18,8 @@ use crate::secrets::{AuthFailure, authentication_error};
 
 /// One record as a reader hands it over: a Kafka record, or a JetStream
 /// message (partition 0, its stream sequence as offset, its key from the
-/// `walbox_key` header, decoded when `walbox_key_encoding` says base64).
+/// `walbox_key` header, decoded when `walbox_key_encoding` says base64), or
+/// a Redis stream entry (partition 0, its place in the stream as offset).
 #[derive(Debug)]
 pub struct RecordView<'a> {
     inner: Inner<'a>,
@@ -33,6 +34,7 @@ enum Inner<'a> {
         /// The key, decoded when it came in base64.
         key: Option<Vec<u8>>,
     },
+    Redis(&'a crate::redis_streams::StreamEntry),
 }
 
 impl<'a> RecordView<'a> {
@@ -52,12 +54,18 @@ impl<'a> RecordView<'a> {
         }
     }
 
+    pub(crate) fn redis(entry: &'a crate::redis_streams::StreamEntry) -> Self {
+        RecordView {
+            inner: Inner::Redis(entry),
+        }
+    }
+
     /// Partition (0 for a JetStream message).
     #[must_use]
     pub fn partition(&self) -> i32 {
         match &self.inner {
             Inner::Kafka(m) => m.partition(),
-            Inner::Nats { .. } => 0,
+            Inner::Nats { .. } | Inner::Redis(_) => 0,
         }
     }
 
@@ -67,6 +75,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.offset(),
             Inner::Nats { sequence, .. } => i64::try_from(*sequence).unwrap_or(i64::MAX),
+            Inner::Redis(e) => e.offset,
         }
     }
 
@@ -76,6 +85,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.key(),
             Inner::Nats { key, .. } => key.as_deref(),
+            Inner::Redis(e) => e.field(crate::redis_streams::entry::KEY_FIELD),
         }
     }
 
@@ -85,6 +95,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.payload(),
             Inner::Nats { msg, .. } => Some(msg.payload.as_ref()),
+            Inner::Redis(e) => e.field(crate::redis_streams::entry::VALUE_FIELD),
         }
     }
 
@@ -99,6 +110,12 @@ impl<'a> RecordView<'a> {
                 .and_then(|h| h.value)
                 .and_then(|v| std::str::from_utf8(v).ok()),
             Inner::Nats { msg, .. } => msg.headers.as_ref()?.get(name).map(|v| v.as_str()),
+            Inner::Redis(e) => e
+                .field(&format!(
+                    "{}{name}",
+                    crate::redis_streams::entry::HEADER_PREFIX
+                ))
+                .and_then(|v| std::str::from_utf8(v).ok()),
         }
     }
 }

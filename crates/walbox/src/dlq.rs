@@ -20,7 +20,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
-use walbox_sink::{DurableLetters, KafkaSink, NatsSink, Sink};
+use walbox_sink::{DurableLetters, KafkaSink, NatsSink, RedisSink, Sink, StreamLetters};
 
 use crate::catalog::{self, ident};
 use crate::config::{Config, Overrides, SinkKind};
@@ -272,6 +272,27 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 published?;
             }
         }
+        SinkKind::Redis => {
+            let sink_config = config.sink.redis_sink(&config.source.slot)?;
+            let (mut sink, mut deliveries) = RedisSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // The dead-letter stream's consumer group keeps the progress.
+                let Some(read) = StreamLetters::read(&sink_config, dlq, &group, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
+            }
+        }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
     let (replayed, already, failing, kept) = (run.replayed, run.already, run.failing, run.kept);
@@ -304,7 +325,7 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\" or \"nats\" (or --sink) to replay the dead letters of that \
+         [sink] type = \"kafka\", \"nats\" or \"redis\" (or --sink) to replay the dead letters of that \
          broker"
     )
 }

@@ -348,6 +348,8 @@ pub enum SinkKind {
     Stdout,
     /// NATS JetStream (`[sink.nats]`).
     Nats,
+    /// Redis Streams (`[sink.redis]`).
+    Redis,
 }
 
 impl SinkKind {
@@ -357,7 +359,8 @@ impl SinkKind {
     #[must_use]
     pub fn protocol(self) -> walbox_outbox::Protocol {
         match self {
-            SinkKind::Kafka | SinkKind::Stdout => walbox_outbox::Protocol::Kafka,
+            // A stream entry's fields carry headers as Kafka's do (unencoded).
+            SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis => walbox_outbox::Protocol::Kafka,
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
         }
     }
@@ -367,7 +370,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats` or `stdout`.
+    /// `kafka`, `nats`, `redis` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -391,6 +394,9 @@ pub struct SinkConfig {
     /// The NATS JetStream sink's settings (`type = "nats"`).
     #[serde(default)]
     pub nats: walbox_sink::NatsSinkConfig,
+    /// The Redis Streams sink's settings (`type = "redis"`).
+    #[serde(default)]
+    pub redis: walbox_sink::RedisSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -417,6 +423,7 @@ impl Default for SinkConfig {
             max_in_flight_bytes: default_max_in_flight_bytes(),
             kafka: BTreeMap::new(),
             nats: walbox_sink::NatsSinkConfig::default(),
+            redis: walbox_sink::RedisSinkConfig::default(),
         }
     }
 }
@@ -444,6 +451,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("kafka", &kafka)
             .field("nats", &self.nats)
+            .field("redis", &self.redis)
             .finish()
     }
 }
@@ -482,6 +490,25 @@ impl SinkConfig {
     pub fn nats_sink(&self) -> Result<walbox_sink::NatsSinkConfig> {
         let mut c = self.nats.clone();
         c.max_in_flight = self.max_in_flight;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The Redis sink's settings, with the in-flight bound, the writer name
+    /// (default: the slot) and the password from `WALBOX_REDIS_PASSWORD`
+    /// when the file gives none.
+    pub fn redis_sink(&self, slot: &str) -> Result<walbox_sink::RedisSinkConfig> {
+        let mut c = self.redis.clone();
+        c.max_in_flight = self.max_in_flight;
+        if c.writer.is_none() {
+            c.writer = Some(slot.to_owned());
+        }
+        if c.password.is_none()
+            && let Ok(p) = std::env::var("WALBOX_REDIS_PASSWORD")
+            && !p.is_empty()
+        {
+            c.password = Some(p);
+        }
         c.validate()?;
         Ok(c)
     }
@@ -658,6 +685,11 @@ impl Config {
         for secret in self.sink.nats.secrets() {
             crate::redact::keep_out(&secret);
         }
+        if let Ok(redis) = self.sink.redis_sink(&self.source.slot) {
+            for secret in redis.secrets() {
+                crate::redact::keep_out(&secret);
+            }
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -697,6 +729,9 @@ impl Config {
         self.sink.kafka_properties()?;
         if self.sink.kind == SinkKind::Nats {
             self.sink.nats_sink()?;
+        }
+        if self.sink.kind == SinkKind::Redis {
+            self.sink.redis_sink(&self.source.slot)?;
         }
         self.dead_letter.template()?;
         walbox_outbox::check_prefixes(&self.messages)
