@@ -280,3 +280,25 @@ async fn a_server_without_fsync_on_every_write_is_refused_unless_allowed() {
     let (r, _) = send_all(&allowed, None, vec![event("e1", "outbox.x", 100, 0)]).await;
     assert!(r[0].is_ok(), "{r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_is_an_authentication_error_without_the_password() {
+    let redis = RedisServer::start_with(walbox_testkit::RedisOptions {
+        password: Some("right-Pw-1".into()),
+    })
+    .expect("redis-server starts");
+    let cfg = RedisSinkConfig {
+        password: Some("wrong-Pw-2".into()),
+        ..config(&redis, "slot_a")
+    };
+    let (mut sink, _d) = RedisSink::new(cfg).unwrap();
+    let e = sink
+        .send(event("e1", "outbox.x", 100, 0), 0)
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, walbox_sink::SinkError::RedisAuthentication { .. }),
+        "{e:?}"
+    );
+    assert!(!e.to_string().contains("wrong-Pw-2"), "{e}");
+}
