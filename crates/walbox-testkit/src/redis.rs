@@ -225,3 +225,58 @@ fn redis_program() -> Result<PathBuf> {
 pub fn has_aof(path: &Path) -> bool {
     path.join("appendonlydir").is_dir() || path.join("appendonly.aof").is_file()
 }
+
+/// An entry's fields, in order.
+type Fields = Vec<(String, Vec<u8>)>;
+
+/// Reads at least `wanted` entries of stream `key` (waiting up to `timeout`
+/// for them), as [`crate::kafka::Record`]s: partition 0, the entry's place as
+/// offset, the key from its `key` field, headers from its `header:<name>`
+/// fields, the value from `value`.
+pub async fn read_at_least(
+    url: &str,
+    key: &str,
+    wanted: usize,
+    timeout: Duration,
+) -> std::result::Result<Vec<crate::kafka::Record>, String> {
+    let client = ::redis::Client::open(url).map_err(|e| e.to_string())?;
+    let mut con = client
+        .get_multiplexed_async_connection()
+        .await
+        .map_err(|e| e.to_string())?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let entries: Vec<(String, Fields)> = ::redis::cmd("XRANGE")
+            .arg(key)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut con)
+            .await
+            .map_err(|e| e.to_string())?;
+        if entries.len() >= wanted || tokio::time::Instant::now() > deadline {
+            return Ok(entries
+                .into_iter()
+                .enumerate()
+                .map(|(i, (_, fields))| {
+                    let field =
+                        |n: &str| fields.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+                    crate::kafka::Record {
+                        topic: key.to_owned(),
+                        partition: 0,
+                        offset: i64::try_from(i).unwrap_or(i64::MAX),
+                        key: field("key"),
+                        headers: fields
+                            .iter()
+                            .filter_map(|(k, v)| {
+                                k.strip_prefix("header:")
+                                    .map(|n| (n.to_owned(), Some(v.clone())))
+                            })
+                            .collect(),
+                        value: field("value"),
+                    }
+                })
+                .collect());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

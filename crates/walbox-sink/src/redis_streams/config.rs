@@ -185,9 +185,9 @@ impl RedisSinkConfig {
         let info =
             redis::IntoConnectionInfo::into_connection_info(self.url.as_str()).map_err(|e| {
                 SinkError::Config(format!(
-                    "sink.redis.url: {:?} is not a Redis URL ({})",
+                    "sink.redis.url: {:?} is not a Redis URL ({:?})",
                     shown_url(&self.url),
-                    format!("{:?}", e.kind())
+                    e.kind()
                 ))
             })?;
         let mut settings = info.redis_settings().clone();
@@ -231,14 +231,12 @@ impl RedisSinkConfig {
             )
             .map_err(|e| {
                 SinkError::Config(format!(
-                    "sink.redis TLS settings: {}",
-                    format!("{:?}", e.kind())
+                    "sink.redis TLS settings (ca_file, client_cert, client_key): {e}"
                 ))
             })
         } else {
-            redis::Client::open(info).map_err(|e| {
-                SinkError::Config(format!("sink.redis.url: {}", format!("{:?}", e.kind())))
-            })
+            redis::Client::open(info)
+                .map_err(|e| SinkError::Config(format!("sink.redis.url: {:?}", e.kind())))
         }
     }
 

@@ -1,7 +1,8 @@
 //! `make demo`: walbox end to end on throwaway infrastructure.
 //!
 //! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker
-//! (or, with `--sink nats`, a JetStream server),
+//! (or, with `--sink nats`, a JetStream server; with `--sink redis`, a Redis
+//! server with an fsynced append-only file),
 //! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
 //! concurrent writers commit a few hundred outbox events, reads them back from the
 //! topic and prints them with a summary: events, keys, per-key order, and the slot's
@@ -15,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use walbox_testkit::{
-    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, kafka, wait_until_async,
+    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RedisServer, kafka, wait_until_async,
 };
 
 const WRITERS: usize = 4;
@@ -41,6 +42,7 @@ fn arg(name: &str) -> Option<String> {
 enum Destination {
     Kafka(Broker),
     Nats(NatsServer),
+    Redis(RedisServer),
 }
 
 impl Destination {
@@ -53,6 +55,7 @@ impl Destination {
         match self {
             Destination::Kafka(b) => b.log_tail(),
             Destination::Nats(n) => n.log_tail(),
+            Destination::Redis(r) => r.log_tail(),
         }
     }
 }
@@ -74,13 +77,20 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
-    let nats = match arg("--sink").as_deref() {
-        None | Some("kafka") => false,
-        Some("nats") => true,
-        Some(other) => return Err(format!("--sink {other}: use kafka or nats").into()),
+    let sink = arg("--sink").unwrap_or_else(|| "kafka".into());
+    let nats = match sink.as_str() {
+        "kafka" | "redis" => false,
+        "nats" => true,
+        other => return Err(format!("--sink {other}: use kafka, nats or redis").into()),
     };
+    let redis = sink == "redis";
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
-    let (destination, address) = if nats {
+    let (destination, address) = if redis {
+        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a Redis server");
+        let server = RedisServer::start()?;
+        let url = server.url();
+        (Destination::Redis(server), url)
+    } else if nats {
         println!("== starting a throwaway PostgreSQL (wal_level=logical) and a JetStream server");
         let server = NatsServer::start()?;
         let url = server.url();
@@ -99,7 +109,9 @@ async fn main() -> Result<(), Error> {
     let config = pg.client_dir().join("walbox-demo.toml");
     std::fs::write(
         &config,
-        if nats {
+        if redis {
+            format!("[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{address}\"\n")
+        } else if nats {
             format!(
                 "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{address}\"]\n\
                  create_stream = true\nsubjects = [\"outbox.>\"]\n"
@@ -186,7 +198,10 @@ async fn main() -> Result<(), Error> {
     );
 
     let wanted = usize::try_from(rows)?;
-    let records = if destination.is_nats() {
+    let records = if redis {
+        walbox_testkit::redis::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
+            .await?
+    } else if destination.is_nats() {
         walbox_testkit::nats::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
             .await
             .map_err(|e| e.to_string())?
