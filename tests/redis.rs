@@ -564,3 +564,62 @@ async fn read_entries_with(redis: &RedisServer, password: &str) -> usize {
         .await
         .unwrap()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_replayed_to_their_stream_after_a_fix_once_and_kept() {
+    let (pg, redis, db, env) = servers_redis(RedisOptions::default(), "").await;
+    // A key of another type where events of aggregate type "bad" go.
+    let mut con = connection(&redis, None).await;
+    let _: () = redis::cmd("SET")
+        .arg("outbox.bad")
+        .arg("not a stream")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('bad', 'k', 'Poisoned', '{\"seq\": 0}');
+         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('order', 'k', 'Fine', '{\"seq\": 0}');",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let dead = read_entries(&redis, "outbox.bad.dlq").await;
+    assert_eq!(dead.len(), 1, "{}", walbox.log());
+    assert_eq!(read_entries(&redis, STREAM).await.len(), 1);
+
+    // Unfixed, the letter still fails.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("invalid_topic") || out.contains("1 still failing"),
+        "{out}\n{err}"
+    );
+    // Fixed (the key removed): the event is stored in its stream at its
+    // position, once; the letter stays on the dead-letter stream.
+    let _: i64 = redis::cmd("DEL")
+        .arg("outbox.bad")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 1 dead letters; 0 still failing"),
+        "{out}"
+    );
+    let stored = read_entries(&redis, "outbox.bad").await;
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].field("event_id"), dead[0].header("event_id"));
+    assert_eq!(stored[0].id, stored[0].natural_id());
+    assert_eq!(read_entries(&redis, "outbox.bad.dlq").await.len(), 1);
+    let (code, out, _) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("replayed 0 dead letters"), "{out}");
+    assert_eq!(read_entries(&redis, "outbox.bad").await.len(), 1);
+    drop(pg);
+}

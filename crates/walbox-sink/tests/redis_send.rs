@@ -3,7 +3,8 @@
 //! entry at the id with another event id, or another writer's entry at the
 //! top, fails the delivery for good naming both; an event below the top with
 //! an empty id is appended after the top; a replay stores every event again;
-//! a batch with a refused entry stores nothing after it.
+//! a key of another type refuses its entry alone; any other refusal stores
+//! nothing after it.
 
 use std::time::Duration;
 
@@ -226,7 +227,8 @@ async fn another_event_at_the_id_or_another_writer_at_the_top_stops_naming_both(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_entry_in_a_batch_stores_nothing_after_it() {
+async fn a_key_of_another_type_refuses_its_entry_alone_and_other_refusals_store_nothing_after_them()
+{
     let redis = RedisServer::start().expect("redis-server starts");
     let cfg = config(&redis, "slot_a");
     let client = redis::Client::open(redis.url()).unwrap();
@@ -248,10 +250,41 @@ async fn a_refused_entry_in_a_batch_stores_nothing_after_it() {
         ],
     )
     .await;
+    // A key of another type refuses that entry alone (it goes to a dead
+    // letter); the others are written.
     assert!(r[0].is_ok(), "{r:?}");
     assert_eq!(r[1].clone().unwrap_err().0, DeliveryClass::InvalidTopic);
-    assert!(r[2].is_err(), "{r:?}");
-    assert_eq!(raw_ids(&redis, "outbox.ok").await, ["100-0"]);
+    assert!(r[2].is_ok(), "{r:?}");
+    assert_eq!(raw_ids(&redis, "outbox.ok").await, ["100-0", "100-2"]);
+    // Another refusal (the server out of memory) stops the batch there.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("a3", "outbox.ok", 200, 0),
+            event("a4", "outbox.ok", 200, 1),
+        ],
+    )
+    .await;
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::BrokerError, "{reason}");
+    assert!(reason.contains("OOM"), "{reason}");
+    assert!(r[1].is_err(), "{r:?}");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("0")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(raw_ids(&redis, "outbox.ok").await, ["100-0", "100-2"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,7 +41,7 @@ pub use letters::StreamLetters;
 pub use reader::{StreamEntry, read_stream};
 use script::{Reply, Stop, Written};
 
-use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, Sink, SinkError};
+use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
 
 /// Most bytes of values and fields in one script call (at least one event).
 const BATCH_BYTES: usize = 8 << 20;
@@ -316,6 +316,10 @@ impl Writer {
                     Written::Duplicate => {
                         self.duplicates.fetch_add(1, Ordering::SeqCst);
                     }
+                    Written::Refused(text) => {
+                        self.report(&item, Err((classify(text), text.clone())));
+                        continue;
+                    }
                     Written::Appended(id) => {
                         appended += 1;
                         tracing::debug!(
@@ -415,7 +419,17 @@ impl Writer {
             topic: item.event.topic.clone(),
             class,
             reason,
-            rejected: None,
+            // What a dead letter needs of a record refused for what it is.
+            rejected: class.is_about_the_message().then(|| RejectedRecord {
+                key: item.event.key.as_ref().map(|k| k.to_vec()),
+                headers: item
+                    .event
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_vec()))
+                    .collect(),
+                value_len: item.event.value.len(),
+            }),
         });
         self.in_flight.fetch_sub(1, Ordering::SeqCst);
         let _ = self.deliveries.send(Delivery {

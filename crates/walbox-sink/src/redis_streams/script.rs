@@ -14,8 +14,12 @@
 //!    event after the top, at `<top ms>-*`;
 //! 3. in a replay, always appends after the top.
 //!
+//! A key of another type (WRONGTYPE) refuses its entry alone (it is about
+//! the record's stream: it goes to a dead letter), and the call goes on.
+//!
 //! The reply is `{outcomes, failed_at, kind, details...}`: one outcome per
-//! entry written (its id, `dup`, or `+<id>` when appended after the top), and
+//! entry (its id, `dup`, `+<id>` when appended after the top, `!<error>` when
+//! refused alone), and
 //! for the entry that stopped the call its 1-based number and why.
 
 use redis::Value;
@@ -48,14 +52,17 @@ for i = 1, #KEYS do
   local fields = {}
   for j = 1, nfields do fields[j] = ARGV[pos + j] end
   pos = pos + 1 + nfields
+  local wrongtype = false
   if not checked[key] then
     local top = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
-    if top.err then return {out, i, 'error', top.err} end
-    if #top > 0 and field(top[1][2], 'walbox_writer') ~= writer then
+    if top.err and string.find(top.err, 'WRONGTYPE', 1, true) then
+      wrongtype = top.err
+    elseif top.err then return {out, i, 'error', top.err} end
+    if not wrongtype and #top > 0 and field(top[1][2], 'walbox_writer') ~= writer then
       return {out, i, 'writer', top[1][1], field(top[1][2], 'walbox_writer'),
               field(top[1][2], 'event_id')}
     end
-    checked[key] = true
+    if not wrongtype then checked[key] = true end
   end
   local function add(at)
     local call = {}
@@ -65,7 +72,11 @@ for i = 1, #KEYS do
     return redis.pcall(unpack(call))
   end
   local after = mode == 'a'
-  if not after then
+  if wrongtype then
+    -- A key of another type refuses this entry alone: the next ones go on.
+    out[#out + 1] = '!' .. wrongtype
+    after = false
+  elseif not after then
     local r = add(id)
     if type(r) == 'table' and r.err then
       if not string.find(r.err, 'equal or smaller', 1, true) then
@@ -112,6 +123,9 @@ pub enum Written {
     Duplicate,
     /// Stored after the top of the stream, at this id.
     Appended(String),
+    /// Refused for its stream alone (a key of another type); later entries
+    /// were written.
+    Refused(String),
 }
 
 /// Why the script stopped at an entry.
@@ -171,9 +185,10 @@ pub fn parse_reply(v: &Value) -> Option<Reply> {
                 let t = text(i);
                 match t.as_str() {
                     "dup" => Written::Duplicate,
-                    _ => match t.strip_prefix('+') {
-                        Some(id) => Written::Appended(id.to_owned()),
-                        None => Written::Stored,
+                    _ => match (t.strip_prefix('+'), t.strip_prefix('!')) {
+                        (Some(id), _) => Written::Appended(id.to_owned()),
+                        (_, Some(e)) => Written::Refused(e.to_owned()),
+                        _ => Written::Stored,
                     },
                 }
             })
@@ -221,7 +236,12 @@ mod tests {
     #[test]
     fn a_reply_tells_stored_duplicates_and_appended_entries_apart() {
         let v = Value::Array(vec![
-            Value::Array(vec![bulk("5-0"), bulk("dup"), bulk("+9-3")]),
+            Value::Array(vec![
+                bulk("5-0"),
+                bulk("dup"),
+                bulk("+9-3"),
+                bulk("!WRONGTYPE Operation against a key"),
+            ]),
             Value::Int(0),
         ]);
         assert_eq!(
@@ -230,7 +250,8 @@ mod tests {
                 written: vec![
                     Written::Stored,
                     Written::Duplicate,
-                    Written::Appended("9-3".into())
+                    Written::Appended("9-3".into()),
+                    Written::Refused("WRONGTYPE Operation against a key".into())
                 ],
                 stop: None
             })
