@@ -185,6 +185,12 @@ async fn events_are_stored_once_at_their_positions_in_per_key_order_and_verify_a
             .all(|e| e.header("event_type") == "OrderPlaced")
     );
     walbox.stop();
+    // doctor reads the server's durability.
+    let (_, out, err) = walbox_cmd(&["doctor"], &env);
+    assert!(
+        out.contains("appendonly yes and appendfsync always"),
+        "{out}{err}"
+    );
     let (status, out, err) = walbox_cmd(&["verify"], &env);
     assert_eq!(status, Some(0), "{out}{err}");
     assert!(out.contains("missing          0"), "{out}");

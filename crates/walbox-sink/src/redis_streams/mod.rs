@@ -36,6 +36,7 @@ use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
 pub use config::{RedisSinkConfig, shown_url};
+
 pub use entry::{entry_id, position_of};
 pub use letters::StreamLetters;
 pub use reader::{StreamEntry, read_stream};
@@ -175,50 +176,95 @@ impl RedisSink {
     }
 }
 
-/// Reads `appendonly` and `appendfsync`: an acknowledged entry is on disk
-/// only with `yes` and `always`. Otherwise walbox refuses to start unless
-/// `allow_unsynced`; a server that does not let walbox read them (a managed
-/// Redis without CONFIG) is used with a warning.
-async fn check_durability(
-    con: &mut MultiplexedConnection,
-    config: &RedisSinkConfig,
-) -> Result<(), SinkError> {
+/// What a Redis server says of its durability.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Durability {
+    /// `appendonly yes` and `appendfsync always`: an acknowledged entry is on
+    /// disk.
+    Synced,
+    /// Other settings (the values of `appendonly` and `appendfsync`).
+    Unsynced(String, String),
+    /// The server does not let walbox read them (CONFIG GET refused), with
+    /// what it said.
+    Unknown(String),
+}
+
+impl Durability {
+    /// What these settings mean, for a log line or a check.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        match self {
+            Durability::Synced => "appendonly yes and appendfsync always: an acknowledged \
+                                   event is on disk"
+                .into(),
+            Durability::Unsynced(aof, fsync) => format!(
+                "the Redis server runs with appendonly {aof} and appendfsync {fsync}: an event \
+                 it acknowledged can be lost when it crashes, after walbox moved its position \
+                 past it"
+            ),
+            Durability::Unknown(why) => format!(
+                "cannot read the server's appendonly and appendfsync (CONFIG GET: {why}): \
+                 acknowledged events are durable only if Redis runs with appendonly yes and \
+                 appendfsync always; make sure it does"
+            ),
+        }
+    }
+}
+
+/// Connects and reads the server's `appendonly` and `appendfsync`.
+pub async fn server_durability(config: &RedisSinkConfig) -> Result<Durability, SinkError> {
+    let mut con = connect(config).await?;
+    Ok(durability(&mut con).await)
+}
+
+async fn durability(con: &mut MultiplexedConnection) -> Durability {
     let read: redis::RedisResult<HashMap<String, String>> = redis::cmd("CONFIG")
         .arg("GET")
         .arg("appendonly")
         .arg("appendfsync")
         .query_async(con)
         .await;
-    let settings = match read {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(
-                error = %error_text(&e),
-                "cannot read the server's appendonly and appendfsync (CONFIG GET refused): \
-                 acknowledged events are durable only if Redis runs with appendonly yes and \
-                 appendfsync always; make sure it does"
-            );
-            return Ok(());
+    match read {
+        Ok(settings) => {
+            let aof = settings.get("appendonly").cloned().unwrap_or_default();
+            let fsync = settings.get("appendfsync").cloned().unwrap_or_default();
+            if aof == "yes" && fsync == "always" {
+                Durability::Synced
+            } else {
+                Durability::Unsynced(aof, fsync)
+            }
         }
-    };
-    let aof = settings.get("appendonly").map_or("", String::as_str);
-    let fsync = settings.get("appendfsync").map_or("", String::as_str);
-    if aof == "yes" && fsync == "always" {
-        return Ok(());
+        Err(e) => Durability::Unknown(error_text(&e)),
     }
-    let what = format!(
-        "the Redis server runs with appendonly {aof} and appendfsync {fsync}: an event it \
-         acknowledged can be lost when it crashes, after walbox moved its position past it"
-    );
-    if config.allow_unsynced {
-        tracing::warn!("{what}; going on (sink.redis.allow_unsynced = true)");
-        Ok(())
-    } else {
-        Err(SinkError::Config(format!(
-            "sink.redis: {what}; set appendonly yes and appendfsync always on the server \
+}
+
+/// An acknowledged entry is on disk only with `appendonly yes` and
+/// `appendfsync always`. Otherwise walbox refuses to start unless
+/// `allow_unsynced`; a server that does not let walbox read them (a managed
+/// Redis without CONFIG) is used with a warning.
+async fn check_durability(
+    con: &mut MultiplexedConnection,
+    config: &RedisSinkConfig,
+) -> Result<(), SinkError> {
+    match durability(con).await {
+        Durability::Synced => Ok(()),
+        d @ Durability::Unknown(_) => {
+            tracing::warn!("{}", d.describe());
+            Ok(())
+        }
+        d @ Durability::Unsynced(..) if config.allow_unsynced => {
+            tracing::warn!(
+                "{}; going on (sink.redis.allow_unsynced = true)",
+                d.describe()
+            );
+            Ok(())
+        }
+        d => Err(SinkError::Config(format!(
+            "sink.redis: {}; set appendonly yes and appendfsync always on the server \
              (CONFIG SET appendonly yes, CONFIG SET appendfsync always, and in redis.conf), \
-             or accept the loss with allow_unsynced = true"
-        )))
+             or accept the loss with allow_unsynced = true",
+            d.describe()
+        ))),
     }
 }
 
