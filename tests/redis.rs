@@ -515,6 +515,7 @@ async fn the_password_never_reaches_the_log_even_at_trace_and_a_wrong_one_stops_
     const PASSWORD: &str = "redis-Pw-5e81c";
     let options = RedisOptions {
         password: Some(PASSWORD.into()),
+        ..RedisOptions::default()
     };
     let (pg, redis, db, env) = servers_redis(options, "").await;
     setup(&env);

@@ -318,6 +318,7 @@ async fn a_server_without_fsync_on_every_write_is_refused_unless_allowed() {
 async fn a_wrong_password_is_an_authentication_error_without_the_password() {
     let redis = RedisServer::start_with(walbox_testkit::RedisOptions {
         password: Some("right-Pw-1".into()),
+        ..Default::default()
     })
     .expect("redis-server starts");
     let cfg = RedisSinkConfig {
@@ -334,4 +335,34 @@ async fn a_wrong_password_is_an_authentication_error_without_the_password() {
         "{e:?}"
     );
     assert!(!e.to_string().contains("wrong-Pw-2"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_the_ca_and_a_client_certificate_delivers_and_without_them_fails() {
+    let redis = RedisServer::start_with(walbox_testkit::RedisOptions {
+        tls: true,
+        ..Default::default()
+    })
+    .expect("redis-server starts with TLS");
+    let files = redis.tls_files().unwrap().clone();
+    let cfg = RedisSinkConfig {
+        url: redis.tls_url().unwrap(),
+        ca_file: Some(files.ca_cert.clone()),
+        client_cert: Some(files.client_cert.clone()),
+        client_key: Some(files.client_key.clone()),
+        ..config(&redis, "slot_a")
+    };
+    let (r, _) = send_all(&cfg, None, vec![event("t1", "outbox.tls", 100, 0)]).await;
+    assert!(r[0].is_ok(), "{r:?}");
+    assert_eq!(raw_ids(&redis, "outbox.tls").await, ["100-0"]);
+    // Without a client certificate the server refuses the handshake.
+    let bare = RedisSinkConfig {
+        client_cert: None,
+        client_key: None,
+        ..cfg
+    };
+    let (mut sink, _d) = RedisSink::new(bare).unwrap();
+    sink.send(event("t2", "outbox.tls", 200, 0), 0)
+        .await
+        .expect_err("no client certificate");
 }

@@ -24,6 +24,10 @@ const REDIS_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct RedisOptions {
     /// A password every client must give (`requirepass`, the default user's).
     pub password: Option<String>,
+    /// Also listen with TLS on a port of its own ([`RedisServer::tls_url`]),
+    /// with generated certificates ([`RedisServer::tls_files`]); clients must
+    /// show a certificate the CA signed.
+    pub tls: bool,
 }
 
 /// A running Redis server.
@@ -34,6 +38,7 @@ pub struct RedisServer {
     port: u16,
     user: Option<User>,
     options: RedisOptions,
+    tls: Option<(crate::TlsFiles, u16)>,
     child: Option<Child>,
 }
 
@@ -52,6 +57,16 @@ impl RedisServer {
         let user = server_user()?;
         std::fs::create_dir(dir.path().join("data"))
             .map_err(TestkitError::io("creating", dir.path()))?;
+        let tls = if options.tls {
+            let certs = dir.path().join("tls");
+            std::fs::create_dir(&certs).map_err(TestkitError::io("creating", &certs))?;
+            Some((
+                crate::TlsFiles::generate(&certs, "walbox")?,
+                process::free_port()?,
+            ))
+        } else {
+            None
+        };
         give_to(user.as_ref(), dir.path())?;
         let mut server = RedisServer {
             dir,
@@ -59,6 +74,7 @@ impl RedisServer {
             port: 0,
             user,
             options,
+            tls,
             child: None,
         };
         process::launch_on_free_port(|port| {
@@ -72,6 +88,20 @@ impl RedisServer {
     #[must_use]
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The TLS URL (`rediss://127.0.0.1:<tls port>`), with TLS on.
+    #[must_use]
+    pub fn tls_url(&self) -> Option<String> {
+        self.tls
+            .as_ref()
+            .map(|(_, port)| format!("rediss://127.0.0.1:{port}"))
+    }
+
+    /// The certificates, with TLS on.
+    #[must_use]
+    pub fn tls_files(&self) -> Option<&crate::TlsFiles> {
+        self.tls.as_ref().map(|(files, _)| files)
     }
 
     /// The port.
@@ -144,6 +174,15 @@ impl RedisServer {
                 "--protected-mode",
                 "no",
             ]);
+        if let Some((files, port)) = &self.tls {
+            cmd.args(["--tls-port", &port.to_string(), "--tls-auth-clients", "yes"])
+                .arg("--tls-cert-file")
+                .arg(&files.server_cert)
+                .arg("--tls-key-file")
+                .arg(&files.server_key)
+                .arg("--tls-ca-cert-file")
+                .arg(&files.ca_cert);
+        }
         if let Some(p) = &self.options.password {
             cmd.args(["--requirepass", p]);
         }
