@@ -419,45 +419,69 @@ async fn events_below_a_retaken_snapshot_are_appended_after_its_rows_not_taken_f
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_stores_its_range_again_after_the_top_and_run_goes_on_at_positions() {
+async fn a_replay_stores_its_range_again_once_even_when_killed_and_run_again() {
     let (pg, redis, db, env) = servers_redis(RedisOptions::default(), "").await;
-    let cfg = config_file(
+    let window = "[source]\nreplay_window = \"1h\"\n";
+    let cfg = config_file(&pg, "replay.toml", &redis_toml(&redis, "", "", window));
+    let slow = config_file(
         &pg,
-        "replay.toml",
-        &redis_toml(&redis, "", "", "[source]\nreplay_window = \"1h\"\n"),
+        "slow.toml",
+        &redis_toml(&redis, "max_in_flight = 1", "", window),
     );
     setup(&env);
     let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
     write_events(&pg, 2, 5, 10, 10).await; // 100 events
     let from = current_lsn(&db).await;
-    write_events_from(&pg, 2, 5, 10, 10, 10).await; // 100 more, keys 10..19
+    write_events_from(&pg, 2, 50, 10, 10, 10).await; // 1000 more, keys 10..19
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
     walbox.stop();
     assert_eq!(
         read_entries(&redis, STREAM).await.len(),
-        200,
+        1100,
         "{}",
         walbox.log()
     );
     let (from, to) = (from.to_string(), checkpoint(&pg).unwrap().lsn.to_string());
-    let (code, out, err) = walbox_cmd(
-        &["replay", "--from", &from, "--to", &to, "--config", &cfg],
-        &env,
+    let args = ["replay", "--from", from.as_str(), "--to", to.as_str()];
+    // A replay killed part-way.
+    let mut replay = Walbox::spawn(&[&args[..], &["--config", &slow]].concat(), &env);
+    walbox_testkit::wait_until_async(
+        "part of the replay stored",
+        Duration::from_secs(60),
+        || async { (read_entries(&redis, STREAM).await.len() >= 1100 + 100).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", replay.log()));
+    replay.kill9();
+    let partial = read_entries(&redis, STREAM).await.len() - 1100;
+    assert!(
+        partial < 1000,
+        "the kill came after the replay ended: {}",
+        replay.log()
     );
+    wait_slot_released(&db, "walbox").await;
+    // Run again with the same --from: what the killed run stored is counted,
+    // not stored twice.
+    let (code, out, err) = walbox_cmd(&[&args[..], &["--config", &cfg]].concat(), &env);
     assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("events already stored by an earlier run of this replay"),
+        "{out}"
+    );
     let entries = read_entries(&redis, STREAM).await;
-    assert_eq!(entries.len(), 300, "{out}\n{err}");
-    let copies: Vec<&Entry> = entries[200..].iter().collect();
-    let originals: HashSet<&str> = entries[100..200]
+    assert_eq!(entries.len(), 2100, "{out}\n{err}");
+    let originals: HashSet<&str> = entries[100..1100]
         .iter()
         .map(|e| e.field("event_id"))
         .collect();
-    for c in &copies {
+    let mut copies = HashSet::new();
+    for c in &entries[1100..] {
         assert!(originals.contains(c.field("event_id")));
+        assert!(copies.insert(c.field("event_id")), "copied twice");
         assert_eq!(c.field("walbox_replay"), from);
         assert_ne!(c.id, c.natural_id());
     }
-    let replayed: Vec<Entry> = entries.into_iter().skip(200).collect();
+    let replayed: Vec<Entry> = entries.into_iter().skip(1100).collect();
     assert_per_key_order_once(&replayed);
     // walbox goes on, its new events at their own ids, after the copies.
     let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
@@ -465,8 +489,8 @@ async fn a_replay_stores_its_range_again_after_the_top_and_run_goes_on_at_positi
     wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
     walbox.stop();
     let entries = read_entries(&redis, STREAM).await;
-    assert_eq!(entries.len(), 350, "{}", walbox.log());
-    for e in &entries[300..] {
+    assert_eq!(entries.len(), 2150, "{}", walbox.log());
+    for e in &entries[2100..] {
         assert_eq!(e.id, e.natural_id());
     }
     drop(pg);

@@ -165,6 +165,26 @@ async fn resends_are_duplicates_and_lower_positions_are_appended_after_the_top()
     assert_eq!(dups, 0);
     let events = ids(&redis, s).await;
     assert_eq!(events, ["e1", "e2", "e3", "e4", "e-late", "e1", "e2"]);
+    // The same replay run again (after a kill): what it stored is counted as
+    // a duplicate, the rest stored.
+    let (r, dups) = send_all(
+        &cfg,
+        Some("0/64"),
+        vec![
+            event("e1", s, 100, 0),
+            event("e2", s, 100, 1),
+            event("e3", s, 200, 0),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 2);
+    let events = ids(&redis, s).await;
+    assert_eq!(events, ["e1", "e2", "e3", "e4", "e-late", "e1", "e2", "e3"]);
+    // Another replay (another --from) stores them all again.
+    let (_, dups) = send_all(&cfg, Some("0/65"), vec![event("e1", s, 100, 0)]).await;
+    assert_eq!(dups, 0);
+    assert_eq!(ids(&redis, s).await.len(), 9);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

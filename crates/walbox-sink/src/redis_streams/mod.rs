@@ -13,7 +13,9 @@
 //! stream's top. Its own id is then empty, and the entry is appended after
 //! the top (`<top ms>-*`) instead: stored, at least once for those events (a
 //! resend of one after a crash is appended again). A replay always appends
-//! ([`Sink::replay_as`]): its point is to store the events again.
+//! ([`Sink::replay_as`]): its point is to store the events again; a run of
+//! the same replay again after a kill counts what the first run appended as
+//! duplicates (its progress per stream is kept in a hash of its own).
 //!
 //! Every entry names its writer (`walbox_writer`, the slot by default); the
 //! first entry a batch writes to a stream checks that the stream's newest
@@ -310,6 +312,13 @@ impl Writer {
         let writer = self.config.writer_name().to_owned();
         let mut call = script.prepare_invoke();
         call.arg(&writer);
+        // One batch belongs to one replay or none (the name is the sink's).
+        call.arg(
+            batch
+                .first()
+                .and_then(|i| i.replay.as_deref())
+                .map_or_else(String::new, |name| replay_progress_key(&writer, name)),
+        );
         for item in &batch {
             let e = &item.event;
             let id = entry_id(e.position.commit_lsn.0, e.position.index);
@@ -483,6 +492,13 @@ impl Writer {
             result,
         });
     }
+}
+
+/// The hash in which a replay named `name` records, per stream, the position
+/// of the last event it appended.
+#[must_use]
+pub fn replay_progress_key(writer: &str, name: &str) -> String {
+    format!("walbox:replay:{writer}:{name}")
 }
 
 /// The class of a refusal by its error text.

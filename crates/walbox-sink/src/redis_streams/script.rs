@@ -12,7 +12,11 @@
 //!    event id stops walbox naming both, and no entry at all (the position is
 //!    below what the stream holds: a retaken snapshot, a replay) appends the
 //!    event after the top, at `<top ms>-*`;
-//! 3. in a replay, always appends after the top.
+//! 3. in a replay, always appends after the top, and records per stream the
+//!    position of the last event appended in a hash of the replay's own
+//!    (`walbox:replay:<writer>:<name>`): a run of the same replay again (after
+//!    a kill) counts an event at or below that position as a duplicate, since
+//!    a replay appends its events in position order.
 //!
 //! A key of another type (WRONGTYPE) refuses its entry alone (it is about
 //! the record's stream: it goes to a dead letter), and the call goes on.
@@ -24,13 +28,15 @@
 
 use redis::Value;
 
-/// The script. KEYS[i] is entry i's stream; ARGV[1] the writer; then per
+/// The script. KEYS[i] is entry i's stream; ARGV[1] the writer, ARGV[2] the
+/// replay's progress hash (empty outside a replay); then per
 /// entry: mode (`n`: at its id, `a`: after the top), id, event id, the count
 /// of trimming arguments and them, the count of field names and values and
 /// them.
 pub const APPEND: &str = r#"
 local writer = ARGV[1]
-local pos = 2
+local progress = ARGV[2]
+local pos = 3
 local out = {}
 local checked = {}
 local function field(fields, name)
@@ -38,6 +44,15 @@ local function field(fields, name)
     if fields[j] == name then return fields[j + 1] end
   end
   return ''
+end
+local function above(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if not am or not bm then return true end
+  if #am ~= #bm then return #am > #bm end
+  if am ~= bm then return am > bm end
+  if #as ~= #bs then return #as > #bs end
+  return as > bs
 end
 for i = 1, #KEYS do
   local key = KEYS[i]
@@ -72,7 +87,13 @@ for i = 1, #KEYS do
     return redis.pcall(unpack(call))
   end
   local after = mode == 'a'
-  if wrongtype then
+  local mark = false
+  if after and progress ~= '' then mark = redis.call('HGET', progress, key) end
+  if after and mark and not above(id, mark) then
+    -- Stored by an earlier run of this replay (a replay stores in order).
+    out[#out + 1] = 'dup'
+    after = false
+  elseif wrongtype then
     -- A key of another type refuses this entry alone: the next ones go on.
     out[#out + 1] = '!' .. wrongtype
     after = false
@@ -108,6 +129,7 @@ for i = 1, #KEYS do
     end
     local r = add(at)
     if type(r) == 'table' and r.err then return {out, i, 'error', r.err} end
+    if mode == 'a' and progress ~= '' then redis.call('HSET', progress, key, id) end
     out[#out + 1] = '+' .. r
   end
 end
