@@ -46,6 +46,14 @@
 //!    time until one is stored, the one after a drop unchained (everything
 //!    before it is then known to be stored); a refusal after a drop later in
 //!    a session ends it, and the next session probes again.
+//!
+//! Redis Streams deduplicate by entry id rather than by event id: the
+//! [`RedisSink`] writes each event at the id its position gives, so rule 1
+//! holds through the position; a replay appends after the stream's top and
+//! keeps its own progress per stream (rule 2); a refused id counts as a
+//! duplicate only once the entry there holds the event id (rules 3 and 4);
+//! batches are written by a script that stops at the first refusal, so
+//! nothing is stored after a gap (rule 5's aim).
 
 mod delivery;
 mod kafka;

@@ -59,7 +59,8 @@ pub struct RedisSinkConfig {
     /// How long to wait for the server's answer to a batch, in ms.
     #[serde(default = "default_ack_timeout_ms")]
     pub ack_timeout_ms: u64,
-    /// Most events in one batch (one script call); set from `sink.max_in_flight`.
+    /// Most events in flight (the relay's bound, and at most 1,000 in one
+    /// script call); set from `sink.max_in_flight`.
     #[serde(skip, default = "default_max_in_flight")]
     pub max_in_flight: usize,
 }

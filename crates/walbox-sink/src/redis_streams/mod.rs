@@ -48,6 +48,9 @@ use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, 
 
 /// Most bytes of values and fields in one script call (at least one event).
 const BATCH_BYTES: usize = 8 << 20;
+/// Most entries in one script call: a script holds the server while it runs,
+/// so calls stay short (the append-only file is fsynced once per call).
+const BATCH_ENTRIES: usize = 1_000;
 
 /// One event on its way.
 struct Item {
@@ -285,7 +288,7 @@ struct Writer {
 impl Writer {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Item>) {
         let script = redis::Script::new(script::APPEND);
-        let cap = self.config.max_in_flight.max(1);
+        let cap = self.config.max_in_flight.clamp(1, BATCH_ENTRIES);
         while let Some(first) = rx.recv().await {
             let mut bytes = first.event.size();
             let mut batch = vec![first];
