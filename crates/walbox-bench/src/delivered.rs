@@ -1,5 +1,6 @@
 //! What a contender's destination received: the records of the run's own topic on
-//! the broker and the messages of the JetStream stream, counted after the run, so
+//! the broker, the messages of the JetStream stream and the entries of the run's
+//! own Redis stream, counted after the run, so
 //! that a run that relayed less (or nothing) fails instead of reporting a speed.
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -11,7 +12,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
-use walbox_testkit::NatsServer;
+use walbox_testkit::{NatsServer, RedisServer};
 
 use crate::Error;
 use crate::contenders::{Contender, NATS_STREAM};
@@ -25,6 +26,8 @@ pub enum Destination {
     Topic(String),
     /// The JetStream stream, deleted before each run.
     Stream,
+    /// A Redis stream that only this run writes.
+    RedisStream(String),
 }
 
 /// Numbers the runs' topics, so that no two runs share one.
@@ -42,6 +45,10 @@ impl Contender {
                 RUNS.fetch_add(1, Ordering::Relaxed) + 1
             ))),
             Contender::WalboxNats => Some(Destination::Stream),
+            Contender::WalboxRedis => Some(Destination::RedisStream(format!(
+                "bench.{slot}.{}",
+                RUNS.fetch_add(1, Ordering::Relaxed) + 1
+            ))),
             Contender::Ceiling | Contender::CeilingMessages | Contender::WalboxStdout => None,
         }
     }
@@ -51,7 +58,7 @@ impl Destination {
     /// The topic a broker contender is to write, if this is one.
     pub fn topic(&self) -> Option<&str> {
         match self {
-            Destination::Topic(t) => Some(t),
+            Destination::Topic(t) | Destination::RedisStream(t) => Some(t),
             Destination::Stream => None,
         }
     }
@@ -62,6 +69,7 @@ impl Destination {
         &self,
         bootstrap: &str,
         nats: &NatsServer,
+        redis: &RedisServer,
         events: u64,
     ) -> Result<(), Error> {
         let (what, held) = match self {
@@ -77,6 +85,10 @@ impl Destination {
             Destination::Stream => (
                 format!("JetStream stream {NATS_STREAM}"),
                 stream_messages(nats).await?,
+            ),
+            Destination::RedisStream(key) => (
+                format!("Redis stream {key}"),
+                redis_entries(redis, key).await?,
             ),
         };
         if held != events {
@@ -164,4 +176,15 @@ async fn stream_messages(nats: &NatsServer) -> Result<u64, Error> {
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Entries in the Redis stream `key`, which is deleted once counted (the
+/// server keeps it in memory).
+async fn redis_entries(redis: &RedisServer, key: &str) -> Result<u64, Error> {
+    let mut con = redis::Client::open(redis.url())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let n: u64 = redis::cmd("XLEN").arg(key).query_async(&mut con).await?;
+    let _: i64 = redis::cmd("DEL").arg(key).query_async(&mut con).await?;
+    Ok(n)
 }

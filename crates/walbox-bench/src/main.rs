@@ -14,7 +14,10 @@
 //!   every 100 ms: what the metrics cost, beside the line above;
 //! - `walbox run` to NATS JetStream (`nats-server -js` from the test kit, a
 //!   memory stream that walbox creates, deleted after each run so that the
-//!   next one finds neither its messages nor their ids).
+//!   next one finds neither its messages nor their ids);
+//! - `walbox run` to Redis Streams (`redis-server` from the test kit with its
+//!   append-only file fsynced on every write; each run its own stream, counted
+//!   and deleted after it).
 //!
 //! Each runs `--repeat` times (default 3) in rounds, the order rotating from round
 //! to round, each run on its own slot created before the one load, so every run
@@ -66,7 +69,7 @@ mod steady;
 mod svg;
 mod webhook;
 
-use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions};
+use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RedisServer};
 
 use crate::cli::Scenario;
 use crate::contenders::{Contender, MESSAGES_PUBLICATION, lsn};
@@ -90,6 +93,7 @@ async fn main() -> Result<(), Error> {
     )?;
     let broker = Broker::start()?;
     let nats = NatsServer::start()?;
+    let redis = RedisServer::start()?;
     let db = pg.connect("postgres").await?;
     let version: String = lsn(&db, "SHOW server_version").await?;
     db.batch_execute(&format!(
@@ -102,6 +106,7 @@ async fn main() -> Result<(), Error> {
         pg,
         broker,
         nats,
+        redis,
         db,
     };
     let events = bench.a.events;
@@ -199,7 +204,8 @@ async fn main() -> Result<(), Error> {
     println!();
     println!(
         "setup: {cores} cores, {mem_gb:.0} GiB RAM, PostgreSQL {version} (fsync off, one cluster), broker {}, \
-         JetStream nats-server -js (memory stream), \
+         JetStream nats-server -js (memory stream), redis-server 7 (append-only file, \
+         appendfsync always), \
          walbox {} (release); rows like a real service writes them (uuid id, one of 1,000 \
          aggregate ids, ~300-byte jsonb payload, traceparent header){}{}",
         if bench.broker.is_external() {

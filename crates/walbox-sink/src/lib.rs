@@ -13,12 +13,17 @@
 //! - [`WebhookSink`]: HTTP POSTs signed as Standard Webhooks say, per-key
 //!   order with many keys in flight, retried inside the sink until a 2xx or
 //!   the retry ceiling; dead letters in a local file.
+//! - [`RedisSink`]: Redis Streams, each event an entry at the id its source
+//!   position gives (`<commit LSN>-<index>`), written in batches by a script
+//!   that stops at the first entry it cannot write; a resend is checked to be
+//!   the entry already there.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed to the pipe or file (not once read); a closed pipe
 //!   fails deliveries for good.
 //!
 //! [`read_topic`] reads back what a topic holds, [`read_subject`] what a
-//! JetStream stream holds of a subject, for audits.
+//! JetStream stream holds of a subject, [`read_stream`] what a Redis stream
+//! holds, for audits.
 //!
 //! # Destinations that deduplicate
 //!
@@ -44,12 +49,21 @@
 //!    time until one is stored, the one after a drop unchained (everything
 //!    before it is then known to be stored); a refusal after a drop later in
 //!    a session ends it, and the next session probes again.
+//!
+//! Redis Streams deduplicate by entry id rather than by event id: the
+//! [`RedisSink`] writes each event at the id its position gives, so rule 1
+//! holds through the position; a replay appends after the stream's top and
+//! keeps its own progress per stream (rule 2); a refused id counts as a
+//! duplicate only once the entry there holds the event id (rules 3 and 4);
+//! batches are written by a script that stops at the first refusal, so
+//! nothing is stored after a gap (rule 5's aim).
 
 mod delivery;
 mod kafka;
 mod nats;
 mod nats_reader;
 mod reader;
+mod redis_streams;
 mod secrets;
 mod stdout;
 mod webhook;
@@ -64,6 +78,10 @@ pub use nats::{
 };
 pub use nats_reader::{DurableLetters, read_subject};
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
+pub use redis_streams::{
+    Durability, RedisSink, RedisSinkConfig, StreamEntry, StreamLetters, entry_id, position_of,
+    read_stream, server_durability, shown_url,
+};
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;
 pub use webhook::{
@@ -121,6 +139,22 @@ pub enum SinkError {
     NatsAuthentication {
         /// Which credentials (never their secret part).
         who: String,
+        /// What the server said.
+        reason: String,
+    },
+    /// The Redis server could not be reached or did not answer; a new
+    /// session may succeed.
+    #[error("redis: {0}")]
+    Redis(String),
+    /// The Redis server refused the credentials. Trying again would only
+    /// repeat it.
+    #[error(
+        "redis: the server refused walbox's credentials (user {user:?}): {reason}; check the \
+         URL, username and password in [sink.redis] (or WALBOX_REDIS_PASSWORD)"
+    )]
+    RedisAuthentication {
+        /// The ACL user (never the password).
+        user: String,
         /// What the server said.
         reason: String,
     },

@@ -18,7 +18,8 @@ use crate::secrets::{AuthFailure, authentication_error};
 
 /// One record as a reader hands it over: a Kafka record, or a JetStream
 /// message (partition 0, its stream sequence as offset, its key from the
-/// `walbox_key` header, decoded when `walbox_key_encoding` says base64).
+/// `walbox_key` header, decoded when `walbox_key_encoding` says base64), or
+/// a Redis stream entry (partition 0, its place in the stream as offset).
 #[derive(Debug)]
 pub struct RecordView<'a> {
     inner: Inner<'a>,
@@ -40,6 +41,7 @@ enum Inner<'a> {
         number: u64,
         key: Option<Vec<u8>>,
     },
+    Redis(&'a crate::redis_streams::StreamEntry),
 }
 
 impl<'a> RecordView<'a> {
@@ -71,12 +73,18 @@ impl<'a> RecordView<'a> {
         }
     }
 
+    pub(crate) fn redis(entry: &'a crate::redis_streams::StreamEntry) -> Self {
+        RecordView {
+            inner: Inner::Redis(entry),
+        }
+    }
+
     /// Partition (0 for a JetStream message).
     #[must_use]
     pub fn partition(&self) -> i32 {
         match &self.inner {
             Inner::Kafka(m) => m.partition(),
-            Inner::Nats { .. } | Inner::Letter { .. } => 0,
+            Inner::Nats { .. } | Inner::Letter { .. } | Inner::Redis(_) => 0,
         }
     }
 
@@ -87,6 +95,7 @@ impl<'a> RecordView<'a> {
             Inner::Kafka(m) => m.offset(),
             Inner::Nats { sequence, .. } => i64::try_from(*sequence).unwrap_or(i64::MAX),
             Inner::Letter { number, .. } => i64::try_from(*number).unwrap_or(i64::MAX),
+            Inner::Redis(e) => e.offset,
         }
     }
 
@@ -96,6 +105,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.key(),
             Inner::Nats { key, .. } | Inner::Letter { key, .. } => key.as_deref(),
+            Inner::Redis(e) => e.field(crate::redis_streams::entry::KEY_FIELD),
         }
     }
 
@@ -106,6 +116,7 @@ impl<'a> RecordView<'a> {
             Inner::Kafka(m) => m.payload(),
             Inner::Nats { msg, .. } => Some(msg.payload.as_ref()),
             Inner::Letter { line, .. } => Some(line.value.as_bytes()),
+            Inner::Redis(e) => e.field(crate::redis_streams::entry::VALUE_FIELD),
         }
     }
 
@@ -121,6 +132,12 @@ impl<'a> RecordView<'a> {
                 .and_then(|v| std::str::from_utf8(v).ok()),
             Inner::Nats { msg, .. } => msg.headers.as_ref()?.get(name).map(|v| v.as_str()),
             Inner::Letter { line, .. } => line.header(name),
+            Inner::Redis(e) => e
+                .field(&format!(
+                    "{}{name}",
+                    crate::redis_streams::entry::HEADER_PREFIX
+                ))
+                .and_then(|v| std::str::from_utf8(v).ok()),
         }
     }
 }

@@ -13,6 +13,10 @@
 //! - [`NatsServer`]: a `nats-server -js` on a free port with a temporary store
 //!   (stop, restart on the same store, SIGKILL), optionally requiring a user and
 //!   password or a token.
+//! - [`RedisServer`]: a `redis-server` as an unprivileged user on a free port
+//!   with its own data directory, `appendonly yes` and `appendfsync always`
+//!   (stop, restart on the same directory, SIGKILL), optionally with a
+//!   password.
 //! - [`TcpProxy`]: a TCP proxy between a program and a server that cuts every
 //!   connection, refuses new ones and accepts again on command, and counts
 //!   the connections it holds (link faults).
@@ -34,6 +38,7 @@ mod postgres;
 mod process;
 pub mod prometheus;
 mod proxy;
+pub mod redis;
 mod tls;
 mod wait;
 pub mod webhook;
@@ -44,6 +49,7 @@ pub use nats::{NatsOptions, NatsServer};
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use prometheus::Prometheus;
 pub use proxy::TcpProxy;
+pub use redis::{RedisOptions, RedisServer};
 pub use tls::TlsFiles;
 pub use wait::{wait_until, wait_until_async};
 pub use webhook::Receiver;

@@ -22,7 +22,9 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
-use walbox_sink::{DurableLetters, KafkaSink, NatsSink, Sink, WebhookSink};
+use walbox_sink::{
+    DurableLetters, KafkaSink, NatsSink, RedisSink, Sink, StreamLetters, WebhookSink,
+};
 
 use crate::catalog::{self, ident};
 use crate::config::{Config, Overrides, SinkKind};
@@ -317,6 +319,27 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                     .with_context(|| format!("recording progress in {}", progress.display()))?;
             }
         }
+        SinkKind::Redis => {
+            let sink_config = config.sink.redis_sink(&config.source.slot)?;
+            let (mut sink, mut deliveries) = RedisSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // The dead-letter stream's consumer group keeps the progress.
+                let Some(read) = StreamLetters::read(&sink_config, dlq, &group, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
+            }
+        }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
     let (replayed, already, failing, kept) = (run.replayed, run.already, run.failing, run.kept);
@@ -349,8 +372,8 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\", \"nats\" or \"webhook\" (or --sink) to replay the dead \
-         letters it stored"
+         [sink] type = \"kafka\", \"nats\", \"redis\" or \"webhook\" (or --sink) to replay the \
+         dead letters it stored"
     )
 }
 

@@ -345,6 +345,25 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
             Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
         }
     }
+    if config.sink.kind == crate::config::SinkKind::Redis {
+        let redis = config.sink.redis_sink(&config.source.slot)?;
+        match walbox_sink::server_durability(&redis).await {
+            Ok(d @ walbox_sink::Durability::Synced) => r.add(Verdict::Ok, d.describe()),
+            Ok(d @ walbox_sink::Durability::Unknown(_)) => r.add(Verdict::Warn, d.describe()),
+            Ok(d) if redis.allow_unsynced => r.add(
+                Verdict::Warn,
+                format!("{} (sink.redis.allow_unsynced = true)", d.describe()),
+            ),
+            Ok(d) => r.add(
+                Verdict::Fail,
+                format!(
+                    "{}; walbox run refuses it: set appendonly yes and appendfsync always",
+                    d.describe()
+                ),
+            ),
+            Err(e) => r.add(Verdict::Fail, format!("sink.redis: {e}")),
+        }
+    }
 
     print(&r);
     let failed = r.lines.iter().filter(|(v, _)| *v == Verdict::Fail).count();

@@ -161,8 +161,8 @@ pub(crate) async fn topics_of(
     Ok(topics)
 }
 
-/// Reads what `topic` holds: a Kafka topic, or with the NATS sink the subject
-/// in its JetStream stream.
+/// Reads what `topic` holds: a Kafka topic, with the NATS sink the subject
+/// in its JetStream stream, with the Redis sink the stream of that name.
 async fn read_records(
     config: &Config,
     properties: &[(String, String)],
@@ -172,6 +172,13 @@ async fn read_records(
 ) -> Result<u64, walbox_sink::SinkError> {
     match config.sink.kind {
         SinkKind::Nats => walbox_sink::read_subject(&config.sink.nats, topic, timeout, each).await,
+        SinkKind::Redis => {
+            let redis = config
+                .sink
+                .redis_sink(&config.source.slot)
+                .map_err(|e| walbox_sink::SinkError::Config(e.to_string()))?;
+            walbox_sink::read_stream(&redis, topic, timeout, each).await
+        }
         SinkKind::Kafka | SinkKind::Stdout => tokio::task::block_in_place(|| {
             walbox_sink::read_topic(properties, topic, timeout, each)
         }),

@@ -1,7 +1,8 @@
 //! `make demo`: walbox end to end on throwaway infrastructure.
 //!
 //! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker
-//! (or, with `--sink nats`, a JetStream server; with `--sink webhook`, an HTTP
+//! (or, with `--sink nats`, a JetStream server; with `--sink redis`, a Redis
+//! server with an fsynced append-only file; with `--sink webhook`, an HTTP
 //! receiver that records each signed POST),
 //! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
 //! concurrent writers commit a few hundred outbox events, reads them back from the
@@ -16,7 +17,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use walbox_testkit::{
-    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, Receiver, kafka, wait_until_async,
+    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, Receiver, RedisServer, kafka,
+    wait_until_async,
 };
 
 const WRITERS: usize = 4;
@@ -43,6 +45,7 @@ enum Destination {
     Kafka(Broker),
     Nats(NatsServer),
     Webhook(Receiver),
+    Redis(RedisServer),
 }
 
 impl Destination {
@@ -92,6 +95,7 @@ impl Destination {
                 r.count(),
                 r.delivered().len()
             ),
+            Destination::Redis(r) => r.log_tail(),
         }
     }
 }
@@ -114,16 +118,23 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
 async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
     let sink = arg("--sink").unwrap_or_else(|| "kafka".into());
-    if !["kafka", "nats", "webhook"].contains(&sink.as_str()) {
-        return Err(format!("--sink {sink}: use kafka, nats or webhook").into());
-    }
-    let nats = sink == "nats";
+    let nats = match sink.as_str() {
+        "kafka" | "redis" | "webhook" => false,
+        "nats" => true,
+        other => return Err(format!("--sink {other}: use kafka, nats, redis or webhook").into()),
+    };
+    let redis = sink == "redis";
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
     let (destination, address) = if sink == "webhook" {
         println!("== starting a throwaway PostgreSQL (wal_level=logical) and an HTTP receiver");
         let receiver = Receiver::start()?;
         let url = receiver.base_url();
         (Destination::Webhook(receiver), url)
+    } else if redis {
+        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a Redis server");
+        let server = RedisServer::start()?;
+        let url = server.url();
+        (Destination::Redis(server), url)
     } else if nats {
         println!("== starting a throwaway PostgreSQL (wal_level=logical) and a JetStream server");
         let server = NatsServer::start()?;
@@ -143,7 +154,9 @@ async fn main() -> Result<(), Error> {
     let config = pg.client_dir().join("walbox-demo.toml");
     std::fs::write(
         &config,
-        if nats {
+        if redis {
+            format!("[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{address}\"\n")
+        } else if nats {
             format!(
                 "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{address}\"]\n\
                  create_stream = true\nsubjects = [\"outbox.>\"]\n"
@@ -239,6 +252,9 @@ async fn main() -> Result<(), Error> {
     let wanted = usize::try_from(rows)?;
     let records = if let Some(records) = destination.delivered(wanted).await? {
         records
+    } else if redis {
+        walbox_testkit::redis::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
+            .await?
     } else if destination.is_nats() {
         walbox_testkit::nats::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
             .await

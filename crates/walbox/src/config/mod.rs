@@ -350,6 +350,8 @@ pub enum SinkKind {
     Nats,
     /// HTTP webhooks (`[sink.webhook]`).
     Webhook,
+    /// Redis Streams (`[sink.redis]`).
+    Redis,
 }
 
 impl SinkKind {
@@ -359,7 +361,8 @@ impl SinkKind {
     #[must_use]
     pub fn protocol(self) -> walbox_outbox::Protocol {
         match self {
-            SinkKind::Kafka | SinkKind::Stdout => walbox_outbox::Protocol::Kafka,
+            // A stream entry's fields carry headers as Kafka's do (unencoded).
+            SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis => walbox_outbox::Protocol::Kafka,
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
         }
@@ -370,7 +373,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `webhook` or `stdout`.
+    /// `kafka`, `nats`, `redis`, `webhook` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -397,6 +400,9 @@ pub struct SinkConfig {
     /// The webhook sink's settings (`type = "webhook"`).
     #[serde(default)]
     pub webhook: walbox_sink::WebhookSinkConfig,
+    /// The Redis Streams sink's settings (`type = "redis"`).
+    #[serde(default)]
+    pub redis: walbox_sink::RedisSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -424,6 +430,7 @@ impl Default for SinkConfig {
             kafka: BTreeMap::new(),
             nats: walbox_sink::NatsSinkConfig::default(),
             webhook: walbox_sink::WebhookSinkConfig::default(),
+            redis: walbox_sink::RedisSinkConfig::default(),
         }
     }
 }
@@ -452,6 +459,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("kafka", &kafka)
             .field("nats", &self.nats)
             .field("webhook", &self.webhook)
+            .field("redis", &self.redis)
             .finish()
     }
 }
@@ -490,6 +498,25 @@ impl SinkConfig {
     pub fn nats_sink(&self) -> Result<walbox_sink::NatsSinkConfig> {
         let mut c = self.nats.clone();
         c.max_in_flight = self.max_in_flight;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The Redis sink's settings, with the in-flight bound, the writer name
+    /// (default: the slot) and the password from `WALBOX_REDIS_PASSWORD`
+    /// when the file gives none.
+    pub fn redis_sink(&self, slot: &str) -> Result<walbox_sink::RedisSinkConfig> {
+        let mut c = self.redis.clone();
+        c.max_in_flight = self.max_in_flight;
+        if c.writer.is_none() {
+            c.writer = Some(slot.to_owned());
+        }
+        if c.password.is_none()
+            && let Ok(p) = std::env::var("WALBOX_REDIS_PASSWORD")
+            && !p.is_empty()
+        {
+            c.password = Some(p);
+        }
         c.validate()?;
         Ok(c)
     }
@@ -669,6 +696,11 @@ impl Config {
         for secret in self.sink.webhook.secrets() {
             crate::redact::keep_out(&secret);
         }
+        if let Ok(redis) = self.sink.redis_sink(&self.source.slot) {
+            for secret in redis.secrets() {
+                crate::redact::keep_out(&secret);
+            }
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -711,6 +743,9 @@ impl Config {
         }
         if self.sink.kind == SinkKind::Webhook {
             self.webhook_sink()?;
+        }
+        if self.sink.kind == SinkKind::Redis {
+            self.sink.redis_sink(&self.source.slot)?;
         }
         self.dead_letter.template()?;
         walbox_outbox::check_prefixes(&self.messages)

@@ -347,3 +347,44 @@ fn the_webhook_sink_s_settings_are_checked_and_its_dead_letters_have_a_default_f
     assert!(e.contains("WALBOX_TEST_NO_SUCH_SECRET"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_redis_sink_takes_the_slot_as_writer_and_the_in_flight_bound_and_hides_its_password() {
+    let c = Config::parse(
+        r#"
+        [source]
+        slot = "orders"
+        [sink]
+        type = "redis"
+        max_in_flight = 250
+        [sink.redis]
+        url = "redis://app:url-Pw-41@cache:6379/1"
+        maxlen = 1000
+        "#,
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert_eq!(c.sink.kind, SinkKind::Redis);
+    assert_eq!(c.sink.kind.protocol(), walbox_outbox::Protocol::Kafka);
+    let redis = c.sink.redis_sink(&c.source.slot).unwrap();
+    assert_eq!(redis.writer.as_deref(), Some("orders"));
+    assert_eq!(redis.max_in_flight, 250);
+    assert_eq!(redis.maxlen, Some(1000));
+    let shown = format!("{c:?}");
+    assert!(!shown.contains("url-Pw-41"), "{shown}");
+    assert!(shown.contains("***@cache:6379/1"), "{shown}");
+    // Unknown keys and settings that do not go together are refused by name.
+    let e = Config::parse(
+        "[sink]\ntype = \"redis\"\n[sink.redis]\nmax_len = 5\n",
+        Path::new("t.toml"),
+    )
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("max_len"), "{e:#}");
+    let c = Config::parse(
+        "[sink]\ntype = \"redis\"\n[sink.redis]\nmaxlen = 5\nminid_behind_bytes = 9\n",
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    let e = c.sink.redis_sink("s").unwrap_err();
+    assert!(format!("{e:#}").contains("sink.redis.maxlen"), "{e:#}");
+}

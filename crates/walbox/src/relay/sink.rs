@@ -5,7 +5,8 @@ use std::time::Duration;
 use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, NatsSink, Sink, SinkError, StdoutSink, WebhookSink,
+    Deliveries, DeliveryError, KafkaSink, NatsSink, RedisSink, Sink, SinkError, StdoutSink,
+    WebhookSink,
 };
 
 use super::transient;
@@ -15,6 +16,7 @@ use crate::config::{Config, SinkKind};
 pub(super) enum AnySink {
     Kafka(KafkaSink),
     Nats(Box<NatsSink>),
+    Redis(Box<RedisSink>),
     Stdout(StdoutSink),
     Webhook(Box<WebhookSink>),
 }
@@ -24,6 +26,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.send(event, token).await,
             AnySink::Nats(s) => s.send(event, token).await,
+            AnySink::Redis(s) => s.send(event, token).await,
             AnySink::Stdout(s) => s.send(event, token).await,
             AnySink::Webhook(s) => s.send(event, token).await,
         }
@@ -33,6 +36,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.end_batch(),
             AnySink::Nats(s) => s.end_batch(),
+            AnySink::Redis(s) => s.end_batch(),
             AnySink::Stdout(s) => s.end_batch(),
             AnySink::Webhook(s) => s.end_batch(),
         }
@@ -42,6 +46,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.abort(),
             AnySink::Nats(s) => s.abort(),
+            AnySink::Redis(s) => s.abort(),
             AnySink::Stdout(s) => s.abort(),
             AnySink::Webhook(s) => s.abort(),
         }
@@ -51,6 +56,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.flush(timeout).await,
             AnySink::Nats(s) => s.flush(timeout).await,
+            AnySink::Redis(s) => s.flush(timeout).await,
             AnySink::Stdout(s) => s.flush(timeout).await,
             AnySink::Webhook(s) => s.flush(timeout).await,
         }
@@ -60,6 +66,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.replay_as(name),
             AnySink::Nats(s) => s.replay_as(name),
+            AnySink::Redis(s) => s.replay_as(name),
             AnySink::Stdout(s) => s.replay_as(name),
             AnySink::Webhook(s) => s.replay_as(name),
         }
@@ -69,6 +76,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.duplicates(),
             AnySink::Nats(s) => s.duplicates(),
+            AnySink::Redis(s) => s.duplicates(),
             AnySink::Stdout(s) => s.duplicates(),
             AnySink::Webhook(s) => s.duplicates(),
         }
@@ -85,6 +93,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
             let (sink, deliveries) = NatsSink::new(config.sink.nats_sink()?)?;
             (AnySink::Nats(Box::new(sink)), deliveries)
         }
+        SinkKind::Redis => {
+            let (sink, deliveries) = RedisSink::new(config.sink.redis_sink(&config.source.slot)?)?;
+            (AnySink::Redis(Box::new(sink)), deliveries)
+        }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
             (AnySink::Stdout(sink), deliveries)
@@ -97,11 +109,11 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
 }
 
 /// A sink that could not take an event: a Kafka client error or an unreachable
-/// NATS server may pass (a new session retries), anything else (a missing topic
+/// NATS or Redis server may pass (a new session retries), anything else (a missing topic
 /// or stream, refused credentials, configuration) would repeat.
 pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
     match e {
-        SinkError::Kafka(_) | SinkError::Nats(_) => transient(e),
+        SinkError::Kafka(_) | SinkError::Nats(_) | SinkError::Redis(_) => transient(e),
         other => anyhow!(other),
     }
 }

@@ -1,0 +1,587 @@
+//! The Redis Streams sink: each event becomes an entry of the stream its
+//! topic names, at the id its source position gives (`<commit LSN>-<index>`,
+//! [`entry`]), so that a resend after a crash finds its own entry there and
+//! is counted as a duplicate, without a time window. Entries are written in
+//! batches by one Lua script call each ([`script`]), which stops at the first
+//! entry it cannot write: a batch is stored as a prefix, never with a gap, so
+//! per-key order holds in the stream. An event counts as delivered only on
+//! the script's answer, which Redis sends after writing (and, with
+//! `appendfsync always`, fsyncing) the append-only file.
+//!
+//! Histories where positions do not grow (a retaken snapshot, whose rows sit
+//! at the later consistent point; `walbox replay`) put an event below the
+//! stream's top. Its own id is then empty, and the entry is appended after
+//! the top (`<top ms>-*`) instead: stored, at least once for those events (a
+//! resend of one after a crash is appended again). A replay always appends
+//! ([`Sink::replay_as`]): its point is to store the events again; a run of
+//! the same replay again after a kill counts what the first run appended as
+//! duplicates (its progress per stream is kept in a hash of its own).
+//!
+//! Every entry names its writer (`walbox_writer`, the slot by default); the
+//! first entry a batch writes to a stream checks that the stream's newest
+//! entry is this writer's, so a second writer on the stream stops walbox
+//! ([`DeliveryClass::DuplicateId`]), naming both.
+
+mod config;
+pub(crate) mod entry;
+mod letters;
+mod reader;
+mod script;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use tokio::sync::mpsc;
+use walbox_outbox::Event;
+
+pub use config::{RedisSinkConfig, shown_url};
+
+pub use entry::{entry_id, position_of};
+pub use letters::StreamLetters;
+pub use reader::{StreamEntry, read_stream};
+use script::{Reply, Stop, Written};
+
+use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+
+/// Most bytes of values and fields in one script call (at least one event).
+const BATCH_BYTES: usize = 8 << 20;
+/// Most entries in one script call: a script holds the server while it runs,
+/// so calls stay short (the append-only file is fsynced once per call).
+const BATCH_ENTRIES: usize = 1_000;
+
+/// One event on its way.
+struct Item {
+    event: Event,
+    token: usize,
+    /// The replay it belongs to, if any.
+    replay: Option<String>,
+}
+
+/// A connected session: its writer task and the queue into it.
+struct Session {
+    queue: mpsc::UnboundedSender<Item>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Writes events to Redis streams, one stream per topic.
+pub struct RedisSink {
+    config: RedisSinkConfig,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+    session: Option<Session>,
+    in_flight: Arc<AtomicUsize>,
+    duplicates: Arc<AtomicU64>,
+    replay: Option<String>,
+    aborted: bool,
+    durability_checked: bool,
+}
+
+impl std::fmt::Debug for RedisSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSink")
+            .field("url", &shown_url(&self.config.url))
+            .field("writer", &self.config.writer_name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Connects with `config`'s settings; refused credentials are final.
+pub(crate) async fn connect(config: &RedisSinkConfig) -> Result<MultiplexedConnection, SinkError> {
+    let client = config.client()?;
+    client
+        .get_multiplexed_async_connection_with_config(&config.connection_config())
+        .await
+        .map_err(|e| connect_error(&e, config))
+}
+
+fn connect_error(e: &redis::RedisError, config: &RedisSinkConfig) -> SinkError {
+    let text = error_text(e);
+    if e.kind() == redis::ErrorKind::AuthenticationFailed
+        || text.contains("WRONGPASS")
+        || text.contains("NOAUTH")
+    {
+        SinkError::RedisAuthentication {
+            user: config
+                .username
+                .clone()
+                .or_else(|| {
+                    redis::IntoConnectionInfo::into_connection_info(config.url.as_str())
+                        .ok()?
+                        .redis_settings()
+                        .username()
+                        .map(str::to_owned)
+                })
+                .unwrap_or_else(|| "default".into()),
+            reason: text,
+        }
+    } else {
+        SinkError::Redis(format!("connecting to {}: {text}", shown_url(&config.url)))
+    }
+}
+
+/// An error's text: its kind, code and the server's words (never the
+/// connection's settings).
+fn error_text(e: &redis::RedisError) -> String {
+    let mut t = e.to_string();
+    if t.is_empty() {
+        t = format!("{:?}", e.kind());
+    }
+    t
+}
+
+impl RedisSink {
+    /// A sink with these settings; it connects on its first event. Returns the
+    /// sink and the receiver of its deliveries.
+    pub fn new(config: RedisSinkConfig) -> Result<(Self, Deliveries), SinkError> {
+        config.validate()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        Ok((
+            RedisSink {
+                config,
+                deliveries: tx,
+                session: None,
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                duplicates: Arc::new(AtomicU64::new(0)),
+                replay: None,
+                aborted: false,
+                durability_checked: false,
+            },
+            rx,
+        ))
+    }
+
+    async fn session(&mut self) -> Result<&Session, SinkError> {
+        if self.session.is_none() {
+            let mut con = connect(&self.config).await?;
+            if !self.durability_checked {
+                check_durability(&mut con, &self.config).await?;
+                self.durability_checked = true;
+            }
+            let (queue, rx) = mpsc::unbounded_channel();
+            let writer = Writer {
+                con,
+                config: self.config.clone(),
+                deliveries: self.deliveries.clone(),
+                in_flight: self.in_flight.clone(),
+                duplicates: self.duplicates.clone(),
+                failed: None,
+            };
+            let task = tokio::spawn(writer.run(rx));
+            self.session = Some(Session { queue, task });
+        }
+        Ok(self.session.as_ref().expect("connected above"))
+    }
+}
+
+/// What a Redis server says of its durability.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Durability {
+    /// `appendonly yes` and `appendfsync always`: an acknowledged entry is on
+    /// disk.
+    Synced,
+    /// Other settings (the values of `appendonly` and `appendfsync`).
+    Unsynced(String, String),
+    /// The server does not let walbox read them (CONFIG GET refused), with
+    /// what it said.
+    Unknown(String),
+}
+
+impl Durability {
+    /// What these settings mean, for a log line or a check.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        match self {
+            Durability::Synced => "appendonly yes and appendfsync always: an acknowledged \
+                                   event is on disk"
+                .into(),
+            Durability::Unsynced(aof, fsync) => format!(
+                "the Redis server runs with appendonly {aof} and appendfsync {fsync}: an event \
+                 it acknowledged can be lost when it crashes, after walbox moved its position \
+                 past it"
+            ),
+            Durability::Unknown(why) => format!(
+                "cannot read the server's appendonly and appendfsync (CONFIG GET: {why}): \
+                 acknowledged events are durable only if Redis runs with appendonly yes and \
+                 appendfsync always; make sure it does"
+            ),
+        }
+    }
+}
+
+/// Connects and reads the server's `appendonly` and `appendfsync`.
+pub async fn server_durability(config: &RedisSinkConfig) -> Result<Durability, SinkError> {
+    let mut con = connect(config).await?;
+    Ok(durability(&mut con).await)
+}
+
+async fn durability(con: &mut MultiplexedConnection) -> Durability {
+    let read: redis::RedisResult<HashMap<String, String>> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("appendonly")
+        .arg("appendfsync")
+        .query_async(con)
+        .await;
+    match read {
+        Ok(settings) => {
+            let aof = settings.get("appendonly").cloned().unwrap_or_default();
+            let fsync = settings.get("appendfsync").cloned().unwrap_or_default();
+            if aof == "yes" && fsync == "always" {
+                Durability::Synced
+            } else {
+                Durability::Unsynced(aof, fsync)
+            }
+        }
+        Err(e) => Durability::Unknown(error_text(&e)),
+    }
+}
+
+/// An acknowledged entry is on disk only with `appendonly yes` and
+/// `appendfsync always`. Otherwise walbox refuses to start unless
+/// `allow_unsynced`; a server that does not let walbox read them (a managed
+/// Redis without CONFIG) is used with a warning.
+async fn check_durability(
+    con: &mut MultiplexedConnection,
+    config: &RedisSinkConfig,
+) -> Result<(), SinkError> {
+    match durability(con).await {
+        Durability::Synced => Ok(()),
+        d @ Durability::Unknown(_) => {
+            tracing::warn!("{}", d.describe());
+            Ok(())
+        }
+        d @ Durability::Unsynced(..) if config.allow_unsynced => {
+            tracing::warn!(
+                "{}; going on (sink.redis.allow_unsynced = true)",
+                d.describe()
+            );
+            Ok(())
+        }
+        d => Err(SinkError::Config(format!(
+            "sink.redis: {}; set appendonly yes and appendfsync always on the server \
+             (CONFIG SET appendonly yes, CONFIG SET appendfsync always, and in redis.conf), \
+             or accept the loss with allow_unsynced = true",
+            d.describe()
+        ))),
+    }
+}
+
+/// The task that writes a session's entries, one batch per script call.
+struct Writer {
+    con: MultiplexedConnection,
+    config: RedisSinkConfig,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+    in_flight: Arc<AtomicUsize>,
+    duplicates: Arc<AtomicU64>,
+    /// An entry of this session was not stored: every later one fails
+    /// unsent, with this class and reason.
+    failed: Option<(DeliveryClass, String)>,
+}
+
+impl Writer {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Item>) {
+        let script = redis::Script::new(script::APPEND);
+        let cap = self.config.max_in_flight.clamp(1, BATCH_ENTRIES);
+        while let Some(first) = rx.recv().await {
+            let mut bytes = first.event.size();
+            let mut batch = vec![first];
+            while batch.len() < cap && bytes < BATCH_BYTES {
+                match rx.try_recv() {
+                    Ok(item) => {
+                        bytes += item.event.size();
+                        batch.push(item);
+                    }
+                    Err(_) => break,
+                }
+            }
+            if let Some((class, reason)) = self.failed.clone() {
+                for item in batch {
+                    self.report(&item, Err((class, reason.clone())));
+                }
+                continue;
+            }
+            self.write(&script, batch).await;
+        }
+    }
+
+    async fn write(&mut self, script: &redis::Script, batch: Vec<Item>) {
+        let writer = self.config.writer_name().to_owned();
+        let mut call = script.prepare_invoke();
+        call.arg(&writer);
+        // One batch belongs to one replay or none (the name is the sink's).
+        call.arg(
+            batch
+                .first()
+                .and_then(|i| i.replay.as_deref())
+                .map_or_else(String::new, |name| replay_progress_key(&writer, name)),
+        );
+        for item in &batch {
+            let e = &item.event;
+            let id = entry_id(e.position.commit_lsn.0, e.position.index);
+            let trim = self.config.trim_args(e.position.commit_lsn.0);
+            let fields = entry::fields_of(e, &writer, item.replay.as_deref());
+            call.key(e.topic.as_str());
+            call.arg(if item.replay.is_some() { "a" } else { "n" })
+                .arg(&id)
+                .arg(e.event_id.as_str())
+                .arg(trim.len());
+            for t in &trim {
+                call.arg(t);
+            }
+            call.arg(fields.len() * 2);
+            for (name, value) in &fields {
+                call.arg(name).arg(value.as_slice());
+            }
+        }
+        let answer: redis::RedisResult<redis::Value> = call.invoke_async(&mut self.con).await;
+        let reply = match answer {
+            Ok(v) => script::parse_reply(&v).unwrap_or_else(|| Reply {
+                written: Vec::new(),
+                stop: Some((0, Stop::Error("an answer walbox cannot read".into()))),
+            }),
+            Err(e) => {
+                let class = if e.is_timeout() {
+                    DeliveryClass::Timeout
+                } else {
+                    DeliveryClass::BrokerError
+                };
+                let reason = format!(
+                    "the batch of {} entries got no answer ({}); whether it was stored is \
+                     checked when walbox writes again from its acknowledged position",
+                    batch.len(),
+                    error_text(&e)
+                );
+                self.failed = Some((DeliveryClass::BrokerError, reason.clone()));
+                for item in batch {
+                    self.report(&item, Err((class, reason.clone())));
+                }
+                return;
+            }
+        };
+        let mut appended = 0usize;
+        let mut items = batch.into_iter().enumerate();
+        for (i, item) in items.by_ref() {
+            if let Some(w) = reply.written.get(i) {
+                match w {
+                    Written::Stored => {}
+                    Written::Duplicate => {
+                        self.duplicates.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Written::Refused(text) => {
+                        self.report(&item, Err((classify(text), text.clone())));
+                        continue;
+                    }
+                    Written::Appended(id) => {
+                        appended += 1;
+                        tracing::debug!(
+                            stream = item.event.topic,
+                            event_id = item.event.event_id,
+                            id,
+                            "appended after the top of the stream"
+                        );
+                    }
+                }
+                self.report(&item, Ok(()));
+                continue;
+            }
+            let (class, reason) = match &reply.stop {
+                Some((at, stop)) if *at == i => self.refusal(&item.event, stop),
+                _ => (
+                    DeliveryClass::BrokerError,
+                    "the server's answer does not cover this entry".into(),
+                ),
+            };
+            self.failed = Some((
+                if class.is_final() || class.is_about_the_message() {
+                    DeliveryClass::BrokerError
+                } else {
+                    class
+                },
+                format!(
+                    "not sent: event {} of this session was not stored, and a later entry \
+                     must not be stored before it; walbox writes again from its \
+                     acknowledged position",
+                    item.event.event_id
+                ),
+            ));
+            self.report(&item, Err((class, reason)));
+            break;
+        }
+        for (_, item) in items {
+            let failed = self.failed.clone().expect("set above");
+            self.report(&item, Err(failed));
+        }
+        if appended > 0 {
+            tracing::info!(
+                appended,
+                "events whose position is below their stream's top (a retaken snapshot, a \
+                 replay) appended after the top"
+            );
+        }
+    }
+
+    fn refusal(&self, event: &Event, stop: &Stop) -> (DeliveryClass, String) {
+        let me = self.config.writer_name();
+        match stop {
+            Stop::OtherWriter {
+                id,
+                writer,
+                event_id,
+            } => (
+                DeliveryClass::DuplicateId,
+                format!(
+                    "stream {:?} has another writer: its newest entry {id} was written by \
+                     {} (event {}), not by this walbox (writer {me:?}, event {}); give each \
+                     walbox its own streams (or its own sink.redis.writer if that entry is \
+                     this walbox's under an earlier name)",
+                    event.topic,
+                    if writer.is_empty() {
+                        "a writer that is no walbox".to_owned()
+                    } else {
+                        format!("walbox writer {writer:?}")
+                    },
+                    if event_id.is_empty() {
+                        "id unknown"
+                    } else {
+                        event_id
+                    },
+                    event.event_id
+                ),
+            ),
+            Stop::Taken {
+                id,
+                writer,
+                event_id,
+            } => (
+                DeliveryClass::DuplicateId,
+                format!(
+                    "entry {id} of stream {:?} holds event {event_id:?} (writer {writer:?}), \
+                     not event {:?} of this walbox (writer {me:?}), at the same position",
+                    event.topic, event.event_id
+                ),
+            ),
+            Stop::Error(text) => (classify(text), text.clone()),
+        }
+    }
+
+    fn report(&self, item: &Item, result: Result<(), (DeliveryClass, String)>) {
+        let result = result.map_err(|(class, reason)| DeliveryError {
+            event_id: item.event.event_id.clone(),
+            topic: item.event.topic.clone(),
+            class,
+            reason,
+            // What a dead letter needs of a record refused for what it is.
+            rejected: class.is_about_the_message().then(|| RejectedRecord {
+                key: item.event.key.as_ref().map(|k| k.to_vec()),
+                headers: item
+                    .event
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_vec()))
+                    .collect(),
+                value_len: item.event.value.len(),
+            }),
+        });
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let _ = self.deliveries.send(Delivery {
+            token: item.token,
+            result,
+        });
+    }
+}
+
+/// The hash in which a replay named `name` records, per stream, the position
+/// of the last event it appended.
+#[must_use]
+pub fn replay_progress_key(writer: &str, name: &str) -> String {
+    format!("walbox:replay:{writer}:{name}")
+}
+
+/// The class of a refusal by its error text.
+#[must_use]
+pub(crate) fn classify(text: &str) -> DeliveryClass {
+    let code = text.split_whitespace().next().unwrap_or("");
+    match code {
+        "WRONGTYPE" => DeliveryClass::InvalidTopic,
+        "NOPERM" => DeliveryClass::Authorization,
+        "NOAUTH" | "WRONGPASS" => DeliveryClass::Authentication,
+        _ if text.contains("WRONGTYPE") => DeliveryClass::InvalidTopic,
+        _ => DeliveryClass::BrokerError,
+    }
+}
+
+impl Sink for RedisSink {
+    fn replay_as(&mut self, name: &str) {
+        self.replay = Some(name.to_owned());
+    }
+
+    fn duplicates(&self) -> u64 {
+        self.duplicates.load(Ordering::SeqCst)
+    }
+
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        let replay = self.replay.clone();
+        let in_flight = self.in_flight.clone();
+        let session = self.session().await?;
+        let item = Item {
+            event,
+            token,
+            replay,
+        };
+        in_flight.fetch_add(1, Ordering::SeqCst);
+        if session.queue.send(item).is_err() {
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self) {
+        // Nothing more is written in this session; what was queued is not
+        // reported.
+        self.aborted = true;
+        self.session = None;
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_are_classed_by_the_servers_code() {
+        assert_eq!(
+            classify("WRONGTYPE Operation against a key holding the wrong kind of value"),
+            DeliveryClass::InvalidTopic
+        );
+        assert_eq!(
+            classify("NOPERM this user has no permissions to run the 'xadd' command"),
+            DeliveryClass::Authorization
+        );
+        assert_eq!(
+            classify("OOM command not allowed when used memory > 'maxmemory'."),
+            DeliveryClass::BrokerError
+        );
+        assert!(!classify("OOM").is_final());
+    }
+}

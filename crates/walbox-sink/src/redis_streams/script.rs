@@ -1,0 +1,329 @@
+//! The server-side append: one Lua script call writes a batch of entries in
+//! order, atomically as to other clients, and stops at the first one it
+//! cannot write, so that a batch is stored as a prefix (a pipeline of XADDs
+//! is not: one can fail and the next be stored). Per entry it:
+//!
+//! 1. checks, before the first entry of each stream in the call, that the
+//!    stream's newest entry is this writer's (`walbox_writer`): another
+//!    writer's entry there stops walbox, naming both;
+//! 2. adds the entry at its id (the position); when Redis refuses it as
+//!    "equal or smaller than the target stream top item", reads the entry at
+//!    that id: the same event id is a duplicate (already stored), another
+//!    event id stops walbox naming both, and no entry at all (the position is
+//!    below what the stream holds: a retaken snapshot, a replay) appends the
+//!    event after the top, at `<top ms>-*`;
+//! 3. in a replay, always appends after the top, and records per stream the
+//!    position of the last event appended in a hash of the replay's own
+//!    (`walbox:replay:<writer>:<name>`): a run of the same replay again (after
+//!    a kill) counts an event at or below that position as a duplicate, since
+//!    a replay appends its events in position order.
+//!
+//! A key of another type (WRONGTYPE) refuses its entry alone (it is about
+//! the record's stream: it goes to a dead letter), and the call goes on.
+//!
+//! The reply is `{outcomes, failed_at, kind, details...}`: one outcome per
+//! entry (its id, `dup`, `+<id>` when appended after the top, `!<error>` when
+//! refused alone), and
+//! for the entry that stopped the call its 1-based number and why.
+
+use redis::Value;
+
+/// The script. KEYS[i] is entry i's stream; ARGV[1] the writer, ARGV[2] the
+/// replay's progress hash (empty outside a replay); then per
+/// entry: mode (`n`: at its id, `a`: after the top), id, event id, the count
+/// of trimming arguments and them, the count of field names and values and
+/// them.
+pub const APPEND: &str = r#"
+local writer = ARGV[1]
+local progress = ARGV[2]
+local pos = 3
+local out = {}
+local checked = {}
+local function field(fields, name)
+  for j = 1, #fields, 2 do
+    if fields[j] == name then return fields[j + 1] end
+  end
+  return ''
+end
+local function above(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if not am or not bm then return true end
+  if #am ~= #bm then return #am > #bm end
+  if am ~= bm then return am > bm end
+  if #as ~= #bs then return #as > #bs end
+  return as > bs
+end
+for i = 1, #KEYS do
+  local key = KEYS[i]
+  local mode = ARGV[pos]
+  local id = ARGV[pos + 1]
+  local eid = ARGV[pos + 2]
+  local args = {'XADD', key}
+  local ntrim = tonumber(ARGV[pos + 3])
+  for j = 1, ntrim do args[#args + 1] = ARGV[pos + 3 + j] end
+  pos = pos + 4 + ntrim
+  local nfields = tonumber(ARGV[pos])
+  local fields = {}
+  for j = 1, nfields do fields[j] = ARGV[pos + j] end
+  pos = pos + 1 + nfields
+  local wrongtype = false
+  if not checked[key] then
+    local top = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
+    if top.err and string.find(top.err, 'WRONGTYPE', 1, true) then
+      wrongtype = top.err
+    elseif top.err then return {out, i, 'error', top.err} end
+    if not wrongtype and #top > 0 and field(top[1][2], 'walbox_writer') ~= writer then
+      return {out, i, 'writer', top[1][1], field(top[1][2], 'walbox_writer'),
+              field(top[1][2], 'event_id')}
+    end
+    if not wrongtype then checked[key] = true end
+  end
+  local function add(at)
+    local call = {}
+    for j = 1, #args do call[j] = args[j] end
+    call[#call + 1] = at
+    for j = 1, #fields do call[#call + 1] = fields[j] end
+    return redis.pcall(unpack(call))
+  end
+  local after = mode == 'a'
+  local mark = false
+  if after and progress ~= '' then mark = redis.call('HGET', progress, key) end
+  if after and mark and not above(id, mark) then
+    -- Stored by an earlier run of this replay (a replay stores in order).
+    out[#out + 1] = 'dup'
+    after = false
+  elseif wrongtype then
+    -- A key of another type refuses this entry alone: the next ones go on.
+    out[#out + 1] = '!' .. wrongtype
+    after = false
+  elseif not after then
+    local r = add(id)
+    if type(r) == 'table' and r.err then
+      if not string.find(r.err, 'equal or smaller', 1, true) then
+        return {out, i, 'error', r.err}
+      end
+      local at = redis.call('XRANGE', key, id, id)
+      if #at > 0 then
+        local other = field(at[1][2], 'event_id')
+        if other ~= eid then
+          return {out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other}
+        end
+        out[#out + 1] = 'dup'
+      else
+        after = true
+      end
+    else
+      out[#out + 1] = r
+    end
+  end
+  if after then
+    local at = id
+    local info = redis.pcall('XINFO', 'STREAM', key)
+    if not info.err then
+      for j = 1, #info, 2 do
+        if info[j] == 'last-generated-id' then
+          at = string.match(info[j + 1], '^(%d+)') .. '-*'
+        end
+      end
+    end
+    local r = add(at)
+    if type(r) == 'table' and r.err then return {out, i, 'error', r.err} end
+    if mode == 'a' and progress ~= '' then redis.call('HSET', progress, key, id) end
+    out[#out + 1] = '+' .. r
+  end
+end
+return {out, 0}
+"#;
+
+/// What became of one entry the script wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Written {
+    /// Stored at its own id.
+    Stored,
+    /// Already stored at its id (the entry there holds the same event id).
+    Duplicate,
+    /// Stored after the top of the stream, at this id.
+    Appended(String),
+    /// Refused for its stream alone (a key of another type); later entries
+    /// were written.
+    Refused(String),
+}
+
+/// Why the script stopped at an entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stop {
+    /// The stream's newest entry is another writer's.
+    OtherWriter {
+        /// That entry's id.
+        id: String,
+        /// Its writer (empty: none named).
+        writer: String,
+        /// Its event id (empty: none).
+        event_id: String,
+    },
+    /// The entry at the event's id holds another event.
+    Taken {
+        /// The id.
+        id: String,
+        /// The writer of the entry there.
+        writer: String,
+        /// Its event id.
+        event_id: String,
+    },
+    /// Redis refused the command (out of memory, a key of another type, an
+    /// ACL).
+    Error(String),
+}
+
+/// The script's reply: what became of the entries written, in order, and
+/// the entry (0-based) that stopped it with why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    /// One per entry written.
+    pub written: Vec<Written>,
+    /// The entry that was not written, and why; none after it was sent.
+    pub stop: Option<(usize, Stop)>,
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        Value::SimpleString(s) => s.clone(),
+        Value::Int(i) => i.to_string(),
+        Value::ServerError(e) => e.details().unwrap_or_default().to_owned(),
+        _ => String::new(),
+    }
+}
+
+/// Reads the script's reply; `None` when it is not of the script's form.
+#[must_use]
+pub fn parse_reply(v: &Value) -> Option<Reply> {
+    let Value::Array(parts) = v else { return None };
+    let written = match parts.first()? {
+        Value::Array(items) => items
+            .iter()
+            .map(|i| {
+                let t = text(i);
+                match t.as_str() {
+                    "dup" => Written::Duplicate,
+                    _ => match (t.strip_prefix('+'), t.strip_prefix('!')) {
+                        (Some(id), _) => Written::Appended(id.to_owned()),
+                        (_, Some(e)) => Written::Refused(e.to_owned()),
+                        _ => Written::Stored,
+                    },
+                }
+            })
+            .collect(),
+        _ => return None,
+    };
+    let at = match parts.get(1)? {
+        Value::Int(i) => usize::try_from(*i).ok()?,
+        _ => return None,
+    };
+    if at == 0 {
+        return Some(Reply {
+            written,
+            stop: None,
+        });
+    }
+    let arg = |n: usize| parts.get(n).map(text).unwrap_or_default();
+    let stop = match arg(2).as_str() {
+        "writer" => Stop::OtherWriter {
+            id: arg(3),
+            writer: arg(4),
+            event_id: arg(5),
+        },
+        "taken" => Stop::Taken {
+            id: arg(3),
+            writer: arg(4),
+            event_id: arg(5),
+        },
+        _ => Stop::Error(arg(3)),
+    };
+    Some(Reply {
+        written,
+        stop: Some((at - 1, stop)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn a_reply_tells_stored_duplicates_and_appended_entries_apart() {
+        let v = Value::Array(vec![
+            Value::Array(vec![
+                bulk("5-0"),
+                bulk("dup"),
+                bulk("+9-3"),
+                bulk("!WRONGTYPE Operation against a key"),
+            ]),
+            Value::Int(0),
+        ]);
+        assert_eq!(
+            parse_reply(&v),
+            Some(Reply {
+                written: vec![
+                    Written::Stored,
+                    Written::Duplicate,
+                    Written::Appended("9-3".into()),
+                    Written::Refused("WRONGTYPE Operation against a key".into())
+                ],
+                stop: None
+            })
+        );
+    }
+
+    #[test]
+    fn a_stop_names_the_entry_and_both_event_ids() {
+        let v = Value::Array(vec![
+            Value::Array(vec![bulk("5-0")]),
+            Value::Int(2),
+            bulk("taken"),
+            bulk("6-0"),
+            bulk("walbox-a"),
+            bulk("other-event"),
+        ]);
+        let r = parse_reply(&v).expect("parses");
+        assert_eq!(
+            r.stop,
+            Some((
+                1,
+                Stop::Taken {
+                    id: "6-0".into(),
+                    writer: "walbox-a".into(),
+                    event_id: "other-event".into()
+                }
+            ))
+        );
+        let v = Value::Array(vec![
+            Value::Array(vec![]),
+            Value::Int(1),
+            bulk("writer"),
+            bulk("1700000000000-0"),
+            bulk(""),
+            bulk(""),
+        ]);
+        assert!(matches!(
+            parse_reply(&v).expect("parses").stop,
+            Some((0, Stop::OtherWriter { .. }))
+        ));
+        let v = Value::Array(vec![
+            Value::Array(vec![]),
+            Value::Int(1),
+            bulk("error"),
+            bulk("OOM command not allowed"),
+        ]);
+        assert_eq!(
+            parse_reply(&v).expect("parses").stop,
+            Some((0, Stop::Error("OOM command not allowed".into())))
+        );
+        assert_eq!(parse_reply(&Value::Nil), None);
+    }
+}

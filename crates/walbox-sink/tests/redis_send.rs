@@ -1,0 +1,388 @@
+//! The Redis Streams sink against a real `redis-server`: entries at the ids
+//! their positions give; a resend is counted as a duplicate, not stored; an
+//! entry at the id with another event id, or another writer's entry at the
+//! top, fails the delivery for good naming both; an event below the top with
+//! an empty id is appended after the top; a replay stores every event again;
+//! a key of another type refuses its entry alone; any other refusal stores
+//! nothing after it.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use walbox_outbox::{Event, Position};
+use walbox_sink::{DeliveryClass, RedisSink, RedisSinkConfig, Sink};
+use walbox_testkit::RedisServer;
+
+fn event(id: &str, stream: &str, lsn: u64, index: u32) -> Event {
+    Event {
+        event_id: id.into(),
+        topic: stream.into(),
+        key: Some(Bytes::from_static(b"order-1")),
+        value: Bytes::from_static(br#"{"n":1}"#),
+        json_value: true,
+        headers: vec![("event_id".into(), Bytes::copy_from_slice(id.as_bytes()))],
+        position: Position {
+            commit_lsn: walbox_pgoutput::Lsn(lsn),
+            index,
+            xid: 7,
+        },
+    }
+}
+
+fn config(redis: &RedisServer, writer: &str) -> RedisSinkConfig {
+    RedisSinkConfig {
+        url: redis.url(),
+        writer: Some(writer.into()),
+        ..RedisSinkConfig::default()
+    }
+}
+
+/// Sends `events` in one go and returns each one's outcome, in order.
+async fn send_all(
+    cfg: &RedisSinkConfig,
+    replay: Option<&str>,
+    events: Vec<Event>,
+) -> (Vec<Result<(), (DeliveryClass, String)>>, u64) {
+    let (mut sink, mut deliveries) = RedisSink::new(cfg.clone()).unwrap();
+    if let Some(r) = replay {
+        sink.replay_as(r);
+    }
+    let n = events.len();
+    for (i, e) in events.into_iter().enumerate() {
+        sink.send(e, i).await.unwrap();
+    }
+    sink.flush(Duration::from_secs(30)).await.unwrap();
+    let mut out: Vec<Option<Result<(), (DeliveryClass, String)>>> = vec![None; n];
+    for _ in 0..n {
+        let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        out[d.token] = Some(d.result.map_err(|e| (e.class, e.reason)));
+    }
+    (
+        out.into_iter().map(Option::unwrap).collect(),
+        sink.duplicates(),
+    )
+}
+
+async fn ids(redis: &RedisServer, stream: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let cfg = RedisSinkConfig {
+        url: redis.url(),
+        ..RedisSinkConfig::default()
+    };
+    walbox_sink::read_stream(&cfg, stream, Duration::from_secs(10), |r| {
+        out.push(r.header("event_id").unwrap_or_default().to_owned());
+    })
+    .await
+    .unwrap();
+    out
+}
+
+async fn raw_ids(redis: &RedisServer, stream: &str) -> Vec<String> {
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let v: redis::Value = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let redis::Value::Array(items) = v else {
+        panic!("{v:?}")
+    };
+    items
+        .iter()
+        .map(|i| match i {
+            redis::Value::Array(p) => match &p[0] {
+                redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                other => panic!("{other:?}"),
+            },
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resends_are_duplicates_and_lower_positions_are_appended_after_the_top() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.order";
+    let (r, dups) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("e1", s, 100, 0),
+            event("e2", s, 100, 1),
+            event("e3", s, 200, 0),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    assert_eq!(raw_ids(&redis, s).await, ["100-0", "100-1", "200-0"]);
+
+    // A resend after a crash, then a new event: the resend is a duplicate.
+    let (r, dups) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("e2", s, 100, 1),
+            event("e3", s, 200, 0),
+            event("e4", s, 300, 0),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 2);
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["100-0", "100-1", "200-0", "300-0"]
+    );
+
+    // An event below the top whose id is empty (a retaken snapshot): stored
+    // after the top, not dropped.
+    let (r, dups) = send_all(&cfg, None, vec![event("e-late", s, 150, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["100-0", "100-1", "200-0", "300-0", "300-1"]
+    );
+    let events = ids(&redis, s).await;
+    assert_eq!(events, ["e1", "e2", "e3", "e4", "e-late"]);
+
+    // A replay stores every event again, after the top, in order.
+    let (r, dups) = send_all(
+        &cfg,
+        Some("0/64"),
+        vec![event("e1", s, 100, 0), event("e2", s, 100, 1)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    let events = ids(&redis, s).await;
+    assert_eq!(events, ["e1", "e2", "e3", "e4", "e-late", "e1", "e2"]);
+    // The same replay run again (after a kill): what it stored is counted as
+    // a duplicate, the rest stored.
+    let (r, dups) = send_all(
+        &cfg,
+        Some("0/64"),
+        vec![
+            event("e1", s, 100, 0),
+            event("e2", s, 100, 1),
+            event("e3", s, 200, 0),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 2);
+    let events = ids(&redis, s).await;
+    assert_eq!(events, ["e1", "e2", "e3", "e4", "e-late", "e1", "e2", "e3"]);
+    // Another replay (another --from) stores them all again.
+    let (_, dups) = send_all(&cfg, Some("0/65"), vec![event("e1", s, 100, 0)]).await;
+    assert_eq!(dups, 0);
+    assert_eq!(ids(&redis, s).await.len(), 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_event_at_the_id_or_another_writer_at_the_top_stops_naming_both() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.taken";
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("e1", s, 100, 0), event("e2", s, 200, 0)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // The same position with another event id, then a later event: the first
+    // fails for good, nothing after it is stored.
+    let (r, dups) = send_all(
+        &cfg,
+        None,
+        vec![event("e-other", s, 100, 0), event("e3", s, 400, 0)],
+    )
+    .await;
+    assert_eq!(dups, 0);
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::DuplicateId);
+    assert!(
+        reason.contains("\"e1\"") && reason.contains("\"e-other\"") && reason.contains("100-0"),
+        "{reason}"
+    );
+    assert!(r[1].is_err(), "{r:?}");
+    assert_eq!(raw_ids(&redis, s).await, ["100-0", "200-0"]);
+
+    // Another walbox (writer slot_b) on the same stream is refused, naming both.
+    let other = config(&redis, "slot_b");
+    let (r, _) = send_all(&other, None, vec![event("b1", s, 500, 0)]).await;
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::DuplicateId);
+    assert!(
+        reason.contains("\"slot_a\"") && reason.contains("\"slot_b\"") && reason.contains("e2"),
+        "{reason}"
+    );
+    assert_eq!(raw_ids(&redis, s).await, ["100-0", "200-0"]);
+
+    // An entry of a writer that is no walbox at the top (an auto id, in
+    // wall-clock milliseconds) stops walbox too.
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: String = redis::cmd("XADD")
+        .arg(s)
+        .arg("*")
+        .arg("x")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(&cfg, None, vec![event("e5", s, 600, 0)]).await;
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::DuplicateId);
+    assert!(reason.contains("no walbox"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_of_another_type_refuses_its_entry_alone_and_other_refusals_store_nothing_after_them()
+{
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    // A key of another type: XADD to it is refused (WRONGTYPE).
+    let _: () = redis::cmd("SET")
+        .arg("outbox.string")
+        .arg("x")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("a1", "outbox.ok", 100, 0),
+            event("s1", "outbox.string", 100, 1),
+            event("a2", "outbox.ok", 100, 2),
+        ],
+    )
+    .await;
+    // A key of another type refuses that entry alone (it goes to a dead
+    // letter); the others are written.
+    assert!(r[0].is_ok(), "{r:?}");
+    assert_eq!(r[1].clone().unwrap_err().0, DeliveryClass::InvalidTopic);
+    assert!(r[2].is_ok(), "{r:?}");
+    assert_eq!(raw_ids(&redis, "outbox.ok").await, ["100-0", "100-2"]);
+    // Another refusal (the server out of memory) stops the batch there.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("a3", "outbox.ok", 200, 0),
+            event("a4", "outbox.ok", 200, 1),
+        ],
+    )
+    .await;
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::BrokerError, "{reason}");
+    assert!(reason.contains("OOM"), "{reason}");
+    assert!(r[1].is_err(), "{r:?}");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("0")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(raw_ids(&redis, "outbox.ok").await, ["100-0", "100-2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_fsync_on_every_write_is_refused_unless_allowed() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("appendfsync")
+        .arg("everysec")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let cfg = config(&redis, "slot_a");
+    let (mut sink, _d) = RedisSink::new(cfg.clone()).unwrap();
+    let e = sink
+        .send(event("e1", "outbox.x", 100, 0), 0)
+        .await
+        .expect_err("refused");
+    assert!(e.to_string().contains("appendfsync everysec"), "{e}");
+    let allowed = RedisSinkConfig {
+        allow_unsynced: true,
+        ..cfg
+    };
+    let (r, _) = send_all(&allowed, None, vec![event("e1", "outbox.x", 100, 0)]).await;
+    assert!(r[0].is_ok(), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_password_is_an_authentication_error_without_the_password() {
+    let redis = RedisServer::start_with(walbox_testkit::RedisOptions {
+        password: Some("right-Pw-1".into()),
+        ..Default::default()
+    })
+    .expect("redis-server starts");
+    let cfg = RedisSinkConfig {
+        password: Some("wrong-Pw-2".into()),
+        ..config(&redis, "slot_a")
+    };
+    let (mut sink, _d) = RedisSink::new(cfg).unwrap();
+    let e = sink
+        .send(event("e1", "outbox.x", 100, 0), 0)
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, walbox_sink::SinkError::RedisAuthentication { .. }),
+        "{e:?}"
+    );
+    assert!(!e.to_string().contains("wrong-Pw-2"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_the_ca_and_a_client_certificate_delivers_and_without_them_fails() {
+    let redis = RedisServer::start_with(walbox_testkit::RedisOptions {
+        tls: true,
+        ..Default::default()
+    })
+    .expect("redis-server starts with TLS");
+    let files = redis.tls_files().unwrap().clone();
+    let cfg = RedisSinkConfig {
+        url: redis.tls_url().unwrap(),
+        ca_file: Some(files.ca_cert.clone()),
+        client_cert: Some(files.client_cert.clone()),
+        client_key: Some(files.client_key.clone()),
+        ..config(&redis, "slot_a")
+    };
+    let (r, _) = send_all(&cfg, None, vec![event("t1", "outbox.tls", 100, 0)]).await;
+    assert!(r[0].is_ok(), "{r:?}");
+    assert_eq!(raw_ids(&redis, "outbox.tls").await, ["100-0"]);
+    // Without a client certificate the server refuses the handshake.
+    let bare = RedisSinkConfig {
+        client_cert: None,
+        client_key: None,
+        ..cfg
+    };
+    let (mut sink, _d) = RedisSink::new(bare).unwrap();
+    sink.send(event("t2", "outbox.tls", 200, 0), 0)
+        .await
+        .expect_err("no client certificate");
+}
