@@ -197,8 +197,13 @@ fn is_dead_letter(event: &Event) -> bool {
 /// One settled event: its lane, token and outcome.
 type Settled = (Lane, usize, Result<(), DeliveryError>);
 
+/// What the dispatcher knows of a running task, to report its event should
+/// the task end without an outcome (a panic).
+type Started = HashMap<tokio::task::Id, (Lane, usize, String, String)>;
+
 fn start(
     running: &mut JoinSet<Settled>,
+    started: &mut Started,
     shared: &Arc<Shared>,
     letters: &Arc<Mutex<LetterFile>>,
     lane: Lane,
@@ -207,7 +212,15 @@ fn start(
 ) {
     let shared = Arc::clone(shared);
     let letters = Arc::clone(letters);
-    running.spawn(async move {
+    let about = (
+        lane.clone(),
+        token,
+        event.event_id.clone(),
+        event.topic.clone(),
+    );
+    let task = running.spawn(async move {
+        #[cfg(test)]
+        assert_ne!(event.event_id, tests::PANICS, "a delivery task panics");
         let result = if lane == Lane::DeadLetters {
             write_letter(&letters, &event).await
         } else {
@@ -215,6 +228,33 @@ fn start(
         };
         (lane, token, result)
     });
+    started.insert(task.id(), about);
+}
+
+/// The outcome of a task that ended without one (it panicked): a failure
+/// that ends the session (a new one sends the event again), never silence.
+fn lost_task(
+    started: &mut Started,
+    e: &tokio::task::JoinError,
+) -> Option<(Lane, usize, Result<(), DeliveryError>)> {
+    let (lane, token, event_id, topic) = started.remove(&e.id())?;
+    let what = if e.is_panic() {
+        "panicked"
+    } else {
+        "was cancelled"
+    };
+    tracing::error!(event_id = %event_id, topic = %topic, "the webhook delivery task {what}");
+    Some((
+        lane,
+        token,
+        Err(DeliveryError {
+            event_id,
+            topic,
+            class: DeliveryClass::BrokerError,
+            reason: format!("the webhook delivery task {what}"),
+            rejected: None,
+        }),
+    ))
 }
 
 async fn write_letter(
@@ -259,6 +299,7 @@ async fn dispatch(
     // Lanes with an event in flight, and the events waiting behind it.
     let mut lanes: HashMap<Lane, VecDeque<(Event, usize)>> = HashMap::new();
     let mut running: JoinSet<Settled> = JoinSet::new();
+    let mut started = Started::new();
     let mut open = true;
     // A final failure (the endpoint gone or moved): nothing more starts.
     let mut stopped = false;
@@ -281,13 +322,19 @@ async fn dispatch(
                     queue.push_back((event, token));
                 } else {
                     lanes.insert(lane.clone(), VecDeque::new());
-                    start(&mut running, &shared, &letters, lane, event, token);
+                    start(&mut running, &mut started, &shared, &letters, lane, event, token);
                 }
             }
-            Some(done) = running.join_next() => {
-                let Ok((lane, token, result)) = done else {
-                    // A task cancelled: the sink is going away.
-                    continue;
+            Some(done) = running.join_next_with_id() => {
+                let (lane, token, result) = match done {
+                    Ok((id, settled)) => {
+                        started.remove(&id);
+                        settled
+                    }
+                    Err(e) => match lost_task(&mut started, &e) {
+                        Some(lost) => lost,
+                        None => continue,
+                    },
                 };
                 in_flight.fetch_sub(1, Ordering::AcqRel);
                 if result.as_ref().is_err_and(|e| !e.is_about_the_message()) {
@@ -299,7 +346,7 @@ async fn dispatch(
                 }
                 match lanes.get_mut(&lane).and_then(VecDeque::pop_front) {
                     Some((event, token)) => {
-                        start(&mut running, &shared, &letters, lane, event, token);
+                        start(&mut running, &mut started, &shared, &letters, lane, event, token);
                     }
                     None => {
                         lanes.remove(&lane);
@@ -307,5 +354,56 @@ async fn dispatch(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use walbox_outbox::Position;
+
+    /// The event id whose delivery task panics.
+    pub(super) const PANICS: &str = "panics";
+
+    pub(super) fn event(id: &str, key: &str) -> Event {
+        Event {
+            event_id: id.into(),
+            topic: "t".into(),
+            key: Some(Bytes::from(key.to_owned())),
+            value: Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: vec![],
+            position: Position {
+                commit_lsn: walbox_pgoutput::Lsn(1),
+                index: 0,
+                xid: 1,
+            },
+        }
+    }
+
+    pub(super) fn sink(dir: &std::path::Path) -> (WebhookSink, Deliveries) {
+        WebhookSink::new(WebhookSinkConfig {
+            // Never reached by these tests.
+            url: "http://127.0.0.1:9/{topic}".into(),
+            secrets: vec!["whsec_aGVsbG8gd29ybGQ=".into()],
+            dead_letter_file: Some(dir.join("dl.jsonl")),
+            ..WebhookSinkConfig::default()
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_delivery_task_that_panics_is_reported_as_a_failure_not_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sink, mut deliveries) = sink(dir.path());
+        sink.send(event(PANICS, "k"), 7).await.unwrap();
+        let d = tokio::time::timeout(Duration::from_secs(10), deliveries.recv())
+            .await
+            .expect("the panicked event is reported")
+            .unwrap();
+        assert_eq!(d.token, 7);
+        let e = d.result.unwrap_err();
+        assert!(!e.is_about_the_message() && !e.is_final(), "{e:?}");
+        assert_eq!(e.event_id, PANICS);
     }
 }
