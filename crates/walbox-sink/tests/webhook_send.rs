@@ -137,3 +137,50 @@ async fn a_410_is_final_and_nothing_of_its_key_follows_and_an_abort_sends_nothin
     );
     assert_eq!(receiver.count(), 1, "{:?}", receiver.arrivals());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followed_redirects_keep_the_post_and_a_redirect_that_would_turn_it_into_a_get_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().unwrap();
+    // 307 keeps the method and body; 302 would make them a GET without body.
+    receiver.set_script(|seen| match (seen.path, seen.key) {
+        ("/outbox.order", Some("a")) => Reply::Redirect(307, "/moved".into()),
+        ("/outbox.order", _) => Reply::Redirect(302, "/moved".into()),
+        _ => Reply::Ok,
+    });
+    let (mut sink, mut deliveries) = WebhookSink::new(WebhookSinkConfig {
+        url: format!("{}/{{topic}}", receiver.base_url()),
+        secrets: vec!["whsec_aGVsbG8gd29ybGQ=".into()],
+        follow_redirects: true,
+        dead_letter_file: Some(dir.path().join("dl.jsonl")),
+        ..WebhookSinkConfig::default()
+    })
+    .unwrap();
+    sink.send(event("a", 0), 0).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(d.result.is_ok(), "{:?}", d.result);
+    sink.send(event("b", 0), 1).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let e = d.result.expect_err("a 302 is not delivered by a GET");
+    assert_eq!(e.class, DeliveryClass::EndpointMoved);
+    let moved: Vec<(String, String, Bytes)> = receiver
+        .arrivals()
+        .into_iter()
+        .filter(|x| x.path == "/moved")
+        .map(|x| (x.method, x.id, x.body))
+        .collect();
+    assert_eq!(
+        moved,
+        [(
+            "POST".to_owned(),
+            "a-0".to_owned(),
+            Bytes::from_static(b"{\"n\": 0}")
+        )]
+    );
+}

@@ -44,7 +44,8 @@ pub struct WebhookSinkConfig {
     /// How long an event is retried before it is dead-lettered, in seconds.
     #[serde(default = "default_max_retry_duration_s")]
     pub max_retry_duration_s: u64,
-    /// Follow redirects (up to 5). Off: a 3xx stops walbox.
+    /// Follow 307 and 308 redirects (up to 5), which resend the POST as it
+    /// was. Off, and for any other 3xx: walbox stops.
     #[serde(default)]
     pub follow_redirects: bool,
     /// Most requests open at once (connections under HTTP/1.1).
@@ -247,7 +248,18 @@ impl WebhookSinkConfig {
             .timeout(Duration::from_millis(self.request_timeout_ms))
             .pool_max_idle_per_host(self.max_connections)
             .redirect(if self.follow_redirects {
-                reqwest::redirect::Policy::limited(5)
+                // Only 307 and 308 resend the POST with its body: a 301, 302
+                // or 303 would turn it into a GET without the event, whose
+                // 2xx would read as delivered. Those are returned (and stop
+                // walbox as a moved endpoint).
+                reqwest::redirect::Policy::custom(|attempt| {
+                    let keeps_the_post = matches!(attempt.status().as_u16(), 307 | 308);
+                    if keeps_the_post && attempt.previous().len() <= 5 {
+                        attempt.follow()
+                    } else {
+                        attempt.stop()
+                    }
+                })
             } else {
                 reqwest::redirect::Policy::none()
             })
