@@ -184,3 +184,59 @@ async fn followed_redirects_keep_the_post_and_a_redirect_that_would_turn_it_into
         )]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_s_next_event_waits_until_the_refused_one_s_dead_letter_is_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().unwrap();
+    receiver.set_script(|seen| {
+        if seen.id == "a-0" {
+            Reply::Status(400, "bad".into())
+        } else {
+            Reply::Ok
+        }
+    });
+    let (mut sink, mut deliveries) = sink(&receiver, dir.path());
+    sink.send(event("a", 0), 0).await.unwrap();
+    sink.send(event("a", 1), 1).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.token, 0);
+    let e = d.result.unwrap_err();
+    assert_eq!(e.class, DeliveryClass::HttpRefused);
+    // Until a-0's dead letter is on disk, a-1 is not sent: were walbox killed
+    // now, a-0 would be sent again, and must not arrive after a-1.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), deliveries.recv())
+            .await
+            .is_err(),
+        "nothing of key a before the dead letter"
+    );
+    assert_eq!(receiver.count(), 1, "{:?}", receiver.arrivals());
+    // The relay's dead letter for a-0 (same event id and key).
+    let mut dead = event("a", 0);
+    dead.topic = "outbox.order.dlq".into();
+    dead.headers.push((
+        walbox_outbox::dead_letter_header::ERROR_CLASS.into(),
+        Bytes::from_static(b"http_refused"),
+    ));
+    sink.send(dead, 2).await.unwrap();
+    let mut order = Vec::new();
+    for _ in 0..2 {
+        let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(d.result.is_ok(), "{:?}", d.result);
+        order.push(d.token);
+    }
+    assert_eq!(order, [2, 1], "the dead letter, then the key's next event");
+    assert_eq!(
+        walbox_sink::read_letters(&dir.path().join("dl.jsonl"))
+            .unwrap()
+            .len(),
+        1
+    );
+}
