@@ -119,7 +119,13 @@ impl std::fmt::Debug for WebhookSinkConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let hidden: Vec<Hidden> = self.secrets.iter().map(|_| Hidden).collect();
         f.debug_struct("WebhookSinkConfig")
-            .field("url", &self.url)
+            .field(
+                "url",
+                &match self.url_password_range() {
+                    Some(r) => format!("{}<hidden>{}", &self.url[..r.start], &self.url[r.end..]),
+                    None => self.url.clone(),
+                },
+            )
             .field("secrets", &hidden)
             .field("secret_env", &self.secret_env)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
@@ -180,9 +186,18 @@ impl WebhookSinkConfig {
             .map_err(|e| SinkError::Config(format!("sink.webhook.url: {e}")))
     }
 
-    /// Every secret's text, as given (for the log's redaction).
+    /// Every secret's text, as given (for the log's redaction): the signing
+    /// secrets, and the password of the URL's user information (sent as
+    /// basic authentication).
     #[must_use]
     pub fn secrets(&self) -> Vec<String> {
+        let mut all = self.signing_secrets();
+        all.extend(self.url_password());
+        all
+    }
+
+    /// The signing secrets' text, as given.
+    fn signing_secrets(&self) -> Vec<String> {
         let mut all = self.secrets.clone();
         all.extend(
             self.secret_env
@@ -190,6 +205,30 @@ impl WebhookSinkConfig {
                 .filter_map(|name| std::env::var(name).ok()),
         );
         all
+    }
+
+    /// The password in the URL's user information (`https://user:password@host/`).
+    fn url_password(&self) -> Option<String> {
+        self.url_password_as_written().map(|p| {
+            percent_encoding::percent_decode_str(p)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+    }
+
+    /// [`Self::url_password`] as the URL writes it (percent-encoded).
+    fn url_password_as_written(&self) -> Option<&str> {
+        self.url_password_range().map(|r| &self.url[r])
+    }
+
+    /// Where the URL holds its password.
+    fn url_password_range(&self) -> Option<std::ops::Range<usize>> {
+        let start = self.url.find("://")? + 3;
+        let rest = &self.url[start..];
+        let authority = rest.split(['/', '?', '#']).next()?;
+        let at = authority.rfind('@')?;
+        let colon = authority[..at].find(':')?;
+        (colon + 1 < at).then(|| start + colon + 1..start + at)
     }
 
     /// The signing keys: each secret without `whsec_`, base64-decoded.
@@ -201,7 +240,7 @@ impl WebhookSinkConfig {
                 )));
             }
         }
-        self.secrets()
+        self.signing_secrets()
             .iter()
             .enumerate()
             .map(|(i, s)| {
@@ -322,6 +361,18 @@ mod tests {
                 .validate()
                 .is_err()
         );
+        let basic = config(
+            "https://walbox:s3cr%2Ft@h.example/{topic}",
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        );
+        basic.validate().unwrap();
+        assert!(
+            basic.secrets().contains(&"s3cr/t".to_owned()),
+            "{:?}",
+            basic.secrets()
+        );
+        assert!(!format!("{basic:?}").contains("s3cr"));
+        assert!(format!("{basic:?}").contains("https://walbox:<hidden>@h.example/"));
         let none = WebhookSinkConfig {
             url: "https://h.example/".into(),
             ..Default::default()

@@ -126,7 +126,8 @@ pub(super) fn prepare(
 ) -> Result<Prepared, String> {
     let url = render_owned(template, event)?;
     let url =
-        reqwest::Url::parse(&url).map_err(|e| format!("the URL {url:?} is not valid: {e}"))?;
+        // Not the URL itself: it may hold a password (basic authentication).
+        reqwest::Url::parse(&url).map_err(|e| format!("the URL the template renders is not valid: {e}"))?;
     let mut headers = HeaderMap::new();
     let mut dropped = Vec::new();
     let mut content_type = None;
