@@ -2,7 +2,7 @@
 //! hyper server (HTTP/1.1 and HTTP/2, optionally TLS by rustls) on a free
 //! port, on a thread of its own, that records every request (key, headers,
 //! body, the answer it gave) and answers by a script: a 2xx, a status, a
-//! `Retry-After`, a slow answer, or a dropped connection.
+//! `Retry-After`, a redirect, a slow answer, or a dropped connection.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
