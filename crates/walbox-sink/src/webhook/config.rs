@@ -192,7 +192,25 @@ impl WebhookSinkConfig {
     #[must_use]
     pub fn secrets(&self) -> Vec<String> {
         let mut all = self.signing_secrets();
-        all.extend(self.url_password());
+        if let Some(password) = self.url_password() {
+            // And as the Authorization header carries it.
+            let user = self
+                .url_password_range()
+                .and_then(|r| {
+                    let start = self.url.find("://")? + 3;
+                    self.url.get(start..r.start - 1)
+                })
+                .map(|u| {
+                    percent_encoding::percent_decode_str(u)
+                        .decode_utf8_lossy()
+                        .into_owned()
+                })
+                .unwrap_or_default();
+            all.push(
+                base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")),
+            );
+            all.push(password);
+        }
         all
     }
 
