@@ -287,6 +287,14 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
             };
             let lines = walbox_sink::read_letters(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
+            progress_fits(&lines, done).map_err(|lines| {
+                anyhow::anyhow!(
+                    "{} records {done} lines of {} as replayed, and the file has {lines}: it was                      replaced or cut (its letters would be skipped); remove {} to replay the                      file from its start",
+                    progress.display(),
+                    file.display(),
+                    progress.display()
+                )
+            })?;
             let (mut sink, mut deliveries) = WebhookSink::new(sink_config)?;
             // Letters of the named topics (all of them by default).
             let taken = |l: &walbox_sink::LetterLine| {
@@ -338,6 +346,15 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         bail!("{failing} dead letters still fail");
     }
     Ok(())
+}
+
+/// Whether `done` lines of a webhook dead-letter file can be the progress of
+/// the file whose letters are `lines`: never more lines than it holds (a file
+/// replaced by a new, shorter one would have its letters skipped). `Err`: how
+/// many lines it holds.
+fn progress_fits(lines: &[(u64, walbox_sink::LetterLine)], done: u64) -> Result<(), u64> {
+    let held = lines.last().map_or(0, |(n, _)| n + 1);
+    if done > held { Err(held) } else { Ok(()) }
 }
 
 /// How many lines of a webhook dead-letter file are done after a replay that
@@ -584,5 +601,16 @@ mod webhook_tests {
         assert_eq!(letters_done(&lines, 0, |_| true, |n| n == 2), 2);
         assert_eq!(letters_done(&lines, 3, |_| true, |_| false), 3);
         assert_eq!(letters_done(&[], 5, |_| true, |_| false), 5);
+    }
+
+    #[test]
+    fn a_dead_letter_file_shorter_than_its_progress_is_refused_not_skipped() {
+        let lines = [line(0, "a.dlq"), line(1, "a.dlq")];
+        assert_eq!(super::progress_fits(&lines, 2), Ok(()));
+        assert_eq!(super::progress_fits(&lines, 0), Ok(()));
+        // The file was archived and a new one begun: its two letters would
+        // sit below a progress of 7 for ever.
+        assert_eq!(super::progress_fits(&lines, 7), Err(2));
+        assert_eq!(super::progress_fits(&[], 1), Err(0));
     }
 }
