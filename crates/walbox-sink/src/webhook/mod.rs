@@ -31,7 +31,7 @@ mod config;
 mod dead_letters;
 mod request;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -319,7 +319,7 @@ async fn dispatch(
         waiting: HashMap::new(),
         running: JoinSet::new(),
         started: Started::new(),
-        held: HashMap::new(),
+        held: HashSet::new(),
     };
     let mut open = true;
     // A final failure (the endpoint gone or moved): nothing more starts.
@@ -366,14 +366,13 @@ async fn dispatch(
                 }
                 match lane {
                     Lane::Key(_) if refused => {
-                        lanes.held.insert(event_id, lane);
+                        lanes.held.insert((event_id, lane));
                     }
                     Lane::DeadLetters => {
                         lanes.next(Lane::DeadLetters);
-                        let of_held = Lane::Key(key);
-                        if ok && lanes.held.get(&event_id) == Some(&of_held) {
-                            lanes.held.remove(&event_id);
-                            lanes.next(of_held);
+                        let held = (event_id, Lane::Key(key));
+                        if ok && lanes.held.remove(&held) {
+                            lanes.next(held.1);
                         }
                     }
                     lane => lanes.next(lane),
@@ -393,8 +392,8 @@ struct Lanes {
     running: JoinSet<Settled>,
     started: Started,
     /// Key lanes held until the dead letter of their refused event (by its
-    /// event id) is on disk.
-    held: HashMap<String, Lane>,
+    /// event id and key) is on disk.
+    held: HashSet<(String, Lane)>,
 }
 
 impl Lanes {
