@@ -137,3 +137,106 @@ async fn a_410_is_final_and_nothing_of_its_key_follows_and_an_abort_sends_nothin
     );
     assert_eq!(receiver.count(), 1, "{:?}", receiver.arrivals());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followed_redirects_keep_the_post_and_a_redirect_that_would_turn_it_into_a_get_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().unwrap();
+    // 307 keeps the method and body; 302 would make them a GET without body.
+    receiver.set_script(|seen| match (seen.path, seen.key) {
+        ("/outbox.order", Some("a")) => Reply::Redirect(307, "/moved".into()),
+        ("/outbox.order", _) => Reply::Redirect(302, "/moved".into()),
+        _ => Reply::Ok,
+    });
+    let (mut sink, mut deliveries) = WebhookSink::new(WebhookSinkConfig {
+        url: format!("{}/{{topic}}", receiver.base_url()),
+        secrets: vec!["whsec_aGVsbG8gd29ybGQ=".into()],
+        follow_redirects: true,
+        dead_letter_file: Some(dir.path().join("dl.jsonl")),
+        ..WebhookSinkConfig::default()
+    })
+    .unwrap();
+    sink.send(event("a", 0), 0).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(d.result.is_ok(), "{:?}", d.result);
+    sink.send(event("b", 0), 1).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let e = d.result.expect_err("a 302 is not delivered by a GET");
+    assert_eq!(e.class, DeliveryClass::EndpointMoved);
+    let moved: Vec<(String, String, Bytes)> = receiver
+        .arrivals()
+        .into_iter()
+        .filter(|x| x.path == "/moved")
+        .map(|x| (x.method, x.id, x.body))
+        .collect();
+    assert_eq!(
+        moved,
+        [(
+            "POST".to_owned(),
+            "a-0".to_owned(),
+            Bytes::from_static(b"{\"n\": 0}")
+        )]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_s_next_event_waits_until_the_refused_one_s_dead_letter_is_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().unwrap();
+    receiver.set_script(|seen| {
+        if seen.id == "a-0" {
+            Reply::Status(400, "bad".into())
+        } else {
+            Reply::Ok
+        }
+    });
+    let (mut sink, mut deliveries) = sink(&receiver, dir.path());
+    sink.send(event("a", 0), 0).await.unwrap();
+    sink.send(event("a", 1), 1).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.token, 0);
+    let e = d.result.unwrap_err();
+    assert_eq!(e.class, DeliveryClass::HttpRefused);
+    // Until a-0's dead letter is on disk, a-1 is not sent: were walbox killed
+    // now, a-0 would be sent again, and must not arrive after a-1.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), deliveries.recv())
+            .await
+            .is_err(),
+        "nothing of key a before the dead letter"
+    );
+    assert_eq!(receiver.count(), 1, "{:?}", receiver.arrivals());
+    // The relay's dead letter for a-0 (same event id and key).
+    let mut dead = event("a", 0);
+    dead.topic = "outbox.order.dlq".into();
+    dead.headers.push((
+        walbox_outbox::dead_letter_header::ERROR_CLASS.into(),
+        Bytes::from_static(b"http_refused"),
+    ));
+    sink.send(dead, 2).await.unwrap();
+    let mut order = Vec::new();
+    for _ in 0..2 {
+        let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(d.result.is_ok(), "{:?}", d.result);
+        order.push(d.token);
+    }
+    assert_eq!(order, [2, 1], "the dead letter, then the key's next event");
+    assert_eq!(
+        walbox_sink::read_letters(&dir.path().join("dl.jsonl"))
+            .unwrap()
+            .len(),
+        1
+    );
+}

@@ -2,7 +2,7 @@
 //! hyper server (HTTP/1.1 and HTTP/2, optionally TLS by rustls) on a free
 //! port, on a thread of its own, that records every request (key, headers,
 //! body, the answer it gave) and answers by a script: a 2xx, a status, a
-//! `Retry-After`, a slow answer, or a dropped connection.
+//! `Retry-After`, a redirect, a slow answer, or a dropped connection.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -20,6 +20,8 @@ use crate::{Result, TestkitError, TlsFiles};
 /// One request as it arrived.
 #[derive(Debug, Clone)]
 pub struct Arrival {
+    /// The request method.
+    pub method: String,
     /// The request path.
     pub path: String,
     /// Its `webhook-id`.
@@ -68,6 +70,9 @@ pub enum Reply {
     Slow(Duration),
     /// No answer: the connection is dropped.
     Reset,
+    /// A redirect: this status, with `Location` the receiver's own URL with
+    /// this path.
+    Redirect(u16, String),
 }
 
 /// What a script sees of a request: its id, key, and how many times that id
@@ -325,6 +330,7 @@ async fn handle(
     req: Request<Incoming>,
 ) -> std::result::Result<Response<Full<Bytes>>, Dropped> {
     let path = req.uri().path().to_owned();
+    let method = req.method().as_str().to_owned();
     let http2 = req.version() == hyper::Version::HTTP_2;
     let headers: Vec<(String, String)> = req
         .headers()
@@ -376,10 +382,20 @@ async fn handle(
             (429, Ok(r))
         }
         Reply::Reset => (0, Err(Dropped)),
+        Reply::Redirect(status, to) => {
+            let mut r = Response::new(Full::new(Bytes::new()));
+            *r.status_mut() =
+                hyper::StatusCode::from_u16(*status).unwrap_or(hyper::StatusCode::FOUND);
+            if let Ok(v) = hyper::header::HeaderValue::from_str(to) {
+                r.headers_mut().insert(hyper::header::LOCATION, v);
+            }
+            (*status, Ok(r))
+        }
     };
     if let Ok(mut s) = inner.state.lock() {
         *s.per_id.entry(id.clone()).or_insert(0) += 1;
         s.arrivals.push(Arrival {
+            method,
             path,
             id,
             key,

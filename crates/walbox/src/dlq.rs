@@ -289,13 +289,22 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
             };
             let lines = walbox_sink::read_letters(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
+            progress_fits(&lines, done).map_err(|lines| {
+                anyhow::anyhow!(
+                    "{} records {done} lines of {} as replayed, and the file has {lines}: it was                      replaced or cut (its letters would be skipped); remove {} to replay the                      file from its start",
+                    progress.display(),
+                    file.display(),
+                    progress.display()
+                )
+            })?;
             let (mut sink, mut deliveries) = WebhookSink::new(sink_config)?;
             // Letters of the named topics (all of them by default).
+            let taken = |l: &walbox_sink::LetterLine| {
+                args.topics.is_empty() || args.topics.contains(&l.topic)
+            };
             let letters: Vec<DeadLetter> = lines
                 .iter()
-                .filter(|(n, l)| {
-                    *n >= done && (args.topics.is_empty() || args.topics.contains(&l.topic))
-                })
+                .filter(|(n, l)| *n >= done && taken(l))
                 .map(|(n, l)| parse(&walbox_sink::RecordView::letter(l, *n)))
                 .collect();
             let failed = run
@@ -307,14 +316,9 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 )
                 .await?;
             if !args.dry_run {
-                // The lines before the first letter that still fails are done.
-                let next = letters
-                    .iter()
-                    .find(|l| failed.contains(&l.offset_key()))
-                    .map_or_else(
-                        || lines.last().map_or(done, |(n, _)| n + 1),
-                        |l| u64::try_from(l.offset).unwrap_or(done),
-                    );
+                let next = letters_done(&lines, done, taken, |n| {
+                    failed.contains(&(0, i64::try_from(n).unwrap_or(i64::MAX)))
+                });
                 std::fs::write(&progress, format!("{next}\n"))
                     .with_context(|| format!("recording progress in {}", progress.display()))?;
             }
@@ -365,6 +369,36 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         bail!("{failing} dead letters still fail");
     }
     Ok(())
+}
+
+/// Whether `done` lines of a webhook dead-letter file can be the progress of
+/// the file whose letters are `lines`: never more lines than it holds (a file
+/// replaced by a new, shorter one would have its letters skipped). `Err`: how
+/// many lines it holds.
+fn progress_fits(lines: &[(u64, walbox_sink::LetterLine)], done: u64) -> Result<(), u64> {
+    let held = lines.last().map_or(0, |(n, _)| n + 1);
+    if done > held { Err(held) } else { Ok(()) }
+}
+
+/// How many lines of a webhook dead-letter file are done after a replay that
+/// started at line `done`, took the letters `taken` says (those of the named
+/// topics) and saw `failed` ones still fail: the lines before the first one
+/// that still fails or was not taken. A letter of another topic is never
+/// passed over: a later replay of every topic sends it.
+fn letters_done(
+    lines: &[(u64, walbox_sink::LetterLine)],
+    done: u64,
+    taken: impl Fn(&walbox_sink::LetterLine) -> bool,
+    failed: impl Fn(u64) -> bool,
+) -> u64 {
+    lines
+        .iter()
+        .filter(|(n, _)| *n >= done)
+        .find(|(n, l)| !taken(l) || failed(*n))
+        .map_or_else(
+            || lines.last().map_or(done, |(n, _)| (n + 1).max(done)),
+            |(n, _)| *n,
+        )
 }
 
 /// Why there is nothing to replay with `[sink] type = "stdout"`.
@@ -559,4 +593,47 @@ fn rebuild_message(
 #[allow(clippy::print_stdout)] // command output
 fn println_out(line: &str) {
     println!("{line}");
+}
+
+#[cfg(test)]
+mod webhook_tests {
+    use super::letters_done;
+    use walbox_sink::LetterLine;
+
+    fn line(n: u64, topic: &str) -> (u64, LetterLine) {
+        (
+            n,
+            LetterLine {
+                topic: topic.into(),
+                key: None,
+                key_base64: None,
+                headers: vec![],
+                value: String::new(),
+            },
+        )
+    }
+
+    #[test]
+    fn a_replay_of_one_topic_never_passes_over_the_letters_of_another() {
+        let lines = [line(0, "a.dlq"), line(1, "b.dlq"), line(2, "a.dlq")];
+        let only_a = |l: &LetterLine| l.topic == "a.dlq";
+        // b's letter (line 1) was not sent: a replay of every topic must
+        // still find it.
+        assert_eq!(letters_done(&lines, 0, only_a, |_| false), 1);
+        assert_eq!(letters_done(&lines, 0, |_| true, |_| false), 3);
+        assert_eq!(letters_done(&lines, 0, |_| true, |n| n == 2), 2);
+        assert_eq!(letters_done(&lines, 3, |_| true, |_| false), 3);
+        assert_eq!(letters_done(&[], 5, |_| true, |_| false), 5);
+    }
+
+    #[test]
+    fn a_dead_letter_file_shorter_than_its_progress_is_refused_not_skipped() {
+        let lines = [line(0, "a.dlq"), line(1, "a.dlq")];
+        assert_eq!(super::progress_fits(&lines, 2), Ok(()));
+        assert_eq!(super::progress_fits(&lines, 0), Ok(()));
+        // The file was archived and a new one begun: its two letters would
+        // sit below a progress of 7 for ever.
+        assert_eq!(super::progress_fits(&lines, 7), Err(2));
+        assert_eq!(super::progress_fits(&[], 1), Err(0));
+    }
 }

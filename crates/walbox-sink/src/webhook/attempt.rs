@@ -5,7 +5,9 @@
 //! - 2xx: delivered.
 //! - 408, 425, 429, 5xx, a timeout or a connection error: tried again after a
 //!   backoff (doubling from `retry_initial_ms` up to `retry_max_ms`, with
-//!   jitter), or after `Retry-After` when that is longer.
+//!   jitter), or after `Retry-After` when that is longer, the last try at
+//!   `max_retry_duration` (a `Retry-After` past it holds the event until then,
+//!   and it is given up there).
 //! - 410: the endpoint is gone; 3xx (not followed): it moved. Both are about
 //!   where events go, not about the event: final, walbox stops.
 //! - any other 4xx: the receiver refuses the event; it is dead-lettered with
@@ -144,6 +146,50 @@ pub(super) fn backoff(attempt: u32, initial: Duration, max: Duration) -> Duratio
     half + half.mul_f64(fastrand::f64())
 }
 
+/// What follows a failed attempt.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum NextTry {
+    /// Try again after this delay.
+    After(Duration),
+    /// Wait this long (to the retry ceiling), then give up: the receiver's
+    /// `Retry-After` reaches past the ceiling.
+    GiveUpAfter(Duration),
+}
+
+/// After attempt `attempts` failed, `elapsed` since the first one: try again
+/// after the backoff (or the receiver's `Retry-After`, when longer), never
+/// past `max_retry` from the first attempt. The last try is at the ceiling;
+/// when `Retry-After` asks for later than that, the event is given up at the
+/// ceiling, never before it.
+pub(super) fn next_try(
+    shared: &Shared,
+    elapsed: Duration,
+    attempts: u32,
+    after: Option<Duration>,
+) -> NextTry {
+    next_try_within(
+        (shared.retry_initial, shared.retry_max, shared.max_retry),
+        elapsed,
+        attempts,
+        after,
+    )
+}
+
+/// [`next_try`] with the backoff's first and longest delay and the ceiling.
+fn next_try_within(
+    (initial, max, ceiling): (Duration, Duration, Duration),
+    elapsed: Duration,
+    attempts: u32,
+    after: Option<Duration>,
+) -> NextTry {
+    let delay = backoff(attempts, initial, max).max(after.unwrap_or_default());
+    let remaining = ceiling.saturating_sub(elapsed);
+    if remaining.is_zero() || after.is_some_and(|a| a > remaining) {
+        return NextTry::GiveUpAfter(remaining);
+    }
+    NextTry::After(delay.min(remaining))
+}
+
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -244,9 +290,14 @@ pub(super) async fn deliver(shared: &Shared, event: &Event) -> Result<(), Delive
             Answer::Stop { class, why } => return Err(error(event, class, why)),
             Answer::Retry { why, after } => (why, after),
         };
-        let delay = backoff(attempts, shared.retry_initial, shared.retry_max)
-            .max(after.unwrap_or_default());
-        if started.elapsed() + delay > shared.max_retry {
+        let delay = match next_try(shared, started.elapsed(), attempts, after) {
+            NextTry::After(delay) => Some(delay),
+            NextTry::GiveUpAfter(wait) => {
+                tokio::time::sleep(wait).await;
+                None
+            }
+        };
+        let Some(delay) = delay else {
             return Err(error(
                 event,
                 DeliveryClass::RetriesExhausted,
@@ -255,7 +306,7 @@ pub(super) async fn deliver(shared: &Shared, event: &Event) -> Result<(), Delive
                     shared.max_retry.as_secs()
                 ),
             ));
-        }
+        };
         shared.retries.fetch_add(1, Ordering::Relaxed);
         count_retry(&event.topic);
         tracing::warn!(
@@ -322,5 +373,33 @@ mod tests {
         assert_eq!(sanitized(b"bad\r\n\x00thing"), "bad   thing");
         let long = sanitized(&[b'x'; 1000]);
         assert_eq!(long.len(), EXCERPT + 3);
+    }
+
+    #[test]
+    fn a_retry_after_past_the_ceiling_gives_up_at_the_ceiling_never_before() {
+        let s = Duration::from_secs;
+        let limits = (Duration::from_millis(100), s(60), s(3600));
+        // The receiver asks for two hours (or for ever): the event waits until
+        // the ceiling, then is given up; it is not dead-lettered at once.
+        let ms = Duration::from_millis;
+        for after in [s(7200), s(u64::MAX)] {
+            assert_eq!(
+                next_try_within(limits, ms(1), 1, Some(after)),
+                NextTry::GiveUpAfter(s(3600) - ms(1))
+            );
+        }
+        // A backoff that would pass the ceiling: the last try is at it.
+        assert_eq!(
+            next_try_within(limits, s(3590), 9, None),
+            NextTry::After(s(10))
+        );
+        assert_eq!(
+            next_try_within(limits, s(3000), 2, Some(s(30))),
+            NextTry::After(s(30))
+        );
+        assert_eq!(
+            next_try_within(limits, s(3600), 9, None),
+            NextTry::GiveUpAfter(s(0))
+        );
     }
 }

@@ -44,7 +44,8 @@ pub struct WebhookSinkConfig {
     /// How long an event is retried before it is dead-lettered, in seconds.
     #[serde(default = "default_max_retry_duration_s")]
     pub max_retry_duration_s: u64,
-    /// Follow redirects (up to 5). Off: a 3xx stops walbox.
+    /// Follow 307 and 308 redirects (up to 5), which resend the POST as it
+    /// was. Off, and for any other 3xx: walbox stops.
     #[serde(default)]
     pub follow_redirects: bool,
     /// Most requests open at once (connections under HTTP/1.1).
@@ -118,7 +119,13 @@ impl std::fmt::Debug for WebhookSinkConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let hidden: Vec<Hidden> = self.secrets.iter().map(|_| Hidden).collect();
         f.debug_struct("WebhookSinkConfig")
-            .field("url", &self.url)
+            .field(
+                "url",
+                &match self.url_password_range() {
+                    Some(r) => format!("{}<hidden>{}", &self.url[..r.start], &self.url[r.end..]),
+                    None => self.url.clone(),
+                },
+            )
             .field("secrets", &hidden)
             .field("secret_env", &self.secret_env)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
@@ -179,9 +186,36 @@ impl WebhookSinkConfig {
             .map_err(|e| SinkError::Config(format!("sink.webhook.url: {e}")))
     }
 
-    /// Every secret's text, as given (for the log's redaction).
+    /// Every secret's text, as given (for the log's redaction): the signing
+    /// secrets, and the password of the URL's user information (sent as
+    /// basic authentication).
     #[must_use]
     pub fn secrets(&self) -> Vec<String> {
+        let mut all = self.signing_secrets();
+        if let Some(password) = self.url_password() {
+            // And as the Authorization header carries it.
+            let user = self
+                .url_password_range()
+                .and_then(|r| {
+                    let start = self.url.find("://")? + 3;
+                    self.url.get(start..r.start - 1)
+                })
+                .map(|u| {
+                    percent_encoding::percent_decode_str(u)
+                        .decode_utf8_lossy()
+                        .into_owned()
+                })
+                .unwrap_or_default();
+            all.push(
+                base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")),
+            );
+            all.push(password);
+        }
+        all
+    }
+
+    /// The signing secrets' text, as given.
+    fn signing_secrets(&self) -> Vec<String> {
         let mut all = self.secrets.clone();
         all.extend(
             self.secret_env
@@ -189,6 +223,30 @@ impl WebhookSinkConfig {
                 .filter_map(|name| std::env::var(name).ok()),
         );
         all
+    }
+
+    /// The password in the URL's user information (`https://user:password@host/`).
+    fn url_password(&self) -> Option<String> {
+        self.url_password_as_written().map(|p| {
+            percent_encoding::percent_decode_str(p)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+    }
+
+    /// [`Self::url_password`] as the URL writes it (percent-encoded).
+    fn url_password_as_written(&self) -> Option<&str> {
+        self.url_password_range().map(|r| &self.url[r])
+    }
+
+    /// Where the URL holds its password.
+    fn url_password_range(&self) -> Option<std::ops::Range<usize>> {
+        let start = self.url.find("://")? + 3;
+        let rest = &self.url[start..];
+        let authority = rest.split(['/', '?', '#']).next()?;
+        let at = authority.rfind('@')?;
+        let colon = authority[..at].find(':')?;
+        (colon + 1 < at).then(|| start + colon + 1..start + at)
     }
 
     /// The signing keys: each secret without `whsec_`, base64-decoded.
@@ -200,7 +258,7 @@ impl WebhookSinkConfig {
                 )));
             }
         }
-        self.secrets()
+        self.signing_secrets()
             .iter()
             .enumerate()
             .map(|(i, s)| {
@@ -247,7 +305,18 @@ impl WebhookSinkConfig {
             .timeout(Duration::from_millis(self.request_timeout_ms))
             .pool_max_idle_per_host(self.max_connections)
             .redirect(if self.follow_redirects {
-                reqwest::redirect::Policy::limited(5)
+                // Only 307 and 308 resend the POST with its body: a 301, 302
+                // or 303 would turn it into a GET without the event, whose
+                // 2xx would read as delivered. Those are returned (and stop
+                // walbox as a moved endpoint).
+                reqwest::redirect::Policy::custom(|attempt| {
+                    let keeps_the_post = matches!(attempt.status().as_u16(), 307 | 308);
+                    if keeps_the_post && attempt.previous().len() <= 5 {
+                        attempt.follow()
+                    } else {
+                        attempt.stop()
+                    }
+                })
             } else {
                 reqwest::redirect::Policy::none()
             })
@@ -310,6 +379,18 @@ mod tests {
                 .validate()
                 .is_err()
         );
+        let basic = config(
+            "https://walbox:s3cr%2Ft@h.example/{topic}",
+            "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        );
+        basic.validate().unwrap();
+        assert!(
+            basic.secrets().contains(&"s3cr/t".to_owned()),
+            "{:?}",
+            basic.secrets()
+        );
+        assert!(!format!("{basic:?}").contains("s3cr"));
+        assert!(format!("{basic:?}").contains("https://walbox:<hidden>@h.example/"));
         let none = WebhookSinkConfig {
             url: "https://h.example/".into(),
             ..Default::default()

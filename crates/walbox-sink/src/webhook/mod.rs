@@ -7,7 +7,7 @@
 //! Per-key order with many keys in flight: events go into lanes by key (all
 //! events without a key share one lane). A lane has at most one request in
 //! flight; the next event of its key waits until the one before it is settled
-//! (a 2xx, or a dead letter). Lanes run at once, as many as the relay's
+//! (a 2xx, or its dead letter on disk). Lanes run at once, as many as the relay's
 //! in-flight bound lets events in, with at most `max_connections` requests
 //! open; a lane waiting to retry holds no connection. Acknowledgements so come
 //! out of send order, which the relay's tracker takes (it moves the position
@@ -31,7 +31,7 @@ mod config;
 mod dead_letters;
 mod request;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -194,11 +194,22 @@ fn is_dead_letter(event: &Event) -> bool {
         .any(|(k, _)| k.as_ref() == walbox_outbox::dead_letter_header::ERROR_CLASS)
 }
 
-/// One settled event: its lane, token and outcome.
-type Settled = (Lane, usize, Result<(), DeliveryError>);
+/// One settled event.
+struct Settled {
+    lane: Lane,
+    token: usize,
+    result: Result<(), DeliveryError>,
+    event_id: String,
+    key: Option<Bytes>,
+}
+
+/// What the dispatcher knows of a running task, to report its event should
+/// the task end without an outcome (a panic).
+type Started = HashMap<tokio::task::Id, (Lane, usize, String, String)>;
 
 fn start(
     running: &mut JoinSet<Settled>,
+    started: &mut Started,
     shared: &Arc<Shared>,
     letters: &Arc<Mutex<LetterFile>>,
     lane: Lane,
@@ -207,14 +218,55 @@ fn start(
 ) {
     let shared = Arc::clone(shared);
     let letters = Arc::clone(letters);
-    running.spawn(async move {
+    let about = (
+        lane.clone(),
+        token,
+        event.event_id.clone(),
+        event.topic.clone(),
+    );
+    let (event_id, key) = (event.event_id.clone(), event.key.clone());
+    let task = running.spawn(async move {
+        #[cfg(test)]
+        assert_ne!(event.event_id, tests::PANICS, "a delivery task panics");
         let result = if lane == Lane::DeadLetters {
             write_letter(&letters, &event).await
         } else {
             deliver(&shared, &event).await
         };
-        (lane, token, result)
+        Settled {
+            lane,
+            token,
+            result,
+            event_id,
+            key,
+        }
     });
+    started.insert(task.id(), about);
+}
+
+/// The outcome of a task that ended without one (it panicked): a failure
+/// that ends the session (a new one sends the event again), never silence.
+fn lost_task(started: &mut Started, e: &tokio::task::JoinError) -> Option<Settled> {
+    let (lane, token, event_id, topic) = started.remove(&e.id())?;
+    let what = if e.is_panic() {
+        "panicked"
+    } else {
+        "was cancelled"
+    };
+    tracing::error!(event_id = %event_id, topic = %topic, "the webhook delivery task {what}");
+    Some(Settled {
+        lane,
+        token,
+        result: Err(DeliveryError {
+            event_id: event_id.clone(),
+            topic,
+            class: DeliveryClass::BrokerError,
+            reason: format!("the webhook delivery task {what}"),
+            rejected: None,
+        }),
+        event_id,
+        key: None,
+    })
 }
 
 async fn write_letter(
@@ -249,6 +301,11 @@ async fn write_letter(
 
 /// Runs the lanes: starts an event when its lane is free, reports each
 /// settled event and starts the next of its lane.
+///
+/// An event refused for what it is (a dead letter takes its place) holds its
+/// key's lane until its dead letter, which the relay sends next, is on disk:
+/// were walbox killed before that, the event would be sent again, and must
+/// not then arrive after the key's next event.
 async fn dispatch(
     shared: Arc<Shared>,
     letters: Arc<Mutex<LetterFile>>,
@@ -256,56 +313,175 @@ async fn dispatch(
     deliveries: mpsc::UnboundedSender<Delivery>,
     in_flight: Arc<AtomicUsize>,
 ) {
-    // Lanes with an event in flight, and the events waiting behind it.
-    let mut lanes: HashMap<Lane, VecDeque<(Event, usize)>> = HashMap::new();
-    let mut running: JoinSet<Settled> = JoinSet::new();
+    let mut lanes = Lanes {
+        shared,
+        letters,
+        waiting: HashMap::new(),
+        running: JoinSet::new(),
+        started: Started::new(),
+        held: HashSet::new(),
+    };
     let mut open = true;
     // A final failure (the endpoint gone or moved): nothing more starts.
     let mut stopped = false;
-    while open || !running.is_empty() {
+    while open || !lanes.running.is_empty() {
         tokio::select! {
             next = events.recv(), if open => {
                 let Some((event, token)) = next else {
                     open = false;
                     continue;
                 };
-                let lane = if is_dead_letter(&event) {
-                    Lane::DeadLetters
-                } else {
-                    Lane::Key(event.key.clone())
-                };
-                if stopped {
-                    continue;
-                }
-                if let Some(queue) = lanes.get_mut(&lane) {
-                    queue.push_back((event, token));
-                } else {
-                    lanes.insert(lane.clone(), VecDeque::new());
-                    start(&mut running, &shared, &letters, lane, event, token);
+                if !stopped {
+                    lanes.take(event, token);
                 }
             }
-            Some(done) = running.join_next() => {
-                let Ok((lane, token, result)) = done else {
-                    // A task cancelled: the sink is going away.
-                    continue;
+            Some(done) = lanes.running.join_next_with_id() => {
+                let settled = match done {
+                    Ok((id, settled)) => {
+                        lanes.started.remove(&id);
+                        settled
+                    }
+                    Err(e) => match lost_task(&mut lanes.started, &e) {
+                        Some(lost) => lost,
+                        None => continue,
+                    },
                 };
                 in_flight.fetch_sub(1, Ordering::AcqRel);
-                if result.as_ref().is_err_and(|e| !e.is_about_the_message()) {
-                    stopped = true;
-                    lanes.clear();
-                }
+                let Settled { lane, token, result, event_id, key } = settled;
+                let ok = result.is_ok();
+                let refused = match &result {
+                    Ok(()) => false,
+                    Err(e) if e.is_about_the_message() => true,
+                    Err(_) => {
+                        stopped = true;
+                        lanes.waiting.clear();
+                        false
+                    }
+                };
                 if deliveries.send(Delivery { token, result }).is_err() {
                     return;
                 }
-                match lanes.get_mut(&lane).and_then(VecDeque::pop_front) {
-                    Some((event, token)) => {
-                        start(&mut running, &shared, &letters, lane, event, token);
+                if stopped {
+                    continue;
+                }
+                match lane {
+                    Lane::Key(_) if refused => {
+                        lanes.held.insert((event_id, lane));
                     }
-                    None => {
-                        lanes.remove(&lane);
+                    Lane::DeadLetters => {
+                        lanes.next(Lane::DeadLetters);
+                        let held = (event_id, Lane::Key(key));
+                        if ok && lanes.held.remove(&held) {
+                            lanes.next(held.1);
+                        }
                     }
+                    lane => lanes.next(lane),
                 }
             }
         }
+    }
+}
+
+/// The dispatcher's lanes.
+struct Lanes {
+    shared: Arc<Shared>,
+    letters: Arc<Mutex<LetterFile>>,
+    /// Lanes with an event in flight (or held), and the events waiting
+    /// behind it.
+    waiting: HashMap<Lane, VecDeque<(Event, usize)>>,
+    running: JoinSet<Settled>,
+    started: Started,
+    /// Key lanes held until the dead letter of their refused event (by its
+    /// event id and key) is on disk.
+    held: HashSet<(String, Lane)>,
+}
+
+impl Lanes {
+    /// A new event: started when its lane is free, else queued behind it.
+    fn take(&mut self, event: Event, token: usize) {
+        let lane = if is_dead_letter(&event) {
+            Lane::DeadLetters
+        } else {
+            Lane::Key(event.key.clone())
+        };
+        if let Some(queue) = self.waiting.get_mut(&lane) {
+            queue.push_back((event, token));
+        } else {
+            self.waiting.insert(lane.clone(), VecDeque::new());
+            self.start(lane, event, token);
+        }
+    }
+
+    /// `lane`'s event settled: its next one starts, or the lane is free.
+    fn next(&mut self, lane: Lane) {
+        match self.waiting.get_mut(&lane).and_then(VecDeque::pop_front) {
+            Some((event, token)) => self.start(lane, event, token),
+            None => {
+                self.waiting.remove(&lane);
+            }
+        }
+    }
+
+    fn start(&mut self, lane: Lane, event: Event, token: usize) {
+        start(
+            &mut self.running,
+            &mut self.started,
+            &self.shared,
+            &self.letters,
+            lane,
+            event,
+            token,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use walbox_outbox::Position;
+
+    /// The event id whose delivery task panics.
+    pub(super) const PANICS: &str = "panics";
+
+    pub(super) fn event(id: &str, key: &str) -> Event {
+        Event {
+            event_id: id.into(),
+            topic: "t".into(),
+            key: Some(Bytes::from(key.to_owned())),
+            value: Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: vec![],
+            position: Position {
+                commit_lsn: walbox_pgoutput::Lsn(1),
+                index: 0,
+                xid: 1,
+            },
+        }
+    }
+
+    pub(super) fn sink(dir: &std::path::Path) -> (WebhookSink, Deliveries) {
+        WebhookSink::new(WebhookSinkConfig {
+            // Never reached by these tests.
+            url: "http://127.0.0.1:9/{topic}".into(),
+            secrets: vec!["whsec_aGVsbG8gd29ybGQ=".into()],
+            dead_letter_file: Some(dir.join("dl.jsonl")),
+            ..WebhookSinkConfig::default()
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_delivery_task_that_panics_is_reported_as_a_failure_not_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sink, mut deliveries) = sink(dir.path());
+        sink.send(event(PANICS, "k"), 7).await.unwrap();
+        let d = tokio::time::timeout(Duration::from_secs(10), deliveries.recv())
+            .await
+            .expect("the panicked event is reported")
+            .unwrap();
+        assert_eq!(d.token, 7);
+        let e = d.result.unwrap_err();
+        assert!(!e.is_about_the_message() && !e.is_final(), "{e:?}");
+        assert_eq!(e.event_id, PANICS);
     }
 }

@@ -40,7 +40,7 @@ pub(super) struct Prepared {
     pub url: reqwest::Url,
     pub headers: HeaderMap,
     pub body: Bytes,
-    /// The `webhook-id`: the event id.
+    /// The `webhook-id` as its header carries it: the event id.
     pub id: String,
 }
 
@@ -126,7 +126,8 @@ pub(super) fn prepare(
 ) -> Result<Prepared, String> {
     let url = render_owned(template, event)?;
     let url =
-        reqwest::Url::parse(&url).map_err(|e| format!("the URL {url:?} is not valid: {e}"))?;
+        // Not the URL itself: it may hold a password (basic authentication).
+        reqwest::Url::parse(&url).map_err(|e| format!("the URL the template renders is not valid: {e}"))?;
     let mut headers = HeaderMap::new();
     let mut dropped = Vec::new();
     let mut content_type = None;
@@ -173,10 +174,11 @@ pub(super) fn prepare(
         }
     });
     headers.insert(CONTENT_TYPE, content_type);
-    headers.insert(
-        HeaderName::from_static("webhook-id"),
-        header_value(id.as_bytes()),
-    );
+    // Signed as the header carries it (percent-encoded when it is not
+    // printable ASCII): a receiver verifies the id it receives.
+    let id_header = header_value(id.as_bytes());
+    let id = id_header.to_str().map_or(id.clone(), str::to_owned);
+    headers.insert(HeaderName::from_static("webhook-id"), id_header);
     Ok(Prepared {
         url,
         headers,
@@ -326,6 +328,22 @@ mod tests {
             prepare(&event(), webhook_id(&event(), Some("0/16B3D28")), &missing)
                 .unwrap_err()
                 .contains("tenant")
+        );
+    }
+
+    #[test]
+    fn the_signature_covers_the_webhook_id_as_the_header_carries_it() {
+        let mut e = event();
+        e.event_id = "order 1 caf\u{e9}".into();
+        let t = TopicTemplate::parse("https://h.example/in").unwrap();
+        let p = prepare(&e, webhook_id(&e, None), &t).unwrap();
+        let keys = vec![b"key".to_vec()];
+        let h = signed_headers(&p, &keys, 1_614_265_330);
+        // A receiver verifies what it receives: the header's id.
+        let id = h.get("webhook-id").unwrap().to_str().unwrap();
+        assert_eq!(
+            h.get("webhook-signature").unwrap().to_str().unwrap(),
+            signature(&keys, id, 1_614_265_330, &p.body)
         );
     }
 }
