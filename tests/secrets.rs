@@ -15,14 +15,22 @@ use std::time::Duration;
 
 use common::*;
 use walbox_testkit::{
-    Broker, BrokerUser, NatsOptions, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, Scram,
+    Broker, BrokerUser, NatsOptions, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RedisOptions,
+    RedisServer, Scram,
 };
 
 const PG_PASSWORD: &str = "pgSecret-4b7e21";
 const KAFKA_PASSWORD: &str = "kafkaSecret-0d93c5";
 const NATS_PASSWORD: &str = "natsSecret-7a1c39";
 const WEBHOOK_SECRET: &str = "whsec_d2ViaG9va1NlY3JldC05YzRlMmE=";
-const SECRETS: [&str; 4] = [PG_PASSWORD, KAFKA_PASSWORD, NATS_PASSWORD, WEBHOOK_SECRET];
+const REDIS_PASSWORD: &str = "redisSecret-5e8f02";
+const SECRETS: [&str; 5] = [
+    PG_PASSWORD,
+    KAFKA_PASSWORD,
+    NATS_PASSWORD,
+    WEBHOOK_SECRET,
+    REDIS_PASSWORD,
+];
 
 /// Every command line walbox has (`walbox --help` lists them).
 const COMMANDS: &[&[&str]] = &[
@@ -327,6 +335,11 @@ async fn every_sink_relays_at_trace_with_credentials_everywhere_and_prints_no_se
     })
     .unwrap();
     let receiver = walbox_testkit::Receiver::start().unwrap();
+    let redis = RedisServer::start_with(RedisOptions {
+        password: Some(REDIS_PASSWORD.into()),
+        ..RedisOptions::default()
+    })
+    .unwrap();
     let db = pg.connect("postgres").await.unwrap();
     db.batch_execute(OUTBOX_DDL).await.unwrap();
     let dsn = pg.conninfo("postgres");
@@ -358,6 +371,15 @@ async fn every_sink_relays_at_trace_with_credentials_everywhere_and_prints_no_se
                  secrets = [\"{WEBHOOK_SECRET}\"]\ndead_letter_file = \"{}\"\n",
                 receiver.base_url(),
                 pg.client_dir().join("dead-letters.jsonl").display()
+            ),
+        ),
+        (
+            "redis",
+            format!(
+                "[sink]\ntype = \"redis\"\n[sink.redis]\nurl = \"{}\"\n",
+                redis
+                    .url()
+                    .replace("redis://", &format!("redis://:{REDIS_PASSWORD}@"))
             ),
         ),
     ];
