@@ -10,6 +10,8 @@
 //!   with murmur2 as the Java client does, topics checked or created on first use.
 //! - [`NatsSink`]: NATS JetStream, each event with `Nats-Msg-Id` = its event id,
 //!   acknowledged on the server's PubAck; the stream checked or created.
+//! - [`RabbitMqSink`]: RabbitMQ, to an exchange with publisher confirms and
+//!   `mandatory`, or to streams with deduplicating named producers.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed to the pipe or file (not once read); a closed pipe
 //!   fails deliveries for good.
@@ -46,6 +48,7 @@ mod delivery;
 mod kafka;
 mod nats;
 mod nats_reader;
+mod rabbitmq;
 mod reader;
 mod secrets;
 mod stdout;
@@ -59,7 +62,11 @@ pub use nats::{
     DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage,
 };
 pub use nats_reader::{DurableLetters, read_subject};
-pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
+pub use rabbitmq::{
+    PASSWORD_ENV as RABBITMQ_PASSWORD_ENV, RabbitMqMode, RabbitMqSink, RabbitMqSinkConfig,
+    USER_ENV as RABBITMQ_USER_ENV, read_queue,
+};
+pub use reader::{OwnedRecord, RecordView, commit_group, read_topic, read_topic_from_group};
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;
 
@@ -127,6 +134,29 @@ pub enum SinkError {
         /// The configured stream.
         stream: String,
     },
+    /// The RabbitMQ broker could not be reached or did not answer; a new
+    /// session may succeed.
+    #[error("rabbitmq: {0}")]
+    RabbitMq(String),
+    /// The RabbitMQ broker refused walbox's credentials. Trying again would
+    /// only repeat it.
+    #[error(
+        "rabbitmq: the broker refused walbox's credentials (user {user:?}): {reason}; check \
+         user and password in [sink.rabbitmq] (or WALBOX_RABBITMQ_USER and \
+         WALBOX_RABBITMQ_PASSWORD), and the user's permissions on the virtual host"
+    )]
+    RabbitMqAuthentication {
+        /// The user name.
+        user: String,
+        /// What the broker said.
+        reason: String,
+    },
+    /// The exchange does not exist and may not be declared.
+    #[error(
+        "rabbitmq: exchange {0:?} does not exist (declare it, or set declare = true in \
+         [sink.rabbitmq])"
+    )]
+    MissingExchange(String),
     /// Writing to standard output failed.
     #[error("writing to stdout: {0}")]
     Io(#[from] std::io::Error),

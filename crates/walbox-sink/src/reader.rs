@@ -33,6 +33,22 @@ enum Inner<'a> {
         /// The key, decoded when it came in base64.
         key: Option<Vec<u8>>,
     },
+    /// A record read whole into memory (a RabbitMQ message).
+    Owned(&'a OwnedRecord),
+}
+
+/// A record a reader holds whole (RabbitMQ): partition 0, its place in the
+/// queue or stream as offset, its key from the `walbox_key` header.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OwnedRecord {
+    /// Its place in the queue (from 0) or its stream offset.
+    pub offset: i64,
+    /// Its key.
+    pub key: Option<Vec<u8>>,
+    /// Its value.
+    pub value: Vec<u8>,
+    /// Its headers, as text where they are.
+    pub headers: Vec<(String, Vec<u8>)>,
 }
 
 impl<'a> RecordView<'a> {
@@ -52,12 +68,18 @@ impl<'a> RecordView<'a> {
         }
     }
 
+    pub(crate) fn owned(record: &'a OwnedRecord) -> Self {
+        RecordView {
+            inner: Inner::Owned(record),
+        }
+    }
+
     /// Partition (0 for a JetStream message).
     #[must_use]
     pub fn partition(&self) -> i32 {
         match &self.inner {
             Inner::Kafka(m) => m.partition(),
-            Inner::Nats { .. } => 0,
+            Inner::Nats { .. } | Inner::Owned(_) => 0,
         }
     }
 
@@ -67,6 +89,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.offset(),
             Inner::Nats { sequence, .. } => i64::try_from(*sequence).unwrap_or(i64::MAX),
+            Inner::Owned(r) => r.offset,
         }
     }
 
@@ -76,6 +99,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.key(),
             Inner::Nats { key, .. } => key.as_deref(),
+            Inner::Owned(r) => r.key.as_deref(),
         }
     }
 
@@ -85,6 +109,7 @@ impl<'a> RecordView<'a> {
         match &self.inner {
             Inner::Kafka(m) => m.payload(),
             Inner::Nats { msg, .. } => Some(msg.payload.as_ref()),
+            Inner::Owned(r) => Some(&r.value),
         }
     }
 
@@ -99,6 +124,11 @@ impl<'a> RecordView<'a> {
                 .and_then(|h| h.value)
                 .and_then(|v| std::str::from_utf8(v).ok()),
             Inner::Nats { msg, .. } => msg.headers.as_ref()?.get(name).map(|v| v.as_str()),
+            Inner::Owned(r) => r
+                .headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| std::str::from_utf8(v).ok()),
         }
     }
 }

@@ -31,6 +31,7 @@ mod postgres;
 mod process;
 pub mod prometheus;
 mod proxy;
+pub mod rabbitmq;
 mod tls;
 mod wait;
 
@@ -40,6 +41,7 @@ pub use nats::{NatsOptions, NatsServer};
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use prometheus::Prometheus;
 pub use proxy::TcpProxy;
+pub use rabbitmq::RabbitMq;
 pub use tls::TlsFiles;
 pub use wait::{wait_until, wait_until_async};
 

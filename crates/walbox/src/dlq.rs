@@ -272,6 +272,10 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 published?;
             }
         }
+        SinkKind::RabbitMq => bail!(
+            "walbox dlq replay does not read RabbitMQ dead letters yet: consume the \
+             {{topic}}.dlq routing keys from a queue bound to the exchange"
+        ),
         SinkKind::Stdout => return Err(nothing_stored()),
     }
     let (replayed, already, failing, kept) = (run.replayed, run.already, run.failing, run.kept);

@@ -172,6 +172,16 @@ async fn read_records(
 ) -> Result<u64, walbox_sink::SinkError> {
     match config.sink.kind {
         SinkKind::Nats => walbox_sink::read_subject(&config.sink.nats, topic, timeout, each).await,
+        SinkKind::RabbitMq => {
+            let Some(queue) = config.sink.rabbitmq.verify_queue.as_deref() else {
+                return Err(walbox_sink::SinkError::Config(
+                    "sink.rabbitmq.verify_queue: name the durable queue bound to the exchange \
+                     that walbox verify reads back"
+                        .into(),
+                ));
+            };
+            walbox_sink::read_queue(&config.sink.rabbitmq, queue, Some(topic), timeout, each).await
+        }
         SinkKind::Kafka | SinkKind::Stdout => tokio::task::block_in_place(|| {
             walbox_sink::read_topic(properties, topic, timeout, each)
         }),

@@ -348,6 +348,10 @@ pub enum SinkKind {
     Stdout,
     /// NATS JetStream (`[sink.nats]`).
     Nats,
+    /// RabbitMQ, to an exchange or to streams (`[sink.rabbitmq]`).
+    #[value(name = "rabbitmq")]
+    #[serde(rename = "rabbitmq")]
+    RabbitMq,
 }
 
 impl SinkKind {
@@ -359,6 +363,7 @@ impl SinkKind {
         match self {
             SinkKind::Kafka | SinkKind::Stdout => walbox_outbox::Protocol::Kafka,
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
+            SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
         }
     }
 }
@@ -367,7 +372,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats` or `stdout`.
+    /// `kafka`, `nats`, `rabbitmq` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -391,6 +396,9 @@ pub struct SinkConfig {
     /// The NATS JetStream sink's settings (`type = "nats"`).
     #[serde(default)]
     pub nats: walbox_sink::NatsSinkConfig,
+    /// The RabbitMQ sink's settings (`type = "rabbitmq"`).
+    #[serde(default)]
+    pub rabbitmq: walbox_sink::RabbitMqSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -417,6 +425,7 @@ impl Default for SinkConfig {
             max_in_flight_bytes: default_max_in_flight_bytes(),
             kafka: BTreeMap::new(),
             nats: walbox_sink::NatsSinkConfig::default(),
+            rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
         }
     }
 }
@@ -444,6 +453,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("kafka", &kafka)
             .field("nats", &self.nats)
+            .field("rabbitmq", &self.rabbitmq)
             .finish()
     }
 }
@@ -482,6 +492,18 @@ impl SinkConfig {
     pub fn nats_sink(&self) -> Result<walbox_sink::NatsSinkConfig> {
         let mut c = self.nats.clone();
         c.max_in_flight = self.max_in_flight;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The RabbitMQ sink's settings, with the in-flight bound and the
+    /// producer name's default (`walbox.{slot}`).
+    pub fn rabbitmq_sink(&self, slot: &str) -> Result<walbox_sink::RabbitMqSinkConfig> {
+        let mut c = self.rabbitmq.clone();
+        c.max_in_flight = self.max_in_flight;
+        if c.producer.is_none() {
+            c.producer = Some(format!("walbox.{slot}"));
+        }
         c.validate()?;
         Ok(c)
     }
@@ -640,6 +662,7 @@ impl Config {
             }
         }
         c.bind_formats();
+        c.sink.rabbitmq.apply_environment();
         c.keep_secrets_out_of_the_log();
         c.validate()?;
         Ok(c)
@@ -656,6 +679,9 @@ impl Config {
             }
         }
         for secret in self.sink.nats.secrets() {
+            crate::redact::keep_out(&secret);
+        }
+        for secret in self.sink.rabbitmq.secrets() {
             crate::redact::keep_out(&secret);
         }
     }
@@ -697,6 +723,9 @@ impl Config {
         self.sink.kafka_properties()?;
         if self.sink.kind == SinkKind::Nats {
             self.sink.nats_sink()?;
+        }
+        if self.sink.kind == SinkKind::RabbitMq {
+            self.sink.rabbitmq_sink(&self.source.slot)?;
         }
         self.dead_letter.template()?;
         walbox_outbox::check_prefixes(&self.messages)

@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use anyhow::anyhow;
 use walbox_outbox::Event;
-use walbox_sink::{Deliveries, DeliveryError, KafkaSink, NatsSink, Sink, SinkError, StdoutSink};
+use walbox_sink::{
+    Deliveries, DeliveryError, KafkaSink, NatsSink, RabbitMqSink, Sink, SinkError, StdoutSink,
+};
 
 use super::transient;
 use crate::config::{Config, SinkKind};
@@ -13,6 +15,7 @@ use crate::config::{Config, SinkKind};
 pub(super) enum AnySink {
     Kafka(KafkaSink),
     Nats(Box<NatsSink>),
+    RabbitMq(Box<RabbitMqSink>),
     Stdout(StdoutSink),
 }
 
@@ -21,6 +24,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.send(event, token).await,
             AnySink::Nats(s) => s.send(event, token).await,
+            AnySink::RabbitMq(s) => s.send(event, token).await,
             AnySink::Stdout(s) => s.send(event, token).await,
         }
     }
@@ -29,6 +33,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.end_batch(),
             AnySink::Nats(s) => s.end_batch(),
+            AnySink::RabbitMq(s) => s.end_batch(),
             AnySink::Stdout(s) => s.end_batch(),
         }
     }
@@ -37,6 +42,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.abort(),
             AnySink::Nats(s) => s.abort(),
+            AnySink::RabbitMq(s) => s.abort(),
             AnySink::Stdout(s) => s.abort(),
         }
     }
@@ -45,6 +51,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.flush(timeout).await,
             AnySink::Nats(s) => s.flush(timeout).await,
+            AnySink::RabbitMq(s) => s.flush(timeout).await,
             AnySink::Stdout(s) => s.flush(timeout).await,
         }
     }
@@ -53,6 +60,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.replay_as(name),
             AnySink::Nats(s) => s.replay_as(name),
+            AnySink::RabbitMq(s) => s.replay_as(name),
             AnySink::Stdout(s) => s.replay_as(name),
         }
     }
@@ -61,6 +69,7 @@ impl Sink for AnySink {
         match self {
             AnySink::Kafka(s) => s.duplicates(),
             AnySink::Nats(s) => s.duplicates(),
+            AnySink::RabbitMq(s) => s.duplicates(),
             AnySink::Stdout(s) => s.duplicates(),
         }
     }
@@ -76,6 +85,11 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
             let (sink, deliveries) = NatsSink::new(config.sink.nats_sink()?)?;
             (AnySink::Nats(Box::new(sink)), deliveries)
         }
+        SinkKind::RabbitMq => {
+            let (sink, deliveries) =
+                RabbitMqSink::new(config.sink.rabbitmq_sink(&config.source.slot)?)?;
+            (AnySink::RabbitMq(Box::new(sink)), deliveries)
+        }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
             (AnySink::Stdout(sink), deliveries)
@@ -84,11 +98,11 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
 }
 
 /// A sink that could not take an event: a Kafka client error or an unreachable
-/// NATS server may pass (a new session retries), anything else (a missing topic
+/// NATS or RabbitMQ server may pass (a new session retries), anything else (a missing topic
 /// or stream, refused credentials, configuration) would repeat.
 pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
     match e {
-        SinkError::Kafka(_) | SinkError::Nats(_) => transient(e),
+        SinkError::Kafka(_) | SinkError::Nats(_) | SinkError::RabbitMq(_) => transient(e),
         other => anyhow!(other),
     }
 }
