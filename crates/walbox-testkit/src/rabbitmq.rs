@@ -3,8 +3,9 @@
 //! name, data directory, AMQP, stream, distribution and epmd ports, run as
 //! the unprivileged test user with a clean environment and a HOME of its own
 //! (the Erlang cookie's). Stopped (SIGTERM), killed with SIGKILL and started
-//! again on the same data directory and node name; killed when dropped, with
-//! the epmd it started (epmd leaves the node's process group and outlives it).
+//! again on the same data directory and node name; killed when dropped. Its
+//! epmd (on a port of its own) runs in the node's process group: the one the
+//! node would start itself leaves the group and outlives it.
 //!
 //! Also a few AMQP helpers for tests: declaring a durable queue bound to an
 //! exchange, and reading a queue back without consuming it.
@@ -201,10 +202,19 @@ impl RabbitMq {
         let log_path = self.log_path();
         let _ = std::fs::remove_file(&log_path);
         let (log, log_err) = process::log_files(&log_path)?;
-        let program = PathBuf::from(SCRIPTS).join("rabbitmq-server");
+        let program = PathBuf::from("/bin/sh");
         let mut cmd = process::command(&program, self.user.as_ref());
+        // epmd runs in the node's process group, started before it (the node
+        // would start one as a daemon, outside the group, which outlives it),
+        // so that stopping or killing the group ends both.
         cmd.env_clear()
             .envs(self.env())
+            .arg("-c")
+            .arg(
+                "/usr/bin/epmd & \
+                 while ! /usr/bin/epmd -names >/dev/null 2>&1; do sleep 0.1; done; \
+                 exec rabbitmq-server",
+            )
             .current_dir(self.dir.path())
             .stdin(Stdio::null())
             .stdout(log)
@@ -259,6 +269,25 @@ impl RabbitMq {
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let _ = cmd.status();
+    }
+
+    /// Runs `rabbitmqctl` against this node with `args`.
+    pub fn ctl(&self, args: &[&str]) -> Result<()> {
+        let program = PathBuf::from(SCRIPTS).join("rabbitmqctl");
+        let mut cmd = process::command(&program, self.user.as_ref());
+        cmd.env_clear()
+            .envs(self.env())
+            .current_dir(self.dir.path())
+            .arg("-n")
+            .arg(self.node_name())
+            .args(args);
+        process::run(cmd)
+    }
+
+    /// Adds a user with `password` and every permission on the virtual host `/`.
+    pub fn add_user(&self, name: &str, password: &str) -> Result<()> {
+        self.ctl(&["add_user", name, password])?;
+        self.ctl(&["set_permissions", "-p", "/", name, ".*", ".*", ".*"])
     }
 
     async fn connect(&self) -> std::result::Result<Connection, lapin::Error> {

@@ -1,0 +1,190 @@
+//! walbox into RabbitMQ on a real node (Debian's rabbitmq-server, one node
+//! for this binary). Exchange mode: kill -9 rounds of walbox under four
+//! writers lose nothing, keep each key's order in the durable queue bound to
+//! the exchange, and store an event again only as a copy with the same
+//! message_id; the node killed -9 and restarted on its data directory under
+//! writers loses nothing it acknowledged; an unroutable publish holds the
+//! position and walbox says why; refused credentials stop walbox, and no
+//! password is ever logged, at trace level either.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exchange_kill_9_rounds_under_four_writers_lose_nothing_keep_key_order_and_repeat_only_the_same_message_id()
+ {
+    let node = node().read().await;
+    node.declare_exchange("kill9", "topic").await.unwrap();
+    node.bind_queue("kill9.all", "kill9", "#").await.unwrap();
+    let (pg, db, env) =
+        servers_rabbitmq(&node, "exchange = \"kill9\"\nverify_queue = \"kill9.all\"").await;
+    setup(&env);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = four_writers(&pg, Arc::clone(&stop)).await;
+    kill_9_rounds(&pg, &db, &env, 6).await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let written = stop_writers(&stop, writers).await;
+    caught_up(&db, &walbox).await;
+    let log = walbox.log();
+    walbox.stop();
+    let records = node.read_queue("kill9.all").await.unwrap();
+    let ids = outbox_ids(&db).await;
+    assert_eq!(ids.len(), written);
+    let twice = assert_all_there_duplicates_same_message_id(&records, &ids);
+    assert_per_key_order(&records, true);
+    eprintln!(
+        "{written} events, {} messages, {twice} events stored more than once",
+        records.len()
+    );
+    assert!(!log.contains("returned"), "{log}");
+    let (status, out, err) = walbox_cmd(&["verify"], &env);
+    assert_eq!(status, Some(0), "{out}{err}");
+    assert!(out.contains("missing          0"), "{out}");
+    assert!(out.contains("out of order     0"), "{out}");
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_publish_holds_the_position_until_a_queue_takes_it_and_walbox_says_why() {
+    let node = node().read().await;
+    let (pg, db, env) = servers_rabbitmq(&node, "exchange = \"unrouted\"\ndeclare = true").await;
+    setup(&env);
+    let before = confirmed_lsn(&db, "walbox").await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'k1', 'OrderPlaced', '{\"seq\": 0}')",
+    )
+    .await
+    .unwrap();
+    let committed = current_lsn(&db).await;
+    walbox_testkit::wait_until(
+        "walbox to say the event came back",
+        Duration::from_secs(60),
+        || {
+            let log = walbox.log();
+            (log.matches("no queue is bound to exchange").count() >= 2).then_some(())
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    let log = walbox.log();
+    assert!(log.contains("\"outbox.order\""), "{log}");
+    assert!(log.contains("312"), "{log}");
+    assert!(walbox.running(), "{log}");
+    assert!(confirmed_lsn(&db, "walbox").await < committed);
+    assert!(confirmed_lsn(&db, "walbox").await >= before);
+    // Nothing was dead-lettered in silence.
+    assert!(!log.contains("dead letter"), "{log}");
+    node.bind_queue("unrouted.q", "unrouted", "outbox.#")
+        .await
+        .unwrap();
+    caught_up(&db, &walbox).await;
+    let records = node.read_queue("unrouted.q").await.unwrap();
+    let ids = outbox_ids(&db).await;
+    assert_all_there_duplicates_same_message_id(&records, &ids);
+    walbox.stop();
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exchange_node_killed_9_and_restarted_under_writers_loses_nothing_acknowledged() {
+    let mut node = node().write().await;
+    node.declare_exchange("crash", "topic").await.unwrap();
+    node.bind_queue("crash.all", "crash", "#").await.unwrap();
+    let (pg, db, env) = servers_rabbitmq(&node, "exchange = \"crash\"").await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = four_writers(&pg, Arc::clone(&stop)).await;
+    wait_slot_moves(&db, confirmed_lsn(&db, "walbox").await).await;
+    node.kill9().unwrap();
+    let rows = outbox_count(&db).await;
+    walbox_testkit::wait_until_async(
+        "writes while the node is down",
+        Duration::from_secs(60),
+        || async { (outbox_count(&db).await >= rows + 200).then_some(()) },
+    )
+    .await
+    .unwrap();
+    node.start_again().unwrap();
+    wait_slot_moves(&db, confirmed_lsn(&db, "walbox").await).await;
+    let written = stop_writers(&stop, writers).await;
+    caught_up(&db, &walbox).await;
+    assert!(walbox.running(), "{}", walbox.log());
+    walbox.stop();
+    let records = node.read_queue("crash.all").await.unwrap();
+    let ids = outbox_ids(&db).await;
+    assert_eq!(ids.len(), written);
+    assert_all_there_duplicates_same_message_id(&records, &ids);
+    assert_per_key_order(&records, true);
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_stop_walbox_and_no_password_is_logged_even_at_trace() {
+    let node = node().read().await;
+    node.add_user("walbox-user", "right-5b1f").unwrap();
+    node.declare_exchange("secret", "topic").await.unwrap();
+    node.bind_queue("secret.all", "secret", "#").await.unwrap();
+    // The password from the environment, at trace level: delivered, never logged.
+    let (pg, db, mut env) =
+        servers_rabbitmq(&node, "exchange = \"secret\"\nuser = \"walbox-user\"").await;
+    env.push(("WALBOX_RABBITMQ_PASSWORD", "right-5b1f".into()));
+    env.push(("WALBOX_LOG", "trace".into()));
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 2, 5, 3).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let log = walbox.log();
+    assert!(
+        log.contains("lapin") || log.contains("amq"),
+        "trace logs of the client: {log}"
+    );
+    assert!(!log.contains("right-5b1f"), "{log}");
+    assert_eq!(node.read_queue("secret.all").await.unwrap().len(), 10);
+    // A wrong password in the file: walbox stops, naming the user only.
+    let wrong = config_file(
+        &pg,
+        "wrong.toml",
+        &format!(
+            "[sink]\ntype = \"rabbitmq\"\n[sink.rabbitmq]\nport = {}\nexchange = \"secret\"\n\
+             user = \"walbox-user\"\npassword = \"wrong-77aa\"\n",
+            node.amqp_port()
+        ),
+    );
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .filter(|(k, _)| *k != "WALBOX_CONFIG" && *k != "WALBOX_RABBITMQ_PASSWORD")
+        .chain([("WALBOX_CONFIG", wrong)])
+        .collect();
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'k', 'E', '{}')",
+    )
+    .await
+    .unwrap();
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(status.code(), Some(0), "{log}");
+    assert!(log.contains("refused walbox's credentials"), "{log}");
+    assert!(log.contains("walbox-user"), "{log}");
+    assert!(
+        !log.contains("wrong-77aa") && !log.contains("right-5b1f"),
+        "{log}"
+    );
+    drop(pg);
+}
+
+async fn outbox_count(db: &tokio_postgres::Client) -> i64 {
+    db.query_one("SELECT count(*) FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
