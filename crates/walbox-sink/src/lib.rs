@@ -64,7 +64,7 @@ pub use nats::{
 pub use nats_reader::{DurableLetters, read_subject};
 pub use rabbitmq::{
     PASSWORD_ENV as RABBITMQ_PASSWORD_ENV, RabbitMqMode, RabbitMqSink, RabbitMqSinkConfig,
-    USER_ENV as RABBITMQ_USER_ENV, read_queue,
+    USER_ENV as RABBITMQ_USER_ENV, read_queue, read_stream,
 };
 pub use reader::{OwnedRecord, RecordView, commit_group, read_topic, read_topic_from_group};
 pub use secrets::{Hidden, Redacted, is_secret_property};
@@ -157,6 +157,12 @@ pub enum SinkError {
          [sink.rabbitmq])"
     )]
     MissingExchange(String),
+    /// A RabbitMQ stream does not exist and may not be declared.
+    #[error(
+        "rabbitmq: stream {0:?} does not exist (declare it, or set declare = true in \
+         [sink.rabbitmq])"
+    )]
+    MissingRabbitStream(String),
     /// Writing to standard output failed.
     #[error("writing to stdout: {0}")]
     Io(#[from] std::io::Error),

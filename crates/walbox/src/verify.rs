@@ -172,6 +172,9 @@ async fn read_records(
 ) -> Result<u64, walbox_sink::SinkError> {
     match config.sink.kind {
         SinkKind::Nats => walbox_sink::read_subject(&config.sink.nats, topic, timeout, each).await,
+        SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
+            walbox_sink::read_stream(&config.sink.rabbitmq, topic, timeout, each).await
+        }
         SinkKind::RabbitMq => {
             let Some(queue) = config.sink.rabbitmq.verify_queue.as_deref() else {
                 return Err(walbox_sink::SinkError::Config(

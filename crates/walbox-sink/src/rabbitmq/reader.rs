@@ -86,3 +86,60 @@ pub async fn read_queue(
         .await;
     Ok(read)
 }
+
+/// Reads every message of `stream` from its first, in stream order, calling
+/// `each` for each (offset = its stream offset; headers = its application
+/// properties as text); returns how many were read. Ends once nothing came
+/// for `idle` (at most `timeout` for the first message).
+pub async fn read_stream(
+    config: &RabbitMqSinkConfig,
+    stream: &str,
+    timeout: Duration,
+    mut each: impl FnMut(RecordView<'_>),
+) -> Result<u64, SinkError> {
+    use futures_util::StreamExt;
+    use rabbitmq_stream_client::types::OffsetSpecification;
+    let fail = |reason: String| SinkError::Read {
+        topic: stream.to_owned(),
+        reason,
+    };
+    let (environment, client) = super::stream::connect(config).await?;
+    let mut consumer = environment
+        .consumer()
+        .offset(OffsetSpecification::First)
+        .build(stream)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    let mut read = 0u64;
+    let mut wait = timeout;
+    while let Ok(Some(delivery)) = tokio::time::timeout(wait, consumer.next()).await {
+        let delivery = delivery.map_err(|e| fail(e.to_string()))?;
+        wait = Duration::from_secs(2);
+        let m = delivery.message();
+        let headers: Vec<(String, Vec<u8>)> = m
+            .application_properties()
+            .map(|p| {
+                p.iter()
+                    .filter_map(|(k, _)| {
+                        super::stream::property(m, k).map(|v| (k.clone(), v.into_bytes()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let key = headers
+            .iter()
+            .find(|(k, _)| k == KEY_HEADER)
+            .map(|(_, v)| v.clone());
+        let record = OwnedRecord {
+            offset: i64::try_from(delivery.offset()).unwrap_or(i64::MAX),
+            key,
+            value: m.data().map(<[u8]>::to_vec).unwrap_or_default(),
+            headers,
+        };
+        each(RecordView::owned(&record));
+        read += 1;
+    }
+    let _ = consumer.handle().close().await;
+    let _ = client.close().await;
+    Ok(read)
+}
