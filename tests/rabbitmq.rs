@@ -188,3 +188,179 @@ async fn outbox_count(db: &tokio_postgres::Client) -> i64 {
         .unwrap()
         .get(0)
 }
+
+/// Everything `stream` holds, as records (key from `walbox_key`, headers
+/// from the application properties).
+async fn read_stream(
+    node: &walbox_testkit::RabbitMq,
+    stream: &str,
+) -> Vec<walbox_testkit::kafka::Record> {
+    let config = walbox_sink::RabbitMqSinkConfig {
+        mode: walbox_sink::RabbitMqMode::Stream,
+        port: Some(node.amqp_port()),
+        stream_port: Some(node.stream_port()),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    walbox_sink::read_stream(&config, stream, Duration::from_secs(10), |r| {
+        let headers = [
+            "event_id",
+            "walbox_commit_lsn",
+            "walbox_index",
+            "walbox_producer",
+            "walbox_publishing_id",
+        ]
+        .iter()
+        .filter_map(|n| {
+            r.header(n)
+                .map(|v| ((*n).to_owned(), Some(v.as_bytes().to_vec())))
+        })
+        .collect();
+        out.push(walbox_testkit::kafka::Record {
+            topic: stream.to_owned(),
+            partition: 0,
+            offset: r.offset(),
+            key: r.key().map(<[u8]>::to_vec),
+            headers,
+            value: r.value().map(<[u8]>::to_vec),
+        });
+    })
+    .await
+    .unwrap();
+    out
+}
+
+/// Each event of the table once in the stream, in per-key order.
+fn assert_exactly_once(
+    records: &[walbox_testkit::kafka::Record],
+    ids: &std::collections::HashSet<String>,
+) {
+    let mut seen = std::collections::HashSet::new();
+    for r in records {
+        let id = header(r, "event_id").expect("event_id");
+        assert!(seen.insert(id.to_owned()), "event {id} stored twice");
+    }
+    let missing = ids.iter().filter(|id| !seen.contains(*id)).count();
+    assert_eq!(missing, 0, "missing events");
+    assert_eq!(seen.len(), ids.len());
+    assert_per_key_order(records, false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_kill_9_rounds_under_four_writers_store_each_event_exactly_once_in_key_order() {
+    let node = node().read().await;
+    let (pg, db, env) = servers_rabbitmq(
+        &node,
+        "mode = \"stream\"\ndeclare = true\nproducer = \"kill9\"",
+    )
+    .await;
+    // The stream is named by the topic; this test's topic is its own.
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .chain([("WALBOX_TOPIC", "kill9s.{aggregate_type}".to_owned())])
+        .collect();
+    setup(&env);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = four_writers(&pg, Arc::clone(&stop)).await;
+    kill_9_rounds(&pg, &db, &env, 6).await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let written = stop_writers(&stop, writers).await;
+    caught_up(&db, &walbox).await;
+    let log = walbox.log();
+    walbox.stop();
+    let records = read_stream(&node, "kill9s.order").await;
+    let ids = outbox_ids(&db).await;
+    assert_eq!(ids.len(), written);
+    assert_exactly_once(&records, &ids);
+    assert!(
+        log.contains("those are not sent again") || records.len() == written,
+        "{log}"
+    );
+    let (status, out, err) = walbox_cmd(&["verify"], &env);
+    assert_eq!(status, Some(0), "{out}{err}");
+    assert!(out.contains("missing          0"), "{out}");
+    assert!(out.contains("duplicated       0"), "{out}");
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_producer_with_walbox_s_name_is_refused_naming_the_stream_and_the_name() {
+    let node = node().read().await;
+    // Another publisher took the name walbox's first epoch would use.
+    node.publish_to_stream("taken.order", "taken.0", 1 << 40, b"{}")
+        .await
+        .unwrap();
+    let (pg, db, env) = servers_rabbitmq(&node, "mode = \"stream\"\nproducer = \"taken\"").await;
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .chain([("WALBOX_TOPIC", "taken.{aggregate_type}".to_owned())])
+        .collect();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('order', 'k', 'E', '{\"seq\": 0}')",
+    )
+    .await
+    .unwrap();
+    let committed = current_lsn(&db).await;
+    let status = walbox.wait(Duration::from_secs(60));
+    let log = walbox.log();
+    assert_ne!(status.code(), Some(0), "{log}");
+    assert!(
+        log.contains("another producer uses the name taken.0"),
+        "{log}"
+    );
+    assert!(log.contains("stream taken.order"), "{log}");
+    assert!(confirmed_lsn(&db, "walbox").await < committed);
+    // Nothing of walbox's was stored.
+    assert_eq!(read_stream(&node, "taken.order").await.len(), 1);
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_node_killed_9_and_restarted_under_writers_loses_nothing_acknowledged_and_stores_nothing_twice()
+ {
+    let mut node = node().write().await;
+    let (pg, db, env) = servers_rabbitmq(
+        &node,
+        "mode = \"stream\"\ndeclare = true\nproducer = \"crash\"\nconfirm_timeout_ms = 3000",
+    )
+    .await;
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .chain([("WALBOX_TOPIC", "crashs.{aggregate_type}".to_owned())])
+        .collect();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers = four_writers(&pg, Arc::clone(&stop)).await;
+    wait_slot_moves(&db, confirmed_lsn(&db, "walbox").await).await;
+    node.kill9().unwrap();
+    let rows = outbox_count(&db).await;
+    walbox_testkit::wait_until_async(
+        "writes while the node is down",
+        Duration::from_secs(60),
+        || async { (outbox_count(&db).await >= rows + 200).then_some(()) },
+    )
+    .await
+    .unwrap();
+    node.start_again().unwrap();
+    let before = confirmed_lsn(&db, "walbox").await;
+    walbox_testkit::wait_until_async(
+        "the slot to move after the restart",
+        Duration::from_secs(60),
+        || async { (confirmed_lsn(&db, "walbox").await > before).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    let written = stop_writers(&stop, writers).await;
+    caught_up(&db, &walbox).await;
+    assert!(walbox.running(), "{}", walbox.log());
+    walbox.stop();
+    let records = read_stream(&node, "crashs.order").await;
+    let ids = outbox_ids(&db).await;
+    assert_eq!(ids.len(), written);
+    assert_exactly_once(&records, &ids);
+    drop(pg);
+}

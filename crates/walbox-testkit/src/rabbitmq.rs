@@ -227,11 +227,13 @@ impl RabbitMq {
             .map_err(TestkitError::io("writing", &group))?;
         self.child = Some(child);
         let addr = format!("127.0.0.1:{}", self.amqp_port);
+        let stream = format!("127.0.0.1:{}", self.stream_port);
         let ready = wait_until("rabbitmq-server to be ready", START_TIMEOUT, || {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 return Some(Err(status));
             }
-            TcpStream::connect(&addr).is_ok().then_some(Ok(()))
+            (TcpStream::connect(&addr).is_ok() && TcpStream::connect(&stream).is_ok())
+                .then_some(Ok(()))
         });
         match ready {
             Ok(Ok(())) => Ok(()),
@@ -288,6 +290,49 @@ impl RabbitMq {
     pub fn add_user(&self, name: &str, password: &str) -> Result<()> {
         self.ctl(&["add_user", name, password])?;
         self.ctl(&["set_permissions", "-p", "/", name, ".*", ".*", ".*"])
+    }
+
+    /// Publishes `body` to `stream` (created if missing) as producer `name`
+    /// with publishing id `id`, and waits for the confirm: another producer
+    /// for tests.
+    pub async fn publish_to_stream(
+        &self,
+        stream: &str,
+        name: &str,
+        id: u64,
+        body: &[u8],
+    ) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        use rabbitmq_stream_client::Environment;
+        use rabbitmq_stream_client::types::Message;
+        // The stream listener takes a moment after the port opens.
+        let mut tries = 0;
+        let env = loop {
+            match Environment::builder()
+                .host("127.0.0.1")
+                .port(self.stream_port)
+                .build()
+                .await
+            {
+                Ok(env) => break env,
+                Err(_) if tries < 20 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let _ = env.stream_creator().create(stream).await;
+        let mut producer = env.producer().name(name).build(stream).await?;
+        producer
+            .send_with_confirm(
+                Message::builder()
+                    .body(body.to_vec())
+                    .publising_id(id)
+                    .build(),
+            )
+            .await?;
+        producer.close().await?;
+        Ok(())
     }
 
     async fn connect(&self) -> std::result::Result<Connection, lapin::Error> {

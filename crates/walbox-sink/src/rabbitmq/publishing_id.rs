@@ -99,7 +99,10 @@ mod tests {
         let far = slot("b", u64::MAX, (1 << INDEX_BITS) - 1);
         assert_eq!(far.name, "b.ffffff");
         assert_eq!(far.id, 1 << 63);
-        assert_eq!(position(0xff_ffff, far.id), Some((u64::MAX, (1 << INDEX_BITS) - 1)));
+        assert_eq!(
+            position(0xff_ffff, far.id),
+            Some((u64::MAX, (1 << INDEX_BITS) - 1))
+        );
     }
 
     #[test]

@@ -141,7 +141,9 @@ fn tls(config: &RabbitMqSinkConfig) -> rabbitmq_stream_client::TlsConfiguration 
 }
 
 /// Connects an environment (producers, consumers) and a client (queries).
-pub(super) async fn connect(config: &RabbitMqSinkConfig) -> Result<(Environment, Client), SinkError> {
+pub(super) async fn connect(
+    config: &RabbitMqSinkConfig,
+) -> Result<(Environment, Client), SinkError> {
     let refused = |e: &dyn std::fmt::Display| {
         let text = e.to_string();
         if text.contains("AuthenticationFailure") || text.contains("SaslAuthenticationFailure") {
@@ -163,7 +165,12 @@ pub(super) async fn connect(config: &RabbitMqSinkConfig) -> Result<(Environment,
     if config.tls {
         builder = builder.tls(tls(config));
     }
-    let late = || SinkError::RabbitMq(format!("connecting to {}: no answer in time", config.describe()));
+    let late = || {
+        SinkError::RabbitMq(format!(
+            "connecting to {}: no answer in time",
+            config.describe()
+        ))
+    };
     let environment = tokio::time::timeout(timeout, builder.build())
         .await
         .map_err(|_| late())?
@@ -253,7 +260,10 @@ impl StreamSink {
                 self.duplicates.clone(),
                 Duration::from_millis(self.config.confirm_timeout_ms),
             ));
-            tracing::info!(server = self.config.describe(), "publishing to streams with named producers");
+            tracing::info!(
+                server = self.config.describe(),
+                "publishing to streams with named producers"
+            );
             self.session = Some(Session {
                 environment,
                 client,
@@ -269,6 +279,7 @@ impl StreamSink {
     /// checked to be walbox's.
     async fn producer(&mut self, stream: &str, name: &str) -> Result<(), ProducerFailure> {
         let declare = self.config.declare;
+        let wait = Duration::from_millis(self.config.connect_timeout_ms.max(1_000));
         let batch = self.config.max_in_flight.clamp(1, 1_000);
         let session = self.session().await.map_err(ProducerFailure::Sink)?;
         let key = (stream.to_owned(), name.to_owned());
@@ -276,7 +287,16 @@ impl StreamSink {
             return Ok(());
         }
         if declare {
-            match session.environment.stream_creator().create(stream).await {
+            let created =
+                tokio::time::timeout(wait, session.environment.stream_creator().create(stream))
+                    .await
+                    .map_err(|_| {
+                        ProducerFailure::Sink(SinkError::RabbitMq(format!(
+                            "creating stream {stream}: no answer within {} ms",
+                            wait.as_millis()
+                        )))
+                    })?;
+            match created {
                 Ok(()) => tracing::info!(stream, "created the stream"),
                 Err(StreamCreateError::Create {
                     status: ResponseCode::StreamAlreadyExists,
@@ -290,38 +310,52 @@ impl StreamSink {
                 }
             }
         }
-        let producer = session
-            .environment
-            .producer()
-            .name(name)
-            .batch_size(batch)
-            .batch_delay(Duration::from_millis(5))
-            .build(stream)
-            .await
-            .map_err(|e| match e {
-                ProducerCreateError::StreamDoesNotExist { .. } => {
-                    ProducerFailure::Sink(SinkError::MissingRabbitStream(stream.to_owned()))
-                }
-                other => ProducerFailure::Sink(stream_error(
-                    &format!("declaring producer {name} on stream {stream}"),
-                    &other,
-                )),
-            })?;
-        let sequence = session
-            .client
-            .query_publisher_sequence(name, stream)
-            .await
-            .map_err(|e| {
-                ProducerFailure::Sink(stream_error(
-                    &format!("asking the sequence of producer {name} on stream {stream}"),
-                    &e,
-                ))
-            })?;
+        let late = |what: &str| {
+            ProducerFailure::Sink(SinkError::RabbitMq(format!(
+                "{what} producer {name} on stream {stream}: no answer within {} ms",
+                wait.as_millis()
+            )))
+        };
+        let producer = tokio::time::timeout(
+            wait,
+            session
+                .environment
+                .producer()
+                .name(name)
+                .batch_size(batch)
+                .batch_delay(Duration::from_millis(5))
+                .build(stream),
+        )
+        .await
+        .map_err(|_| late("declaring"))?
+        .map_err(|e| match e {
+            ProducerCreateError::StreamDoesNotExist { .. } => {
+                ProducerFailure::Sink(SinkError::MissingRabbitStream(stream.to_owned()))
+            }
+            other => ProducerFailure::Sink(stream_error(
+                &format!("declaring producer {name} on stream {stream}"),
+                &other,
+            )),
+        })?;
+        let sequence =
+            tokio::time::timeout(wait, session.client.query_publisher_sequence(name, stream))
+                .await
+                .map_err(|_| late("asking the sequence of"))?
+                .map_err(|e| {
+                    ProducerFailure::Sink(stream_error(
+                        &format!("asking the sequence of producer {name} on stream {stream}"),
+                        &e,
+                    ))
+                })?;
         let mut stored_event = None;
         if sequence > 0 {
-            stored_event = stored_under(&session.environment, stream, name, sequence)
-                .await
-                .map_err(ProducerFailure::Sink)?;
+            stored_event = tokio::time::timeout(
+                wait * 10,
+                stored_under(&session.environment, stream, name, sequence),
+            )
+            .await
+            .map_err(|_| late("reading the stream's last message of"))?
+            .map_err(ProducerFailure::Sink)?;
             if stored_event.is_none() {
                 let _ = producer.close().await;
                 return Err(ProducerFailure::Taken(format!(
@@ -384,7 +418,11 @@ impl StreamSink {
 
     /// The producer name's base: the configured one, or a replay's own.
     fn base(&self) -> String {
-        let base = self.config.producer.clone().unwrap_or_else(|| "walbox".into());
+        let base = self
+            .config
+            .producer
+            .clone()
+            .unwrap_or_else(|| "walbox".into());
         match &self.replay {
             Some(r) => format!("{base}.replay.{r}"),
             None => base,
@@ -445,7 +483,11 @@ impl Sink for StreamSink {
             self.queue(token, &event, false, Some(Answer::Failed(class, reason)));
             return Ok(());
         }
-        let slot = slot(&self.base(), event.position.commit_lsn.0, event.position.index);
+        let slot = slot(
+            &self.base(),
+            event.position.commit_lsn.0,
+            event.position.index,
+        );
         let stream = event.topic.clone();
         match self.producer(&stream, &slot.name).await {
             Ok(()) => {}
@@ -455,16 +497,17 @@ impl Sink for StreamSink {
                     DeliveryClass::BrokerError,
                     format!("not sent: an earlier event of this session failed ({reason})"),
                 ));
-                self.queue(token, &event, false, Some(Answer::Failed(DeliveryClass::DuplicateId, reason)));
+                self.queue(
+                    token,
+                    &event,
+                    false,
+                    Some(Answer::Failed(DeliveryClass::DuplicateId, reason)),
+                );
                 return Ok(());
             }
         }
         let key = (stream.clone(), slot.name.clone());
-        let named = &self
-            .session
-            .as_ref()
-            .expect("connected above")
-            .producers[&key];
+        let named = &self.session.as_ref().expect("connected above").producers[&key];
         if slot.id <= named.sequence {
             // Already stored by an earlier session: not sent.
             let answer = if slot.id == named.sequence
@@ -492,7 +535,12 @@ impl Sink for StreamSink {
         }
         let message = message_of(&event, &slot);
         let seq = self.queue(token, &event, false, None);
-        let reports = self.session.as_ref().expect("connected above").reports.clone();
+        let reports = self
+            .session
+            .as_ref()
+            .expect("connected above")
+            .reports
+            .clone();
         let named = self
             .session
             .as_mut()
