@@ -1,7 +1,8 @@
 //! `make demo`: walbox end to end on throwaway infrastructure.
 //!
 //! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker
-//! (or, with `--sink nats`, a JetStream server),
+//! (or, with `--sink nats`, a JetStream server; with `--sink rabbitmq`, a RabbitMQ
+//! node, an exchange and a durable queue bound to it),
 //! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
 //! concurrent writers commit a few hundred outbox events, reads them back from the
 //! topic and prints them with a summary: events, keys, per-key order, and the slot's
@@ -15,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use walbox_testkit::{
-    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, kafka, wait_until_async,
+    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RabbitMq, kafka, wait_until_async,
 };
 
 const WRITERS: usize = 4;
@@ -41,6 +42,7 @@ fn arg(name: &str) -> Option<String> {
 enum Destination {
     Kafka(Broker),
     Nats(NatsServer),
+    RabbitMq(RabbitMq),
 }
 
 impl Destination {
@@ -53,6 +55,7 @@ impl Destination {
         match self {
             Destination::Kafka(b) => b.log_tail(),
             Destination::Nats(n) => n.log_tail(),
+            Destination::RabbitMq(r) => r.log_tail(),
         }
     }
 }
@@ -74,13 +77,20 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
-    let nats = match arg("--sink").as_deref() {
-        None | Some("kafka") => false,
-        Some("nats") => true,
-        Some(other) => return Err(format!("--sink {other}: use kafka or nats").into()),
-    };
+    let sink = arg("--sink").unwrap_or_else(|| "kafka".into());
+    if !["kafka", "nats", "rabbitmq"].contains(&sink.as_str()) {
+        return Err(format!("--sink {sink}: use kafka, nats or rabbitmq").into());
+    }
+    let nats = sink == "nats";
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
-    let (destination, address) = if nats {
+    let (destination, address) = if sink == "rabbitmq" {
+        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a RabbitMQ node");
+        let node = RabbitMq::start()?;
+        node.declare_exchange("outbox", "topic").await?;
+        node.bind_queue("outbox.demo", "outbox", "#").await?;
+        let url = format!("amqp://127.0.0.1:{}", node.amqp_port());
+        (Destination::RabbitMq(node), url)
+    } else if nats {
         println!("== starting a throwaway PostgreSQL (wal_level=logical) and a JetStream server");
         let server = NatsServer::start()?;
         let url = server.url();
@@ -99,7 +109,13 @@ async fn main() -> Result<(), Error> {
     let config = pg.client_dir().join("walbox-demo.toml");
     std::fs::write(
         &config,
-        if nats {
+        if sink == "rabbitmq" {
+            format!(
+                "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nport = {}\n\
+                 exchange = \"outbox\"\nverify_queue = \"outbox.demo\"\n",
+                address.rsplit(':').next().unwrap_or_default()
+            )
+        } else if nats {
             format!(
                 "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{address}\"]\n\
                  create_stream = true\nsubjects = [\"outbox.>\"]\n"
@@ -186,7 +202,17 @@ async fn main() -> Result<(), Error> {
     );
 
     let wanted = usize::try_from(rows)?;
-    let records = if destination.is_nats() {
+    let records = if let Destination::RabbitMq(node) = &destination {
+        let mut got = Vec::new();
+        for _ in 0..240 {
+            got = node.read_queue("outbox.demo").await?;
+            if got.len() >= wanted {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        got
+    } else if destination.is_nats() {
         walbox_testkit::nats::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
             .await
             .map_err(|e| e.to_string())?
