@@ -16,6 +16,7 @@ use std::time::Duration;
 use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::print_stderr)] // prints how many events were stored twice
 async fn exchange_kill_9_rounds_under_four_writers_lose_nothing_keep_key_order_and_repeat_only_the_same_message_id()
  {
     let node = node().read().await;

@@ -33,8 +33,8 @@ pub struct RabbitMqSink {
 
 #[derive(Debug)]
 enum Inner {
-    Exchange(exchange::ExchangeSink),
-    Stream(stream::StreamSink),
+    Exchange(Box<exchange::ExchangeSink>),
+    Stream(Box<stream::StreamSink>),
 }
 
 impl RabbitMqSink {
@@ -47,7 +47,7 @@ impl RabbitMqSink {
                 let (sink, rx) = exchange::ExchangeSink::new(config);
                 Ok((
                     RabbitMqSink {
-                        inner: Inner::Exchange(sink),
+                        inner: Inner::Exchange(Box::new(sink)),
                     },
                     rx,
                 ))
@@ -56,7 +56,7 @@ impl RabbitMqSink {
                 let (sink, rx) = stream::StreamSink::new(config);
                 Ok((
                     RabbitMqSink {
-                        inner: Inner::Stream(sink),
+                        inner: Inner::Stream(Box::new(sink)),
                     },
                     rx,
                 ))

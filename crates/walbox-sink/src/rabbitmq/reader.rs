@@ -119,8 +119,8 @@ pub async fn read_stream(
         let headers: Vec<(String, Vec<u8>)> = m
             .application_properties()
             .map(|p| {
-                p.iter()
-                    .filter_map(|(k, _)| {
+                p.keys()
+                    .filter_map(|k| {
                         super::stream::property(m, k).map(|v| (k.clone(), v.into_bytes()))
                     })
                     .collect()

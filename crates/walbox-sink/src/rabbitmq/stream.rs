@@ -406,11 +406,11 @@ impl StreamSink {
                 value_len: event.value.len(),
             },
         };
-        if !self
+        let queued = self
             .session
             .as_ref()
-            .is_some_and(|s| s.reports.send(report).is_ok())
-        {
+            .is_some_and(|s| s.reports.send(report).is_ok());
+        if !queued {
             self.in_flight.fetch_sub(1, Ordering::SeqCst);
         }
         seq
