@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use walbox_testkit::{Broker, NatsServer, PgCluster};
+use walbox_testkit::{Broker, NatsServer, PgCluster, RabbitMq};
 
 use crate::Error;
 
@@ -23,6 +23,9 @@ pub enum Contender {
     WalboxKafkaMetrics,
     /// `walbox run` to NATS JetStream (a memory stream, created by walbox).
     WalboxNats,
+    /// `walbox run` to RabbitMQ streams (stream mode: named producers,
+    /// deduplicated), a stream of the run's own, created by walbox.
+    WalboxRabbitMq,
     /// `pg_recvlogical` with `messages=true` on the publication without tables:
     /// the ceiling of the messages scenario.
     CeilingMessages,
@@ -36,12 +39,13 @@ const SCRAPE_EVERY: Duration = Duration::from_millis(100);
 impl Contender {
     /// The contenders of the table scenarios; the ceiling first (the report
     /// relies on it).
-    pub const ALL: [Contender; 5] = [
+    pub const ALL: [Contender; 6] = [
         Contender::Ceiling,
         Contender::WalboxStdout,
         Contender::WalboxKafka,
         Contender::WalboxKafkaMetrics,
         Contender::WalboxNats,
+        Contender::WalboxRabbitMq,
     ];
 
     /// The contenders of the messages scenario; the ceiling first.
@@ -56,6 +60,7 @@ impl Contender {
             Contender::WalboxKafka => "walbox to the broker",
             Contender::WalboxKafkaMetrics => "walbox to the broker, metrics on",
             Contender::WalboxNats => "walbox to JetStream",
+            Contender::WalboxRabbitMq => "walbox to RabbitMQ streams",
             Contender::CeilingMessages => "pg_recvlogical (ceiling), messages=true",
             Contender::WalboxKafkaMessages => "walbox to the broker, [[messages]]",
         }
@@ -69,6 +74,7 @@ impl Contender {
             Contender::WalboxKafka => "walbox-broker",
             Contender::WalboxKafkaMetrics => "walbox-broker-metrics",
             Contender::WalboxNats => "walbox-jetstream",
+            Contender::WalboxRabbitMq => "walbox-rabbitmq-stream",
             Contender::CeilingMessages => "ceiling-messages",
             Contender::WalboxKafkaMessages => "walbox-broker-messages",
         }
@@ -82,6 +88,7 @@ impl Contender {
             Contender::WalboxKafka => "walbox_kafka",
             Contender::WalboxKafkaMetrics => "walbox_kafka_metrics",
             Contender::WalboxNats => "walbox_nats",
+            Contender::WalboxRabbitMq => "walbox_rabbitmq",
             Contender::CeilingMessages => "ceiling_messages",
             Contender::WalboxKafkaMessages => "walbox_kafka_messages",
         };
@@ -96,6 +103,7 @@ impl Contender {
         pg: &PgCluster,
         broker: &Broker,
         nats: &NatsServer,
+        rabbitmq: &RabbitMq,
         walbox: &Path,
         slot: &str,
         topic: Option<&str>,
@@ -127,6 +135,7 @@ impl Contender {
             | Contender::WalboxKafkaMetrics
             | Contender::WalboxKafkaMessages => "kafka",
             Contender::WalboxNats => "nats",
+            Contender::WalboxRabbitMq => "rabbitmq",
         };
         let mut cmd = Command::new(walbox);
         if self == Contender::WalboxKafkaMessages {
@@ -155,6 +164,21 @@ impl Contender {
                      stream = \"{NATS_STREAM}\"\ncreate_stream = true\n\
                      subjects = [\"outbox.>\"]\nstorage = \"memory\"\n",
                     nats.url()
+                ),
+            )?;
+            cmd.env("WALBOX_CONFIG", config);
+        }
+        if self == Contender::WalboxRabbitMq {
+            // A stream of the run's own (the run's topic), created by walbox,
+            // and producer names of the run's own.
+            let config = pg.client_dir().join(format!("{slot}.rabbitmq.toml"));
+            std::fs::write(
+                &config,
+                format!(
+                    "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nmode = \"stream\"\n\
+                     port = {}\nstream_port = {}\ndeclare = true\nproducer = \"{slot}\"\n",
+                    rabbitmq.amqp_port(),
+                    rabbitmq.stream_port()
                 ),
             )?;
             cmd.env("WALBOX_CONFIG", config);

@@ -11,7 +11,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
-use walbox_testkit::NatsServer;
+use walbox_testkit::{NatsServer, RabbitMq};
 
 use crate::Error;
 use crate::contenders::{Contender, NATS_STREAM};
@@ -25,6 +25,8 @@ pub enum Destination {
     Topic(String),
     /// The JetStream stream, deleted before each run.
     Stream,
+    /// A RabbitMQ stream that only this run writes (named by its topic).
+    RabbitStream(String),
 }
 
 /// Numbers the runs' topics, so that no two runs share one.
@@ -42,6 +44,10 @@ impl Contender {
                 RUNS.fetch_add(1, Ordering::Relaxed) + 1
             ))),
             Contender::WalboxNats => Some(Destination::Stream),
+            Contender::WalboxRabbitMq => Some(Destination::RabbitStream(format!(
+                "bench.{slot}.{}",
+                RUNS.fetch_add(1, Ordering::Relaxed) + 1
+            ))),
             Contender::Ceiling | Contender::CeilingMessages | Contender::WalboxStdout => None,
         }
     }
@@ -51,7 +57,7 @@ impl Destination {
     /// The topic a broker contender is to write, if this is one.
     pub fn topic(&self) -> Option<&str> {
         match self {
-            Destination::Topic(t) => Some(t),
+            Destination::Topic(t) | Destination::RabbitStream(t) => Some(t),
             Destination::Stream => None,
         }
     }
@@ -62,6 +68,7 @@ impl Destination {
         &self,
         bootstrap: &str,
         nats: &NatsServer,
+        rabbitmq: &RabbitMq,
         events: u64,
     ) -> Result<(), Error> {
         let (what, held) = match self {
@@ -73,6 +80,12 @@ impl Destination {
                     delete_topic(bootstrap, topic).await?;
                 }
                 (format!("topic {topic}"), held.unwrap_or(0))
+            }
+            Destination::RabbitStream(stream) => {
+                let held = rabbitmq.stream_messages(stream).await?;
+                // Its messages go, so they take no disk from what follows.
+                rabbitmq.delete_stream(stream).await?;
+                (format!("RabbitMQ stream {stream}"), held)
             }
             Destination::Stream => (
                 format!("JetStream stream {NATS_STREAM}"),

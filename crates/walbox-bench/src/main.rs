@@ -14,7 +14,9 @@
 //!   every 100 ms: what the metrics cost, beside the line above;
 //! - `walbox run` to NATS JetStream (`nats-server -js` from the test kit, a
 //!   memory stream that walbox creates, deleted after each run so that the
-//!   next one finds neither its messages nor their ids).
+//!   next one finds neither its messages nor their ids);
+//! - `walbox run` to RabbitMQ streams (stream mode, the test kit's node, a
+//!   stream of the run's own that walbox creates, deleted once counted).
 //!
 //! Each runs `--repeat` times (default 3) in rounds, the order rotating from round
 //! to round, each run on its own slot created before the one load, so every run
@@ -61,7 +63,7 @@ mod scenarios;
 mod steady;
 mod svg;
 
-use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions};
+use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RabbitMq};
 
 use crate::cli::Scenario;
 use crate::contenders::{Contender, MESSAGES_PUBLICATION, lsn};
@@ -85,6 +87,7 @@ async fn main() -> Result<(), Error> {
     )?;
     let broker = Broker::start()?;
     let nats = NatsServer::start()?;
+    let rabbitmq = RabbitMq::start()?;
     let db = pg.connect("postgres").await?;
     let version: String = lsn(&db, "SHOW server_version").await?;
     db.batch_execute(&format!(
@@ -97,6 +100,7 @@ async fn main() -> Result<(), Error> {
         pg,
         broker,
         nats,
+        rabbitmq,
         db,
     };
     let events = bench.a.events;
@@ -186,7 +190,7 @@ async fn main() -> Result<(), Error> {
     println!();
     println!(
         "setup: {cores} cores, {mem_gb:.0} GiB RAM, PostgreSQL {version} (fsync off, one cluster), broker {}, \
-         JetStream nats-server -js (memory stream), \
+         JetStream nats-server -js (memory stream), RabbitMQ 3.10 streams (one node, stream mode), \
          walbox {} (release); rows like a real service writes them (uuid id, one of 1,000 \
          aggregate ids, ~300-byte jsonb payload, traceparent header){}{}",
         if bench.broker.is_external() {

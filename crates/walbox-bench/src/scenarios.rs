@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use walbox_testkit::{Broker, NatsServer, PgCluster};
+use walbox_testkit::{Broker, NatsServer, PgCluster, RabbitMq};
 
 use crate::Error;
 use crate::cli::Args;
@@ -52,6 +52,8 @@ pub struct Bench {
     pub broker: Broker,
     /// The JetStream server of the JetStream contender.
     pub nats: NatsServer,
+    /// The RabbitMQ node of the RabbitMQ contender.
+    pub rabbitmq: RabbitMq,
     pub db: tokio_postgres::Client,
 }
 
@@ -132,6 +134,7 @@ impl Bench {
                     &self.pg,
                     &self.broker,
                     &self.nats,
+                    &self.rabbitmq,
                     &self.a.walbox,
                     &slot,
                     destination.as_ref().and_then(Destination::topic),
@@ -146,7 +149,7 @@ impl Bench {
                     run.cpu_seconds
                 );
                 if let Some(d) = &destination {
-                    d.check(&bootstrap, &self.nats, events)
+                    d.check(&bootstrap, &self.nats, &self.rabbitmq, events)
                         .await
                         .map_err(|e| format!("{}: {e}", c.name()))?;
                 }

@@ -335,6 +335,55 @@ impl RabbitMq {
         Ok(())
     }
 
+    async fn stream_environment(
+        &self,
+    ) -> std::result::Result<
+        rabbitmq_stream_client::Environment,
+        Box<dyn std::error::Error + Send + Sync>,
+    > {
+        Ok(rabbitmq_stream_client::Environment::builder()
+            .host("127.0.0.1")
+            .port(self.stream_port)
+            .build()
+            .await?)
+    }
+
+    /// How many messages `stream` holds (read from its first until nothing
+    /// came for 2 s).
+    pub async fn stream_messages(
+        &self,
+        stream: &str,
+    ) -> std::result::Result<u64, Box<dyn std::error::Error + Send + Sync>> {
+        use futures_util::StreamExt;
+        use rabbitmq_stream_client::types::OffsetSpecification;
+        let env = self.stream_environment().await?;
+        let mut consumer = env
+            .consumer()
+            .offset(OffsetSpecification::First)
+            .build(stream)
+            .await?;
+        let mut n = 0u64;
+        while let Ok(Some(d)) = tokio::time::timeout(Duration::from_secs(2), consumer.next()).await
+        {
+            d?;
+            n += 1;
+        }
+        let _ = consumer.handle().close().await;
+        Ok(n)
+    }
+
+    /// Deletes `stream`.
+    pub async fn delete_stream(
+        &self,
+        stream: &str,
+    ) -> std::result::Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.stream_environment()
+            .await?
+            .delete_stream(stream)
+            .await?;
+        Ok(())
+    }
+
     async fn connect(&self) -> std::result::Result<Connection, lapin::Error> {
         Connection::connect(&self.amqp_url(), ConnectionProperties::default()).await
     }
