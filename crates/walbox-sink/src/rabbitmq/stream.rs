@@ -78,6 +78,8 @@ struct Named {
     sequence: u64,
     /// The event id of the message stored at `sequence`, if above 0.
     stored_event: Option<String>,
+    /// The highest id sent under the name in this session.
+    sent: u64,
 }
 
 struct Session {
@@ -380,6 +382,7 @@ impl StreamSink {
                 producer,
                 sequence,
                 stored_event,
+                sent: 0,
             },
         );
         Ok(())
@@ -487,6 +490,7 @@ impl Sink for StreamSink {
             &self.base(),
             event.position.commit_lsn.0,
             event.position.index,
+            event.position.xid == 0,
         );
         let stream = event.topic.clone();
         match self.producer(&stream, &slot.name).await {
@@ -533,6 +537,31 @@ impl Sink for StreamSink {
             self.queue(token, &event, dropped, Some(answer));
             return Ok(());
         }
+        if slot.id <= named.sent {
+            // The broker would drop it as a duplicate of what this session
+            // sent under the name: a position that went backwards. Stopping
+            // keeps it from being lost.
+            let reason = format!(
+                "event {} (commit LSN {}, index {}) would go to stream {stream} under producer \
+                 {} with publishing id {}, at or below the id {} this session already sent under \
+                 that name: the broker would drop it unseen; positions must grow under a name; \
+                 walbox stops before this event",
+                event.event_id,
+                event.position.commit_lsn,
+                event.position.index,
+                slot.name,
+                slot.id,
+                named.sent
+            );
+            self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+            self.queue(
+                token,
+                &event,
+                false,
+                Some(Answer::Failed(DeliveryClass::DuplicateId, reason)),
+            );
+            return Ok(());
+        }
         let message = message_of(&event, &slot);
         let seq = self.queue(token, &event, false, None);
         let reports = self
@@ -548,6 +577,7 @@ impl Sink for StreamSink {
             .producers
             .get_mut(&key)
             .expect("declared above");
+        named.sent = slot.id;
         let sent = named
             .producer
             .send(message, move |status| {
