@@ -365,3 +365,61 @@ async fn stream_node_killed_9_and_restarted_under_writers_loses_nothing_acknowle
     assert_exactly_once(&records, &ids);
     drop(pg);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exchange_dead_letters_are_replayed_from_their_queue_after_a_fix_and_leave_it() {
+    let node = node().read().await;
+    node.declare_exchange("dlx", "topic").await.unwrap();
+    node.bind_queue("dlx.main", "dlx", "outbox.#")
+        .await
+        .unwrap();
+    node.bind_queue("dlx.dead", "dlx", "#.dlq").await.unwrap();
+    let (pg, db, env) = servers_rabbitmq(
+        &node,
+        "exchange = \"dlx\"\ndead_letter_queue = \"dlx.dead\"",
+    )
+    .await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    // A row that cannot name its topic is dead-lettered; the next one is published.
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+           VALUES ('bad type', 'k', 'E', '{\"seq\": 0}');
+         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+           VALUES ('order', 'k2', 'E', '{\"seq\": 0}');",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let dead = node.read_queue("dlx.dead").await.unwrap();
+    assert_eq!(dead.len(), 1, "{}", walbox.log());
+    assert!(dead[0].topic.ends_with(".dlq"), "{:?}", dead[0].topic);
+    assert_eq!(node.read_queue("dlx.main").await.unwrap().len(), 1);
+
+    // Unfixed, it still fails and stays in the queue.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert_eq!(node.read_queue("dlx.dead").await.unwrap().len(), 1);
+    // Fixed in the table: published to its topic, gone from the queue.
+    db.batch_execute(
+        "UPDATE outbox SET aggregate_type = 'order' WHERE aggregate_type = 'bad type'",
+    )
+    .await
+    .unwrap();
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 1 dead letters; 0 still failing"),
+        "{out}"
+    );
+    let main = node.read_queue("dlx.main").await.unwrap();
+    assert_eq!(main.len(), 2);
+    assert_eq!(header(&main[1], "event_id"), header(&dead[0], "event_id"));
+    assert_eq!(main[1].topic, "outbox.order");
+    assert!(node.read_queue("dlx.dead").await.unwrap().is_empty());
+    let (code, out, _) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("replayed 0 dead letters"), "{out}");
+    drop(pg);
+}

@@ -5,7 +5,9 @@
 //! Kafka as a consumer group's offsets on the dead-letter topic (stopping, per
 //! partition, before the first letter that still fails), with NATS JetStream as
 //! the acknowledgements of a durable consumer on the dead-letter subject (a
-//! letter that still fails is handed back, the others are done).
+//! letter that still fails is handed back, the others are done), with RabbitMQ
+//! (exchange mode) as the acknowledgements of the messages of the dead-letter
+//! queue the user bound (`sink.rabbitmq.dead_letter_queue`).
 //!
 //! A letter's event is published under its own event id (a dead letter holds
 //! `{id}.dlq` on NATS), so a run again after a kill, before its progress was
@@ -20,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
-use walbox_sink::{DurableLetters, KafkaSink, NatsSink, Sink};
+use walbox_sink::{DurableLetters, KafkaSink, NatsSink, QueueLetters, RabbitMqSink, Sink};
 
 use crate::catalog::{self, ident};
 use crate::config::{Config, Overrides, SinkKind};
@@ -272,10 +274,51 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 published?;
             }
         }
-        SinkKind::RabbitMq => bail!(
-            "walbox dlq replay does not read RabbitMQ dead letters yet: consume the \
-             {{topic}}.dlq routing keys from a queue bound to the exchange"
-        ),
+        SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
+            bail!(
+                "walbox dlq replay does not read RabbitMQ dead-letter streams yet (stream mode): \
+                 read the {{topic}}.dlq stream with a consumer of your own"
+            )
+        }
+        SinkKind::RabbitMq => {
+            let sink_config = config.sink.rabbitmq_sink(&config.source.slot)?;
+            let Some(queue) = sink_config.dead_letter_queue.clone() else {
+                bail!(
+                    "sink.rabbitmq.dead_letter_queue: name the durable queue bound to exchange \
+                     {:?} for the dead letters' routing keys ({{topic}}.dlq, e.g. binding key \
+                     #.dlq), which walbox dlq replay reads",
+                    sink_config.exchange
+                );
+            };
+            let (mut sink, mut deliveries) = RabbitMqSink::new(sink_config.clone())?;
+            let read = QueueLetters::read(&sink_config, &queue, TIMEOUT)
+                .await
+                .with_context(|| format!("reading queue {queue}"))?;
+            let mut failed_all = HashSet::new();
+            let mut handled = HashSet::new();
+            let mut result = Ok(());
+            for dlq in &topics {
+                let mut letters = Vec::new();
+                read.each(dlq, |r| letters.push(parse(&r)));
+                handled.extend(letters.iter().map(|l| l.offset));
+                match run.publish(&mut sink, &mut deliveries, dlq, &letters).await {
+                    Ok(failed) => failed_all.extend(failed.into_iter().map(|(_, o)| o)),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            // Letters done leave the queue; those still failing, those of other
+            // topics, and all of them on a dry run or an error go back.
+            let ok = result.is_ok();
+            read.settle(|offset| {
+                ok && !args.dry_run && handled.contains(&offset) && !failed_all.contains(&offset)
+            })
+            .await
+            .with_context(|| format!("recording progress on {queue}"))?;
+            result?;
+        }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
     let (replayed, already, failing, kept) = (run.replayed, run.already, run.failing, run.kept);
@@ -308,7 +351,7 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\" or \"nats\" (or --sink) to replay the dead letters of that \
+         [sink] type = \"kafka\", \"nats\" or \"rabbitmq\" (or --sink) to replay the dead letters of that \
          broker"
     )
 }

@@ -80,6 +80,11 @@ pub struct RabbitMqSinkConfig {
     /// the exchange, durable); its messages are taken back unacknowledged.
     #[serde(default)]
     pub verify_queue: Option<String>,
+    /// Exchange mode: the queue `walbox dlq replay` reads dead letters from
+    /// (bound by the user to the exchange for the `{topic}.dlq` routing keys,
+    /// e.g. `#.dlq` on a topic exchange, durable).
+    #[serde(default)]
+    pub dead_letter_queue: Option<String>,
     /// Stream mode: the producer name's base; walbox appends the epoch of the
     /// position (see the sink's documentation). Default `walbox.{slot}`.
     #[serde(default)]
@@ -135,6 +140,7 @@ impl Default for RabbitMqSinkConfig {
             exchange_type: default_exchange_type(),
             declare: false,
             verify_queue: None,
+            dead_letter_queue: None,
             producer: None,
             confirm_timeout_ms: default_confirm_timeout_ms(),
             connect_timeout_ms: default_connect_timeout_ms(),
@@ -161,6 +167,7 @@ impl std::fmt::Debug for RabbitMqSinkConfig {
             .field("exchange_type", &self.exchange_type)
             .field("declare", &self.declare)
             .field("verify_queue", &self.verify_queue)
+            .field("dead_letter_queue", &self.dead_letter_queue)
             .field("producer", &self.producer)
             .field("confirm_timeout_ms", &self.confirm_timeout_ms)
             .field("connect_timeout_ms", &self.connect_timeout_ms)

@@ -143,3 +143,112 @@ pub async fn read_stream(
     let _ = client.close().await;
     Ok(read)
 }
+
+/// The messages of a dead-letter queue, read for `walbox dlq replay` in
+/// exchange mode: taken unacknowledged, then each acknowledged (done, gone
+/// from the queue) or handed back (still failing, or not a letter this replay
+/// handles) by [`QueueLetters::settle`]. A run killed before settling hands
+/// every message back when its connection ends.
+pub struct QueueLetters {
+    connection: lapin::Connection,
+    channel: lapin::Channel,
+    /// Each message with its routing key and delivery tag.
+    records: Vec<(String, u64, OwnedRecord)>,
+}
+
+impl std::fmt::Debug for QueueLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueLetters")
+            .field("messages", &self.records.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl QueueLetters {
+    /// Takes every message `queue` holds (offset = its place, from 0).
+    pub async fn read(
+        config: &RabbitMqSinkConfig,
+        queue: &str,
+        timeout: Duration,
+    ) -> Result<Self, SinkError> {
+        let fail = |reason: String| SinkError::Read {
+            topic: queue.to_owned(),
+            reason,
+        };
+        let (connection, channel) = connect(config).await?;
+        let mut records = Vec::new();
+        loop {
+            let got = tokio::time::timeout(
+                timeout,
+                channel.basic_get(ShortString::from(queue), BasicGetOptions { no_ack: false }),
+            )
+            .await
+            .map_err(|_| fail(format!("no answer within {} s", timeout.as_secs())))?
+            .map_err(|e| fail(e.to_string()))?;
+            let Some(message) = got else { break };
+            let headers = headers_of(&message.delivery.properties);
+            let key = headers
+                .iter()
+                .find(|(k, _)| k == KEY_HEADER)
+                .map(|(_, v)| v.clone());
+            records.push((
+                message.delivery.routing_key.to_string(),
+                message.delivery.delivery_tag,
+                OwnedRecord {
+                    offset: i64::try_from(records.len()).unwrap_or(i64::MAX),
+                    key,
+                    value: message.delivery.data.clone(),
+                    headers,
+                },
+            ));
+        }
+        Ok(QueueLetters {
+            connection,
+            channel,
+            records,
+        })
+    }
+
+    /// Hands each message published with `routing_key` to `each`, in queue
+    /// order.
+    pub fn each(&self, routing_key: &str, mut each: impl FnMut(RecordView<'_>)) {
+        for (key, _, record) in &self.records {
+            if key == routing_key {
+                each(RecordView::owned(record));
+            }
+        }
+    }
+
+    /// Acknowledges the messages whose offset `done` accepts and hands every
+    /// other one back to the queue, then closes the connection.
+    pub async fn settle(self, done: impl Fn(i64) -> bool) -> Result<(), SinkError> {
+        use lapin::options::{BasicAckOptions, BasicNackOptions};
+        for (_, tag, record) in &self.records {
+            let r = if done(record.offset) {
+                self.channel
+                    .basic_ack(*tag, BasicAckOptions { multiple: false })
+                    .await
+            } else {
+                self.channel
+                    .basic_nack(
+                        *tag,
+                        BasicNackOptions {
+                            multiple: false,
+                            requeue: true,
+                        },
+                    )
+                    .await
+            };
+            r.map_err(|e| SinkError::RabbitMq(format!("settling a dead letter: {e}")))?;
+        }
+        let _ = self
+            .channel
+            .close(200, ShortString::from("walbox: done"))
+            .await;
+        let _ = self
+            .connection
+            .close(200, ShortString::from("walbox: done"))
+            .await;
+        Ok(())
+    }
+}
