@@ -423,3 +423,56 @@ async fn exchange_dead_letters_are_replayed_from_their_queue_after_a_fix_and_lea
     assert!(out.contains("replayed 0 dead letters"), "{out}");
     drop(pg);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_a_replay_stores_the_range_again_under_its_own_names_and_once_when_run_again() {
+    let node = node().read().await;
+    let (pg, db, env) = servers_rabbitmq(
+        &node,
+        "mode = \"stream\"\ndeclare = true\nproducer = \"rp\"\n\n[source]\nreplay_window = \"1h\"",
+    )
+    .await;
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .chain([("WALBOX_TOPIC", "replays.{aggregate_type}".to_owned())])
+        .collect();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 5, 10, 5).await; // 50 events
+    let from = current_lsn(&db).await;
+    write_events_from(&pg, 1, 3, 10, 5, 5).await; // 30 more
+    wait_checkpoint(&pg, current_lsn(&db).await, Duration::from_secs(60)).await;
+    walbox.stop();
+    assert_eq!(
+        read_stream(&node, "replays.order").await.len(),
+        80,
+        "{}",
+        walbox.log()
+    );
+    let (from, to) = (from.to_string(), checkpoint(&pg).unwrap().lsn.to_string());
+    let args = ["replay", "--from", from.as_str(), "--to", to.as_str()];
+    let (code, out, err) = walbox_cmd(&args, &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let records = read_stream(&node, "replays.order").await;
+    assert_eq!(records.len(), 110, "{out}\n{err}");
+    let replayed: Vec<_> = records[80..]
+        .iter()
+        .map(|r| header(r, "walbox_producer").unwrap_or_default().to_owned())
+        .collect();
+    assert!(
+        replayed
+            .iter()
+            .all(|n| n.starts_with(&format!("rp.replay.{from}"))),
+        "{replayed:?}"
+    );
+    // Run again: the broker drops what the first run stored, reported as such.
+    let (code, out, err) = walbox_cmd(&args, &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert_eq!(
+        read_stream(&node, "replays.order").await.len(),
+        110,
+        "{out}\n{err}"
+    );
+    assert!(out.contains("already"), "{out}");
+    drop(pg);
+}
