@@ -476,3 +476,107 @@ async fn stream_a_replay_stores_the_range_again_under_its_own_names_and_once_whe
     assert!(out.contains("already"), "{out}");
     drop(pg);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_client_certificate_is_used_in_exchange_mode_and_required() {
+    let node = node().read().await;
+    node.declare_exchange("tls", "topic").await.unwrap();
+    node.bind_queue("tls.all", "tls", "#").await.unwrap();
+    let t = node.tls();
+    let tls = format!(
+        "exchange = \"tls\"\ntls = true\nca_file = \"{}\"\nclient_cert = \"{}\"\nclient_key = \"{}\"",
+        t.ca_cert.display(),
+        t.client_cert.display(),
+        t.client_key.display()
+    );
+    let (pg, db, env) = servers_rabbitmq(&node, &tls).await;
+    // The TLS port, in place of the plain one the helper gave.
+    let config = config_file(
+        &pg,
+        "tls.toml",
+        &format!(
+            "[sink]\ntype = \"rabbitmq\"\n[sink.rabbitmq]\nhost = \"127.0.0.1\"\nport = {}\n{tls}\n",
+            node.amqps_port()
+        ),
+    );
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .filter(|(k, _)| *k != "WALBOX_CONFIG")
+        .chain([("WALBOX_CONFIG", config)])
+        .collect();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 2, 5, 3).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    assert!(walbox.log().contains("tls://127.0.0.1"), "{}", walbox.log());
+    assert_eq!(node.read_queue("tls.all").await.unwrap().len(), 10);
+    // Without the client certificate the broker refuses the connection:
+    // walbox retries, the position stays.
+    let bare = config_file(
+        &pg,
+        "bare.toml",
+        &format!(
+            "[sink]\ntype = \"rabbitmq\"\n[sink.rabbitmq]\nport = {}\nexchange = \"tls\"\n\
+             tls = true\nca_file = \"{}\"\n",
+            node.amqps_port(),
+            t.ca_cert.display()
+        ),
+    );
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .filter(|(k, _)| *k != "WALBOX_CONFIG")
+        .chain([("WALBOX_CONFIG", bare)])
+        .collect();
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events_from(&pg, 1, 1, 1, 1, 50).await;
+    let committed = current_lsn(&db).await;
+    walbox_testkit::wait_until("a refused TLS session", Duration::from_secs(60), || {
+        (walbox.log().matches("session ended").count() >= 2).then_some(())
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", walbox.log()));
+    assert!(confirmed_lsn(&db, "walbox").await < committed);
+    walbox.stop();
+    assert_eq!(node.read_queue("tls.all").await.unwrap().len(), 10);
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_client_certificate_is_used_in_stream_mode() {
+    let node = node().read().await;
+    let t = node.tls();
+    let (pg, db, env) = servers_rabbitmq(&node, "").await;
+    let config = config_file(
+        &pg,
+        "stls.toml",
+        &format!(
+            "[sink]\ntype = \"rabbitmq\"\n[sink.rabbitmq]\nmode = \"stream\"\ndeclare = true\n\
+             host = \"127.0.0.1\"\nstream_port = {}\ntls = true\nca_file = \"{}\"\n\
+             client_cert = \"{}\"\nclient_key = \"{}\"\n",
+            node.stream_tls_port(),
+            t.ca_cert.display(),
+            t.client_cert.display(),
+            t.client_key.display()
+        ),
+    );
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .filter(|(k, _)| *k != "WALBOX_CONFIG")
+        .chain([
+            ("WALBOX_CONFIG", config),
+            ("WALBOX_TOPIC", "stls.{aggregate_type}".to_owned()),
+        ])
+        .collect();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 2, 5, 3).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    assert_eq!(
+        read_stream(&node, "stls.order").await.len(),
+        10,
+        "{}",
+        walbox.log()
+    );
+    drop(pg);
+}

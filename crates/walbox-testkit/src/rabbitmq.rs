@@ -38,6 +38,9 @@ pub struct RabbitMq {
     user: Option<User>,
     amqp_port: u16,
     stream_port: u16,
+    amqps_port: u16,
+    stream_tls_port: u16,
+    tls: crate::TlsFiles,
     dist_port: u16,
     epmd_port: u16,
     child: Option<Child>,
@@ -58,11 +61,17 @@ impl RabbitMq {
             });
         }
         let user = process::server_user()?;
+        let tls_dir = dir.path().join("tls");
+        std::fs::create_dir_all(&tls_dir).map_err(TestkitError::io("creating", &tls_dir))?;
+        let tls = crate::TlsFiles::generate(&tls_dir, "walbox")?;
         let mut node = RabbitMq {
             dir,
             user,
             amqp_port: 0,
             stream_port: process::free_port()?,
+            amqps_port: process::free_port()?,
+            stream_tls_port: process::free_port()?,
+            tls,
             dist_port: process::free_port()?,
             epmd_port: process::free_port()?,
             child: None,
@@ -115,6 +124,26 @@ impl RabbitMq {
         self.stream_port
     }
 
+    /// The AMQP port with TLS (a client certificate signed by
+    /// [`RabbitMq::tls`]'s CA required).
+    #[must_use]
+    pub fn amqps_port(&self) -> u16 {
+        self.amqps_port
+    }
+
+    /// The stream protocol port with TLS (a client certificate required).
+    #[must_use]
+    pub fn stream_tls_port(&self) -> u16 {
+        self.stream_tls_port
+    }
+
+    /// The CA, server and client certificates of the TLS listeners (the
+    /// server's for `localhost` and `127.0.0.1`).
+    #[must_use]
+    pub fn tls(&self) -> &crate::TlsFiles {
+        &self.tls
+    }
+
     /// The AMQP URL, with `guest`/`guest`.
     #[must_use]
     pub fn amqp_url(&self) -> String {
@@ -163,10 +192,22 @@ impl RabbitMq {
              stream.advertised_host = 127.0.0.1\n\
              stream.advertised_port = {stream}\n\
              loopback_users = none\n\
+             listeners.ssl.default = {amqps}\n\
+             stream.listeners.ssl.1 = {stream_tls}\n\
+             ssl_options.cacertfile = {ca}\n\
+             ssl_options.certfile = {cert}\n\
+             ssl_options.keyfile = {key}\n\
+             ssl_options.verify = verify_peer\n\
+             ssl_options.fail_if_no_peer_cert = true\n\
              log.console = true\n\
              log.file = false\n",
             amqp = self.amqp_port,
             stream = self.stream_port,
+            amqps = self.amqps_port,
+            stream_tls = self.stream_tls_port,
+            ca = self.tls.ca_cert.display(),
+            cert = self.tls.server_cert.display(),
+            key = self.tls.server_key.display(),
         );
         let path = self.dir.path().join("rabbitmq.conf");
         std::fs::write(&path, conf).map_err(TestkitError::io("writing", &path))?;
