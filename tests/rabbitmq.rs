@@ -149,6 +149,36 @@ async fn refused_credentials_stop_walbox_and_no_password_is_logged_even_at_trace
     );
     assert!(!log.contains("right-5b1f"), "{log}");
     assert_eq!(node.read_queue("secret.all").await.unwrap().len(), 10);
+    // Stream mode at trace: the stream client's logs hold no password either.
+    let streams = config_file(
+        &pg,
+        "streams.toml",
+        &format!(
+            "[sink]\ntype = \"rabbitmq\"\n[sink.rabbitmq]\nmode = \"stream\"\ndeclare = true\n\
+             stream_port = {}\nuser = \"walbox-user\"\n",
+            node.stream_port()
+        ),
+    );
+    let stream_env: Vec<(&str, String)> = env
+        .iter()
+        .filter(|(k, _)| *k != "WALBOX_CONFIG")
+        .cloned()
+        .chain([
+            ("WALBOX_CONFIG", streams),
+            ("WALBOX_TOPIC", "secrets.{aggregate_type}".to_owned()),
+        ])
+        .collect();
+    let mut walbox = Walbox::spawn(&["run"], &stream_env);
+    write_events_from(&pg, 1, 1, 5, 1, 40).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let log = walbox.log();
+    assert!(
+        log.contains("rabbitmq_stream_client"),
+        "trace logs of the stream client: {log}"
+    );
+    assert!(!log.contains("right-5b1f"), "{log}");
+    assert_eq!(read_stream(&node, "secrets.order").await.len(), 5, "{log}");
     // A wrong password in the file: walbox stops, naming the user only.
     let wrong = config_file(
         &pg,
