@@ -610,3 +610,62 @@ async fn tls_with_a_client_certificate_is_used_in_stream_mode() {
     );
     drop(pg);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_dead_letters_are_replayed_after_a_fix_each_under_a_name_of_its_own_once() {
+    let node = node().read().await;
+    let (pg, db, env) = servers_rabbitmq(
+        &node,
+        "mode = \"stream\"\ndeclare = true\nproducer = \"dl\"\n\n[dead_letter]\ntopic = \"dls.{topic}.dlq\"",
+    )
+    .await;
+    let env: Vec<(&str, String)> = env
+        .into_iter()
+        .chain([("WALBOX_TOPIC", "dls.{aggregate_type}".to_owned())])
+        .collect();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+           VALUES ('bad type', 'k', 'E', '{\"seq\": 0}');
+         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+           VALUES ('order', 'k2', 'E', '{\"seq\": 0}');",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let dlq = "dls.walbox.public.outbox.dlq";
+    let dead = read_stream(&node, dlq).await;
+    assert_eq!(dead.len(), 1, "{}", walbox.log());
+    assert_eq!(read_stream(&node, "dls.order").await.len(), 1);
+    // Unfixed: still fails, nothing recorded.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    db.batch_execute(
+        "UPDATE outbox SET aggregate_type = 'order' WHERE aggregate_type = 'bad type'",
+    )
+    .await
+    .unwrap();
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(
+        out.contains("replayed 1 dead letters; 0 still failing"),
+        "{out}\n{err}"
+    );
+    let main = read_stream(&node, "dls.order").await;
+    assert_eq!(main.len(), 2);
+    assert_eq!(header(&main[1], "event_id"), header(&dead[0], "event_id"));
+    assert!(
+        header(&main[1], "walbox_producer").is_some_and(|n| n.starts_with("dl.replay.dlq.")),
+        "{:?}",
+        main[1].headers
+    );
+    // Done: a second run has nothing to do; the letter stays in its stream.
+    let (code, out, _) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("replayed 0 dead letters"), "{out}");
+    assert_eq!(read_stream(&node, "dls.order").await.len(), 2);
+    assert_eq!(read_stream(&node, dlq).await.len(), 1);
+    drop(pg);
+}

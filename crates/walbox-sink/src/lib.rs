@@ -64,7 +64,7 @@ pub use nats::{
 pub use nats_reader::{DurableLetters, read_subject};
 pub use rabbitmq::{
     PASSWORD_ENV as RABBITMQ_PASSWORD_ENV, QueueLetters, RabbitMqMode, RabbitMqSink,
-    RabbitMqSinkConfig, USER_ENV as RABBITMQ_USER_ENV, read_queue, read_stream,
+    RabbitMqSinkConfig, StreamLetters, USER_ENV as RABBITMQ_USER_ENV, read_queue, read_stream,
 };
 pub use reader::{OwnedRecord, RecordView, commit_group, read_topic, read_topic_from_group};
 pub use secrets::{Hidden, Redacted, is_secret_property};

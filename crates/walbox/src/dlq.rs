@@ -7,7 +7,10 @@
 //! the acknowledgements of a durable consumer on the dead-letter subject (a
 //! letter that still fails is handed back, the others are done), with RabbitMQ
 //! (exchange mode) as the acknowledgements of the messages of the dead-letter
-//! queue the user bound (`sink.rabbitmq.dead_letter_queue`).
+//! queue the user bound (`sink.rabbitmq.dead_letter_queue`), with RabbitMQ
+//! streams as an offset the broker stores per dead-letter stream (each
+//! letter's event published as a replay of its own, under producer names
+//! apart from the stream's).
 //!
 //! A letter's event is published under its own event id (a dead letter holds
 //! `{id}.dlq` on NATS), so a run again after a kill, before its progress was
@@ -22,7 +25,9 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
-use walbox_sink::{DurableLetters, KafkaSink, NatsSink, QueueLetters, RabbitMqSink, Sink};
+use walbox_sink::{
+    DurableLetters, KafkaSink, NatsSink, QueueLetters, RabbitMqSink, Sink, StreamLetters,
+};
 
 use crate::catalog::{self, ident};
 use crate::config::{Config, Overrides, SinkKind};
@@ -275,10 +280,27 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
             }
         }
         SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
-            bail!(
-                "walbox dlq replay does not read RabbitMQ dead-letter streams yet (stream mode): \
-                 read the {{topic}}.dlq stream with a consumer of your own"
-            )
+            let sink_config = config.sink.rabbitmq_sink(&config.source.slot)?;
+            let (mut sink, mut deliveries) = RabbitMqSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // The progress is an offset stored under this name, per stream.
+                let Some(read) = StreamLetters::read(&sink_config, dlq, &group, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run
+                    .publish_named(&mut sink, &mut deliveries, dlq, &letters, true)
+                    .await;
+                let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
+            }
         }
         SinkKind::RabbitMq => {
             let sink_config = config.sink.rabbitmq_sink(&config.source.slot)?;
@@ -385,6 +407,22 @@ impl Run<'_> {
         dlq: &str,
         letters: &[DeadLetter],
     ) -> Result<HashSet<(i32, i64)>> {
+        self.publish_named(sink, deliveries, dlq, letters, false)
+            .await
+    }
+
+    /// [`Run::publish`]; with `name_each`, each letter's event is published as
+    /// a replay of its own (`dlq.{dlq}.{offset}`): a destination whose ids
+    /// come from the position (RabbitMQ streams) then stores it under ids
+    /// apart from the stream's, and drops only a copy an earlier run stored.
+    async fn publish_named<S: Sink>(
+        &mut self,
+        sink: &mut S,
+        deliveries: &mut walbox_sink::Deliveries,
+        dlq: &str,
+        letters: &[DeadLetter],
+        name_each: bool,
+    ) -> Result<HashSet<(i32, i64)>> {
         let mut failed = HashSet::new();
         let mut sent = 0usize;
         let duplicates = sink.duplicates();
@@ -420,6 +458,9 @@ impl Run<'_> {
                         letter.offset
                     ));
                     if !self.args.dry_run {
+                        if name_each {
+                            sink.replay_as(&format!("dlq.{dlq}.{}", letter.offset));
+                        }
                         sink.send(event, sent).await?;
                         sent += 1;
                     }

@@ -21,7 +21,7 @@ use std::time::Duration;
 use walbox_outbox::Event;
 
 pub use config::{PASSWORD_ENV, RabbitMqMode, RabbitMqSinkConfig, USER_ENV};
-pub use reader::{QueueLetters, read_queue, read_stream};
+pub use reader::{QueueLetters, StreamLetters, read_queue, read_stream};
 
 use crate::{Deliveries, Sink, SinkError};
 

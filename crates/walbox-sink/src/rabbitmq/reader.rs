@@ -252,3 +252,118 @@ impl QueueLetters {
         Ok(())
     }
 }
+
+/// The letters of a dead-letter stream that `walbox dlq replay` has not yet
+/// done (stream mode): read from the offset after the one stored under the
+/// replay's consumer name (from the first when none is stored), and the
+/// progress stored back by [`StreamLetters::settle`]: the offset of the last
+/// letter of the done prefix (a letter that still fails stops it there).
+pub struct StreamLetters {
+    client: rabbitmq_stream_client::Client,
+    stream: String,
+    reference: String,
+    records: Vec<OwnedRecord>,
+}
+
+impl std::fmt::Debug for StreamLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamLetters")
+            .field("stream", &self.stream)
+            .field("letters", &self.records.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl StreamLetters {
+    /// Reads the letters of `stream` after those `reference` recorded as
+    /// done; `Ok(None)` when the stream does not exist (nothing was ever
+    /// dead-lettered there).
+    pub async fn read(
+        config: &RabbitMqSinkConfig,
+        stream: &str,
+        reference: &str,
+        timeout: Duration,
+    ) -> Result<Option<Self>, SinkError> {
+        use futures_util::StreamExt;
+        use rabbitmq_stream_client::error::ConsumerCreateError;
+        use rabbitmq_stream_client::types::OffsetSpecification;
+        let fail = |reason: String| SinkError::Read {
+            topic: stream.to_owned(),
+            reason,
+        };
+        let (environment, client) = super::stream::connect(config).await?;
+        let from = match client.query_offset(reference.to_owned(), stream).await {
+            Ok(done) => OffsetSpecification::Offset(done + 1),
+            Err(_) => OffsetSpecification::First,
+        };
+        let mut consumer = match environment.consumer().offset(from).build(stream).await {
+            Ok(c) => c,
+            Err(ConsumerCreateError::StreamDoesNotExist { .. }) => return Ok(None),
+            Err(e) => return Err(fail(e.to_string())),
+        };
+        let mut records = Vec::new();
+        let mut wait = timeout.min(Duration::from_secs(5));
+        while let Ok(Some(delivery)) = tokio::time::timeout(wait, consumer.next()).await {
+            let delivery = delivery.map_err(|e| fail(e.to_string()))?;
+            wait = Duration::from_secs(2);
+            let m = delivery.message();
+            let headers: Vec<(String, Vec<u8>)> = m
+                .application_properties()
+                .map(|p| {
+                    p.keys()
+                        .filter_map(|k| {
+                            super::stream::property(m, k).map(|v| (k.clone(), v.into_bytes()))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let key = headers
+                .iter()
+                .find(|(k, _)| k == KEY_HEADER)
+                .map(|(_, v)| v.clone());
+            records.push(OwnedRecord {
+                offset: i64::try_from(delivery.offset()).unwrap_or(i64::MAX),
+                key,
+                value: m.data().map(<[u8]>::to_vec).unwrap_or_default(),
+                headers,
+            });
+        }
+        let _ = consumer.handle().close().await;
+        Ok(Some(StreamLetters {
+            client,
+            stream: stream.to_owned(),
+            reference: reference.to_owned(),
+            records,
+        }))
+    }
+
+    /// Hands each letter to `each`, in stream order.
+    pub fn each(&self, mut each: impl FnMut(RecordView<'_>)) {
+        for r in &self.records {
+            each(RecordView::owned(r));
+        }
+    }
+
+    /// Records as done the letters up to the first that `done` refuses.
+    pub async fn settle(self, done: impl Fn(i64) -> bool) -> Result<(), SinkError> {
+        let last = self
+            .records
+            .iter()
+            .take_while(|r| done(r.offset))
+            .last()
+            .map(|r| r.offset);
+        if let Some(offset) = last.and_then(|o| u64::try_from(o).ok()) {
+            self.client
+                .store_offset(&self.reference, &self.stream, offset)
+                .await
+                .map_err(|e| {
+                    SinkError::RabbitMq(format!(
+                        "recording dead-letter progress on stream {}: {e}",
+                        self.stream
+                    ))
+                })?;
+        }
+        let _ = self.client.close().await;
+        Ok(())
+    }
+}
