@@ -27,7 +27,7 @@ async fn exchange_kill_9_rounds_under_four_writers_lose_nothing_keep_key_order_a
     setup(&env);
     let stop = Arc::new(AtomicBool::new(false));
     let writers = four_writers(&pg, Arc::clone(&stop)).await;
-    kill_9_rounds(&pg, &db, &env, 6).await;
+    kill_9_rounds(&pg, &db, &env, 5).await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     let written = stop_writers(&stop, writers).await;
     caught_up(&db, &walbox).await;
@@ -293,7 +293,7 @@ async fn stream_kill_9_rounds_under_four_writers_store_each_event_exactly_once_i
     setup(&env);
     let stop = Arc::new(AtomicBool::new(false));
     let writers = four_writers(&pg, Arc::clone(&stop)).await;
-    kill_9_rounds(&pg, &db, &env, 6).await;
+    kill_9_rounds(&pg, &db, &env, 5).await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     let written = stop_writers(&stop, writers).await;
     caught_up(&db, &walbox).await;

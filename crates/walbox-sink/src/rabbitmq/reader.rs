@@ -302,7 +302,7 @@ impl StreamLetters {
             Err(e) => return Err(fail(e.to_string())),
         };
         let mut records = Vec::new();
-        let mut wait = timeout.min(Duration::from_secs(5));
+        let mut wait = timeout.min(Duration::from_secs(2));
         while let Ok(Some(delivery)) = tokio::time::timeout(wait, consumer.next()).await {
             let delivery = delivery.map_err(|e| fail(e.to_string()))?;
             wait = Duration::from_secs(2);
