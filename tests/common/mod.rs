@@ -9,6 +9,8 @@
 //! - [`topics`]: reading topics back and auditing them against the outbox table.
 //! - [`order`]: per-key order and the Java client's partitioner.
 //! - [`servers`]: a cluster with the outbox table and a broker for one test.
+//! - [`rabbitmq`]: the test binary's RabbitMQ node, a cluster and walbox's
+//!   configuration for it, four writers, the queue audited.
 //! - [`nats`]: a cluster with the outbox table and a JetStream server, the
 //!   stream read back.
 //! - [`webhook`]: a cluster with the outbox table and a scripted HTTP
@@ -26,6 +28,7 @@ mod nats;
 mod order;
 mod positions;
 mod process;
+mod rabbitmq;
 mod servers;
 mod topics;
 mod webhook;
@@ -44,6 +47,8 @@ pub use order::*;
 pub use positions::*;
 #[allow(unused_imports)]
 pub use process::*;
+#[allow(unused_imports)]
+pub use rabbitmq::*;
 #[allow(unused_imports)]
 pub use servers::*;
 #[allow(unused_imports)]

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use walbox_testkit::{Broker, NatsServer, PgCluster, RedisServer};
+use walbox_testkit::{Broker, NatsServer, PgCluster, RabbitMq, RedisServer};
 
 use crate::Error;
 
@@ -26,6 +26,9 @@ pub enum Contender {
     /// `walbox run` to Redis Streams (append-only file, fsync on every write),
     /// the run's own stream.
     WalboxRedis,
+    /// `walbox run` to RabbitMQ streams (stream mode: named producers,
+    /// deduplicated), a stream of the run's own, created by walbox.
+    WalboxRabbitMq,
     /// `pg_recvlogical` with `messages=true` on the publication without tables:
     /// the ceiling of the messages scenario.
     CeilingMessages,
@@ -39,13 +42,14 @@ const SCRAPE_EVERY: Duration = Duration::from_millis(100);
 impl Contender {
     /// The contenders of the table scenarios; the ceiling first (the report
     /// relies on it).
-    pub const ALL: [Contender; 6] = [
+    pub const ALL: [Contender; 7] = [
         Contender::Ceiling,
         Contender::WalboxStdout,
         Contender::WalboxKafka,
         Contender::WalboxKafkaMetrics,
         Contender::WalboxNats,
         Contender::WalboxRedis,
+        Contender::WalboxRabbitMq,
     ];
 
     /// The contenders of the messages scenario; the ceiling first.
@@ -61,6 +65,7 @@ impl Contender {
             Contender::WalboxKafkaMetrics => "walbox to the broker, metrics on",
             Contender::WalboxNats => "walbox to JetStream",
             Contender::WalboxRedis => "walbox to Redis Streams",
+            Contender::WalboxRabbitMq => "walbox to RabbitMQ streams",
             Contender::CeilingMessages => "pg_recvlogical (ceiling), messages=true",
             Contender::WalboxKafkaMessages => "walbox to the broker, [[messages]]",
         }
@@ -75,6 +80,7 @@ impl Contender {
             Contender::WalboxKafkaMetrics => "walbox-broker-metrics",
             Contender::WalboxNats => "walbox-jetstream",
             Contender::WalboxRedis => "walbox-redis",
+            Contender::WalboxRabbitMq => "walbox-rabbitmq-stream",
             Contender::CeilingMessages => "ceiling-messages",
             Contender::WalboxKafkaMessages => "walbox-broker-messages",
         }
@@ -89,6 +95,7 @@ impl Contender {
             Contender::WalboxKafkaMetrics => "walbox_kafka_metrics",
             Contender::WalboxNats => "walbox_nats",
             Contender::WalboxRedis => "walbox_redis",
+            Contender::WalboxRabbitMq => "walbox_rabbitmq",
             Contender::CeilingMessages => "ceiling_messages",
             Contender::WalboxKafkaMessages => "walbox_kafka_messages",
         };
@@ -104,6 +111,7 @@ impl Contender {
         broker: &Broker,
         nats: &NatsServer,
         redis: &RedisServer,
+        rabbitmq: &RabbitMq,
         walbox: &Path,
         slot: &str,
         topic: Option<&str>,
@@ -136,6 +144,7 @@ impl Contender {
             | Contender::WalboxKafkaMessages => "kafka",
             Contender::WalboxNats => "nats",
             Contender::WalboxRedis => "redis",
+            Contender::WalboxRabbitMq => "rabbitmq",
         };
         let mut cmd = Command::new(walbox);
         if self == Contender::WalboxKafkaMessages {
@@ -175,6 +184,21 @@ impl Contender {
                 format!(
                     "[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{}\"\n",
                     redis.url()
+                ),
+            )?;
+            cmd.env("WALBOX_CONFIG", config);
+        }
+        if self == Contender::WalboxRabbitMq {
+            // A stream of the run's own (the run's topic), created by walbox,
+            // and producer names of the run's own.
+            let config = pg.client_dir().join(format!("{slot}.rabbitmq.toml"));
+            std::fs::write(
+                &config,
+                format!(
+                    "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nmode = \"stream\"\n\
+                     port = {}\nstream_port = {}\ndeclare = true\nproducer = \"{slot}\"\n",
+                    rabbitmq.amqp_port(),
+                    rabbitmq.stream_port()
                 ),
             )?;
             cmd.env("WALBOX_CONFIG", config);

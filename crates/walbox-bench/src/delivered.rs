@@ -12,7 +12,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
-use walbox_testkit::{NatsServer, RedisServer};
+use walbox_testkit::{NatsServer, RabbitMq, RedisServer};
 
 use crate::Error;
 use crate::contenders::{Contender, NATS_STREAM};
@@ -28,6 +28,8 @@ pub enum Destination {
     Stream,
     /// A Redis stream that only this run writes.
     RedisStream(String),
+    /// A RabbitMQ stream that only this run writes (named by its topic).
+    RabbitStream(String),
 }
 
 /// Numbers the runs' topics, so that no two runs share one.
@@ -49,6 +51,10 @@ impl Contender {
                 "bench.{slot}.{}",
                 RUNS.fetch_add(1, Ordering::Relaxed) + 1
             ))),
+            Contender::WalboxRabbitMq => Some(Destination::RabbitStream(format!(
+                "bench.{slot}.{}",
+                RUNS.fetch_add(1, Ordering::Relaxed) + 1
+            ))),
             Contender::Ceiling | Contender::CeilingMessages | Contender::WalboxStdout => None,
         }
     }
@@ -58,7 +64,9 @@ impl Destination {
     /// The topic a broker contender is to write, if this is one.
     pub fn topic(&self) -> Option<&str> {
         match self {
-            Destination::Topic(t) | Destination::RedisStream(t) => Some(t),
+            Destination::Topic(t) | Destination::RedisStream(t) | Destination::RabbitStream(t) => {
+                Some(t)
+            }
             Destination::Stream => None,
         }
     }
@@ -70,6 +78,7 @@ impl Destination {
         bootstrap: &str,
         nats: &NatsServer,
         redis: &RedisServer,
+        rabbitmq: &RabbitMq,
         events: u64,
     ) -> Result<(), Error> {
         let (what, held) = match self {
@@ -81,6 +90,12 @@ impl Destination {
                     delete_topic(bootstrap, topic).await?;
                 }
                 (format!("topic {topic}"), held.unwrap_or(0))
+            }
+            Destination::RabbitStream(stream) => {
+                let held = rabbitmq.stream_messages(stream).await?;
+                // Its messages go, so they take no disk from what follows.
+                rabbitmq.delete_stream(stream).await?;
+                (format!("RabbitMQ stream {stream}"), held)
             }
             Destination::Stream => (
                 format!("JetStream stream {NATS_STREAM}"),

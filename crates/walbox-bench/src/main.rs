@@ -17,7 +17,9 @@
 //!   next one finds neither its messages nor their ids);
 //! - `walbox run` to Redis Streams (`redis-server` from the test kit with its
 //!   append-only file fsynced on every write; each run its own stream, counted
-//!   and deleted after it).
+//!   and deleted after it);
+//! - `walbox run` to RabbitMQ streams (stream mode, the test kit's node, a
+//!   stream of the run's own that walbox creates, deleted once counted).
 //!
 //! Each runs `--repeat` times (default 3) in rounds, the order rotating from round
 //! to round, each run on its own slot created before the one load, so every run
@@ -69,7 +71,7 @@ mod steady;
 mod svg;
 mod webhook;
 
-use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RedisServer};
+use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RabbitMq, RedisServer};
 
 use crate::cli::Scenario;
 use crate::contenders::{Contender, MESSAGES_PUBLICATION, lsn};
@@ -94,6 +96,7 @@ async fn main() -> Result<(), Error> {
     let broker = Broker::start()?;
     let nats = NatsServer::start()?;
     let redis = RedisServer::start()?;
+    let rabbitmq = RabbitMq::start()?;
     let db = pg.connect("postgres").await?;
     let version: String = lsn(&db, "SHOW server_version").await?;
     db.batch_execute(&format!(
@@ -107,6 +110,7 @@ async fn main() -> Result<(), Error> {
         broker,
         nats,
         redis,
+        rabbitmq,
         db,
     };
     let events = bench.a.events;
@@ -206,6 +210,7 @@ async fn main() -> Result<(), Error> {
         "setup: {cores} cores, {mem_gb:.0} GiB RAM, PostgreSQL {version} (fsync off, one cluster), broker {}, \
          JetStream nats-server -js (memory stream), redis-server 7 (append-only file, \
          appendfsync always), \
+         RabbitMQ 3.10 streams (one node, stream mode), \
          walbox {} (release); rows like a real service writes them (uuid id, one of 1,000 \
          aggregate ids, ~300-byte jsonb payload, traceparent header){}{}",
         if bench.broker.is_external() {

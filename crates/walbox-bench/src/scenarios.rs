@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use walbox_testkit::{Broker, NatsServer, PgCluster, RedisServer};
+use walbox_testkit::{Broker, NatsServer, PgCluster, RabbitMq, RedisServer};
 
 use crate::Error;
 use crate::cli::Args;
@@ -54,6 +54,8 @@ pub struct Bench {
     pub nats: NatsServer,
     /// The Redis server of the Redis Streams contender.
     pub redis: RedisServer,
+    /// The RabbitMQ node of the RabbitMQ contender.
+    pub rabbitmq: RabbitMq,
     pub db: tokio_postgres::Client,
 }
 
@@ -135,6 +137,7 @@ impl Bench {
                     &self.broker,
                     &self.nats,
                     &self.redis,
+                    &self.rabbitmq,
                     &self.a.walbox,
                     &slot,
                     destination.as_ref().and_then(Destination::topic),
@@ -149,7 +152,7 @@ impl Bench {
                     run.cpu_seconds
                 );
                 if let Some(d) = &destination {
-                    d.check(&bootstrap, &self.nats, &self.redis, events)
+                    d.check(&bootstrap, &self.nats, &self.redis, &self.rabbitmq, events)
                         .await
                         .map_err(|e| format!("{}: {e}", c.name()))?;
                 }

@@ -17,6 +17,8 @@
 //!   position gives (`<commit LSN>-<index>`), written in batches by a script
 //!   that stops at the first entry it cannot write; a resend is checked to be
 //!   the entry already there.
+//! - [`RabbitMqSink`]: RabbitMQ, to an exchange with publisher confirms and
+//!   `mandatory`, or to streams with deduplicating named producers.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed to the pipe or file (not once read); a closed pipe
 //!   fails deliveries for good.
@@ -62,6 +64,7 @@ mod delivery;
 mod kafka;
 mod nats;
 mod nats_reader;
+mod rabbitmq;
 mod reader;
 mod redis_streams;
 mod secrets;
@@ -77,7 +80,12 @@ pub use nats::{
     DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage,
 };
 pub use nats_reader::{DurableLetters, read_subject};
-pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
+pub use rabbitmq::{
+    PASSWORD_ENV as RABBITMQ_PASSWORD_ENV, QueueLetters, RabbitMqMode, RabbitMqSink,
+    RabbitMqSinkConfig, StreamLetters as RabbitStreamLetters, USER_ENV as RABBITMQ_USER_ENV,
+    read_queue, read_stream as read_rabbit_stream,
+};
+pub use reader::{OwnedRecord, RecordView, commit_group, read_topic, read_topic_from_group};
 pub use redis_streams::{
     Durability, RedisSink, RedisSinkConfig, StreamEntry, StreamLetters, entry_id, position_of,
     read_stream, server_durability, shown_url,
@@ -170,6 +178,35 @@ pub enum SinkError {
         /// The configured stream.
         stream: String,
     },
+    /// The RabbitMQ broker could not be reached or did not answer; a new
+    /// session may succeed.
+    #[error("rabbitmq: {0}")]
+    RabbitMq(String),
+    /// The RabbitMQ broker refused walbox's credentials. Trying again would
+    /// only repeat it.
+    #[error(
+        "rabbitmq: the broker refused walbox's credentials (user {user:?}): {reason}; check \
+         user and password in [sink.rabbitmq] (or WALBOX_RABBITMQ_USER and \
+         WALBOX_RABBITMQ_PASSWORD), and the user's permissions on the virtual host"
+    )]
+    RabbitMqAuthentication {
+        /// The user name.
+        user: String,
+        /// What the broker said.
+        reason: String,
+    },
+    /// The exchange does not exist and may not be declared.
+    #[error(
+        "rabbitmq: exchange {0:?} does not exist (declare it, or set declare = true in \
+         [sink.rabbitmq])"
+    )]
+    MissingExchange(String),
+    /// A RabbitMQ stream does not exist and may not be declared.
+    #[error(
+        "rabbitmq: stream {0:?} does not exist (declare it, or set declare = true in \
+         [sink.rabbitmq])"
+    )]
+    MissingRabbitStream(String),
     /// Writing to standard output failed.
     #[error("writing to stdout: {0}")]
     Io(#[from] std::io::Error),

@@ -42,6 +42,22 @@ enum Inner<'a> {
         key: Option<Vec<u8>>,
     },
     Redis(&'a crate::redis_streams::StreamEntry),
+    /// A record read whole into memory (a RabbitMQ message).
+    Owned(&'a OwnedRecord),
+}
+
+/// A record a reader holds whole (RabbitMQ): partition 0, its place in the
+/// queue or stream as offset, its key from the `walbox_key` header.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OwnedRecord {
+    /// Its place in the queue (from 0) or its stream offset.
+    pub offset: i64,
+    /// Its key.
+    pub key: Option<Vec<u8>>,
+    /// Its value.
+    pub value: Vec<u8>,
+    /// Its headers, as text where they are.
+    pub headers: Vec<(String, Vec<u8>)>,
 }
 
 impl<'a> RecordView<'a> {
@@ -79,12 +95,18 @@ impl<'a> RecordView<'a> {
         }
     }
 
+    pub(crate) fn owned(record: &'a OwnedRecord) -> Self {
+        RecordView {
+            inner: Inner::Owned(record),
+        }
+    }
+
     /// Partition (0 for a JetStream message).
     #[must_use]
     pub fn partition(&self) -> i32 {
         match &self.inner {
             Inner::Kafka(m) => m.partition(),
-            Inner::Nats { .. } | Inner::Letter { .. } | Inner::Redis(_) => 0,
+            Inner::Nats { .. } | Inner::Letter { .. } | Inner::Redis(_) | Inner::Owned(_) => 0,
         }
     }
 
@@ -96,6 +118,7 @@ impl<'a> RecordView<'a> {
             Inner::Nats { sequence, .. } => i64::try_from(*sequence).unwrap_or(i64::MAX),
             Inner::Letter { number, .. } => i64::try_from(*number).unwrap_or(i64::MAX),
             Inner::Redis(e) => e.offset,
+            Inner::Owned(r) => r.offset,
         }
     }
 
@@ -106,6 +129,7 @@ impl<'a> RecordView<'a> {
             Inner::Kafka(m) => m.key(),
             Inner::Nats { key, .. } | Inner::Letter { key, .. } => key.as_deref(),
             Inner::Redis(e) => e.field(crate::redis_streams::entry::KEY_FIELD),
+            Inner::Owned(r) => r.key.as_deref(),
         }
     }
 
@@ -117,6 +141,7 @@ impl<'a> RecordView<'a> {
             Inner::Nats { msg, .. } => Some(msg.payload.as_ref()),
             Inner::Letter { line, .. } => Some(line.value.as_bytes()),
             Inner::Redis(e) => e.field(crate::redis_streams::entry::VALUE_FIELD),
+            Inner::Owned(r) => Some(&r.value),
         }
     }
 
@@ -138,6 +163,11 @@ impl<'a> RecordView<'a> {
                     crate::redis_streams::entry::HEADER_PREFIX
                 ))
                 .and_then(|v| std::str::from_utf8(v).ok()),
+            Inner::Owned(r) => r
+                .headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| std::str::from_utf8(v).ok()),
         }
     }
 }

@@ -7,7 +7,13 @@
 //! the acknowledgements of a durable consumer on the dead-letter subject (a
 //! letter that still fails is handed back, the others are done), with the
 //! webhook sink as a count of the dead-letter file's lines done, kept beside
-//! it (`<file>.replayed`, stopping before the first letter that still fails).
+//! it (`<file>.replayed`, stopping before the first letter that still fails),
+//! with Redis Streams as a consumer group on the dead-letter stream (a letter
+//! that still fails stays pending), with RabbitMQ (exchange mode) as the
+//! acknowledgements of the messages of the dead-letter queue the user bound (`sink.rabbitmq.dead_letter_queue`), with RabbitMQ
+//! streams as an offset the broker stores per dead-letter stream (each
+//! letter's event published as a replay of its own, under producer names
+//! apart from the stream's).
 //!
 //! A letter's event is published under its own event id (a dead letter holds
 //! `{id}.dlq` on NATS), so a run again after a kill, before its progress was
@@ -23,7 +29,8 @@ use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{
-    DurableLetters, KafkaSink, NatsSink, RedisSink, Sink, StreamLetters, WebhookSink,
+    DurableLetters, KafkaSink, NatsSink, QueueLetters, RabbitMqSink, RabbitStreamLetters,
+    RedisSink, Sink, StreamLetters, WebhookSink,
 };
 
 use crate::catalog::{self, ident};
@@ -291,7 +298,9 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 .with_context(|| format!("reading {}", file.display()))?;
             progress_fits(&lines, done).map_err(|lines| {
                 anyhow::anyhow!(
-                    "{} records {done} lines of {} as replayed, and the file has {lines}: it was                      replaced or cut (its letters would be skipped); remove {} to replay the                      file from its start",
+                    "{} records {done} lines of {} as replayed, and the file has {lines}: it was \
+                     replaced or cut (its letters would be skipped); remove {} to replay the \
+                     file from its start",
                     progress.display(),
                     file.display(),
                     progress.display()
@@ -343,6 +352,68 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                     .with_context(|| format!("recording progress on {dlq}"))?;
                 published?;
             }
+        }
+        SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
+            let sink_config = config.sink.rabbitmq_sink(&config.source.slot)?;
+            let (mut sink, mut deliveries) = RabbitMqSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // The progress is an offset stored under this name, per stream.
+                let Some(read) = RabbitStreamLetters::read(&sink_config, dlq, &group, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run
+                    .publish_named(&mut sink, &mut deliveries, dlq, &letters, true)
+                    .await;
+                let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
+            }
+        }
+        SinkKind::RabbitMq => {
+            let sink_config = config.sink.rabbitmq_sink(&config.source.slot)?;
+            let Some(queue) = sink_config.dead_letter_queue.clone() else {
+                bail!(
+                    "sink.rabbitmq.dead_letter_queue: name the durable queue bound to exchange \
+                     {:?} for the dead letters' routing keys ({{topic}}.dlq, e.g. binding key \
+                     #.dlq), which walbox dlq replay reads",
+                    sink_config.exchange
+                );
+            };
+            let (mut sink, mut deliveries) = RabbitMqSink::new(sink_config.clone())?;
+            let read = QueueLetters::read(&sink_config, &queue, TIMEOUT)
+                .await
+                .with_context(|| format!("reading queue {queue}"))?;
+            let mut failed_all = HashSet::new();
+            let mut handled = HashSet::new();
+            let mut result = Ok(());
+            for dlq in &topics {
+                let mut letters = Vec::new();
+                read.each(dlq, |r| letters.push(parse(&r)));
+                handled.extend(letters.iter().map(|l| l.offset));
+                match run.publish(&mut sink, &mut deliveries, dlq, &letters).await {
+                    Ok(failed) => failed_all.extend(failed.into_iter().map(|(_, o)| o)),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            // Letters done leave the queue; those still failing, those of other
+            // topics, and all of them on a dry run or an error go back.
+            let ok = result.is_ok();
+            read.settle(|offset| {
+                ok && !args.dry_run && handled.contains(&offset) && !failed_all.contains(&offset)
+            })
+            .await
+            .with_context(|| format!("recording progress on {queue}"))?;
+            result?;
         }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
@@ -406,8 +477,8 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\", \"nats\", \"redis\" or \"webhook\" (or --sink) to replay the \
-         dead letters it stored"
+         [sink] type = \"kafka\", \"nats\", \"redis\", \"rabbitmq\" or \"webhook\" (or --sink) \
+         to replay the dead letters it stored"
     )
 }
 
@@ -439,6 +510,22 @@ impl Run<'_> {
         deliveries: &mut walbox_sink::Deliveries,
         dlq: &str,
         letters: &[DeadLetter],
+    ) -> Result<HashSet<(i32, i64)>> {
+        self.publish_named(sink, deliveries, dlq, letters, false)
+            .await
+    }
+
+    /// [`Run::publish`]; with `name_each`, each letter's event is published as
+    /// a replay of its own (`dlq.{dlq}.{offset}`): a destination whose ids
+    /// come from the position (RabbitMQ streams) then stores it under ids
+    /// apart from the stream's, and drops only a copy an earlier run stored.
+    async fn publish_named<S: Sink>(
+        &mut self,
+        sink: &mut S,
+        deliveries: &mut walbox_sink::Deliveries,
+        dlq: &str,
+        letters: &[DeadLetter],
+        name_each: bool,
     ) -> Result<HashSet<(i32, i64)>> {
         let mut failed = HashSet::new();
         let mut sent = 0usize;
@@ -475,6 +562,9 @@ impl Run<'_> {
                         letter.offset
                     ));
                     if !self.args.dry_run {
+                        if name_each {
+                            sink.replay_as(&format!("dlq.{dlq}.{}", letter.offset));
+                        }
                         sink.send(event, sent).await?;
                         sent += 1;
                     }

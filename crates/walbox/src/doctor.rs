@@ -364,6 +364,25 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
             Err(e) => r.add(Verdict::Fail, format!("sink.redis: {e}")),
         }
     }
+    if config.sink.kind == crate::config::SinkKind::RabbitMq {
+        match config.sink.rabbitmq.mode {
+            walbox_sink::RabbitMqMode::Stream => r.add(
+                Verdict::Warn,
+                "sink.rabbitmq.mode = \"stream\": RabbitMQ streams do not fsync; a confirm \
+                 means replicated to a quorum of nodes, so a single-node broker can lose what it \
+                 confirmed on a power loss (a kill of the process is safe)",
+            ),
+            walbox_sink::RabbitMqMode::Exchange => r.add(
+                Verdict::Ok,
+                format!(
+                    "sink.rabbitmq.mode = \"exchange\": at least once (same message_id); a \
+                     confirm is durable only for queues bound to exchange {:?} that are durable \
+                     (classic or quorum)",
+                    config.sink.rabbitmq.exchange
+                ),
+            ),
+        }
+    }
 
     print(&r);
     let failed = r.lines.iter().filter(|(v, _)| *v == Verdict::Fail).count();

@@ -227,15 +227,29 @@ fn init_logging(format: config::LogFormat) {
 /// The log filter `WALBOX_LOG` asks for (`info` when unset or invalid), with
 /// tokio-postgres held at `info` unless the filter names it: at `debug` it logs
 /// every statement's parameters, which are row values (the snapshot's keyset
-/// bounds, for one).
+/// bounds, for one); lapin likewise (its frames carry message bodies).
 fn log_filter(spec: Option<&str>) -> tracing_subscriber::EnvFilter {
     let spec = spec.unwrap_or("info");
     let filter = tracing_subscriber::EnvFilter::try_new(spec)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if spec.contains("tokio_postgres") {
+    let filter = if spec.contains("tokio_postgres") {
         filter
     } else {
         filter.add_directive("tokio_postgres=info".parse().expect("a valid directive"))
+    };
+    // lapin logs every frame at trace (message bodies included) and a
+    // returned message whole at warn; walbox logs the return itself, by
+    // event id.
+    if spec.contains("lapin") {
+        filter
+    } else {
+        filter
+            .add_directive("lapin=info".parse().expect("a valid directive"))
+            .add_directive(
+                "lapin::returned_messages=error"
+                    .parse()
+                    .expect("a valid directive"),
+            )
     }
 }
 

@@ -179,6 +179,19 @@ async fn read_records(
                 .map_err(|e| walbox_sink::SinkError::Config(e.to_string()))?;
             walbox_sink::read_stream(&redis, topic, timeout, each).await
         }
+        SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
+            walbox_sink::read_rabbit_stream(&config.sink.rabbitmq, topic, timeout, each).await
+        }
+        SinkKind::RabbitMq => {
+            let Some(queue) = config.sink.rabbitmq.verify_queue.as_deref() else {
+                return Err(walbox_sink::SinkError::Config(
+                    "sink.rabbitmq.verify_queue: name the durable queue bound to the exchange \
+                     that walbox verify reads back"
+                        .into(),
+                ));
+            };
+            walbox_sink::read_queue(&config.sink.rabbitmq, queue, Some(topic), timeout, each).await
+        }
         SinkKind::Kafka | SinkKind::Stdout => tokio::task::block_in_place(|| {
             walbox_sink::read_topic(properties, topic, timeout, each)
         }),

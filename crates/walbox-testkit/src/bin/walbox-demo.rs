@@ -2,8 +2,9 @@
 //!
 //! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker
 //! (or, with `--sink nats`, a JetStream server; with `--sink redis`, a Redis
-//! server with an fsynced append-only file; with `--sink webhook`, an HTTP
-//! receiver that records each signed POST),
+//! server with an fsynced append-only file; with `--sink rabbitmq`, a RabbitMQ
+//! node, an exchange and a durable queue bound to it; with `--sink webhook`, an
+//! HTTP receiver that records each signed POST),
 //! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
 //! concurrent writers commit a few hundred outbox events, reads them back from the
 //! topic and prints them with a summary: events, keys, per-key order, and the slot's
@@ -17,7 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use walbox_testkit::{
-    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, Receiver, RedisServer, kafka,
+    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RabbitMq, Receiver, RedisServer, kafka,
     wait_until_async,
 };
 
@@ -46,6 +47,7 @@ enum Destination {
     Nats(NatsServer),
     Webhook(Receiver),
     Redis(RedisServer),
+    RabbitMq(RabbitMq),
 }
 
 impl Destination {
@@ -96,6 +98,7 @@ impl Destination {
                 r.delivered().len()
             ),
             Destination::Redis(r) => r.log_tail(),
+            Destination::RabbitMq(r) => r.log_tail(),
         }
     }
 }
@@ -119,9 +122,13 @@ async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
     let sink = arg("--sink").unwrap_or_else(|| "kafka".into());
     let nats = match sink.as_str() {
-        "kafka" | "redis" | "webhook" => false,
+        "kafka" | "rabbitmq" | "redis" | "webhook" => false,
         "nats" => true,
-        other => return Err(format!("--sink {other}: use kafka, nats, redis or webhook").into()),
+        other => {
+            return Err(
+                format!("--sink {other}: use kafka, nats, rabbitmq, redis or webhook").into(),
+            );
+        }
     };
     let redis = sink == "redis";
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
@@ -135,6 +142,13 @@ async fn main() -> Result<(), Error> {
         let server = RedisServer::start()?;
         let url = server.url();
         (Destination::Redis(server), url)
+    } else if sink == "rabbitmq" {
+        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a RabbitMQ node");
+        let node = RabbitMq::start()?;
+        node.declare_exchange("outbox", "topic").await?;
+        node.bind_queue("outbox.demo", "outbox", "#").await?;
+        let url = format!("amqp://127.0.0.1:{}", node.amqp_port());
+        (Destination::RabbitMq(node), url)
     } else if nats {
         println!("== starting a throwaway PostgreSQL (wal_level=logical) and a JetStream server");
         let server = NatsServer::start()?;
@@ -156,6 +170,12 @@ async fn main() -> Result<(), Error> {
         &config,
         if redis {
             format!("[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{address}\"\n")
+        } else if sink == "rabbitmq" {
+            format!(
+                "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nport = {}\n\
+                 exchange = \"outbox\"\nverify_queue = \"outbox.demo\"\n",
+                address.rsplit(':').next().unwrap_or_default()
+            )
         } else if nats {
             format!(
                 "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{address}\"]\n\
@@ -255,6 +275,16 @@ async fn main() -> Result<(), Error> {
     } else if redis {
         walbox_testkit::redis::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
             .await?
+    } else if let Destination::RabbitMq(node) = &destination {
+        let mut got = Vec::new();
+        for _ in 0..240 {
+            got = node.read_queue("outbox.demo").await?;
+            if got.len() >= wanted {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        got
     } else if destination.is_nats() {
         walbox_testkit::nats::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
             .await

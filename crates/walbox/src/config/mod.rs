@@ -352,6 +352,10 @@ pub enum SinkKind {
     Webhook,
     /// Redis Streams (`[sink.redis]`).
     Redis,
+    /// RabbitMQ, to an exchange or to streams (`[sink.rabbitmq]`).
+    #[value(name = "rabbitmq")]
+    #[serde(rename = "rabbitmq")]
+    RabbitMq,
 }
 
 impl SinkKind {
@@ -365,6 +369,7 @@ impl SinkKind {
             SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis => walbox_outbox::Protocol::Kafka,
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
+            SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
         }
     }
 }
@@ -373,7 +378,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `redis`, `webhook` or `stdout`.
+    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -403,6 +408,9 @@ pub struct SinkConfig {
     /// The Redis Streams sink's settings (`type = "redis"`).
     #[serde(default)]
     pub redis: walbox_sink::RedisSinkConfig,
+    /// The RabbitMQ sink's settings (`type = "rabbitmq"`).
+    #[serde(default)]
+    pub rabbitmq: walbox_sink::RabbitMqSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -431,6 +439,7 @@ impl Default for SinkConfig {
             nats: walbox_sink::NatsSinkConfig::default(),
             webhook: walbox_sink::WebhookSinkConfig::default(),
             redis: walbox_sink::RedisSinkConfig::default(),
+            rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
         }
     }
 }
@@ -460,6 +469,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("nats", &self.nats)
             .field("webhook", &self.webhook)
             .field("redis", &self.redis)
+            .field("rabbitmq", &self.rabbitmq)
             .finish()
     }
 }
@@ -516,6 +526,18 @@ impl SinkConfig {
             && !p.is_empty()
         {
             c.password = Some(p);
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The RabbitMQ sink's settings, with the in-flight bound and the
+    /// producer name's default (`walbox.{slot}`).
+    pub fn rabbitmq_sink(&self, slot: &str) -> Result<walbox_sink::RabbitMqSinkConfig> {
+        let mut c = self.rabbitmq.clone();
+        c.max_in_flight = self.max_in_flight;
+        if c.producer.is_none() {
+            c.producer = Some(format!("walbox.{slot}"));
         }
         c.validate()?;
         Ok(c)
@@ -675,6 +697,7 @@ impl Config {
             }
         }
         c.bind_formats();
+        c.sink.rabbitmq.apply_environment();
         c.keep_secrets_out_of_the_log();
         c.validate()?;
         Ok(c)
@@ -700,6 +723,9 @@ impl Config {
             for secret in redis.secrets() {
                 crate::redact::keep_out(&secret);
             }
+        }
+        for secret in self.sink.rabbitmq.secrets() {
+            crate::redact::keep_out(&secret);
         }
     }
 
@@ -746,6 +772,9 @@ impl Config {
         }
         if self.sink.kind == SinkKind::Redis {
             self.sink.redis_sink(&self.source.slot)?;
+        }
+        if self.sink.kind == SinkKind::RabbitMq {
+            self.sink.rabbitmq_sink(&self.source.slot)?;
         }
         self.dead_letter.template()?;
         walbox_outbox::check_prefixes(&self.messages)

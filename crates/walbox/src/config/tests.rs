@@ -283,6 +283,7 @@ fn the_sink_s_type_gives_every_format_its_cloudevents_binding() {
         ("stdout", None, walbox_outbox::Protocol::Kafka),
         ("nats", None, walbox_outbox::Protocol::Nats),
         ("webhook", None, walbox_outbox::Protocol::Http),
+        ("rabbitmq", None, walbox_outbox::Protocol::Amqp),
         // The command line's sink decides.
         ("kafka", Some(SinkKind::Nats), walbox_outbox::Protocol::Nats),
         (
@@ -387,4 +388,34 @@ fn a_redis_sink_takes_the_slot_as_writer_and_the_in_flight_bound_and_hides_its_p
     .unwrap();
     let e = c.sink.redis_sink("s").unwrap_err();
     assert!(format!("{e:#}").contains("sink.redis.maxlen"), "{e:#}");
+}
+
+#[test]
+fn a_rabbitmq_sink_parses_refuses_unknown_keys_and_hides_its_password() {
+    let c = Config::parse(
+        r#"
+        [source]
+        slot = "orders"
+        [sink]
+        type = "rabbitmq"
+        [sink.rabbitmq]
+        mode = "stream"
+        host = "rabbit"
+        user = "walbox"
+        password = "pw-1c9e"
+        "#,
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert_eq!(c.sink.kind, SinkKind::RabbitMq);
+    assert_eq!(c.sink.rabbitmq.mode, walbox_sink::RabbitMqMode::Stream);
+    let sink = c.sink.rabbitmq_sink(&c.source.slot).unwrap();
+    assert_eq!(sink.producer.as_deref(), Some("walbox.orders"));
+    assert!(!format!("{c:?}").contains("pw-1c9e"));
+    let e = Config::parse(
+        "[sink]\ntype = \"rabbitmq\"\n[sink.rabbitmq]\nexchnage = \"x\"\n",
+        Path::new("t.toml"),
+    )
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("exchnage"), "{e:#}");
 }

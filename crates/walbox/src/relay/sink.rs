@@ -5,8 +5,8 @@ use std::time::Duration;
 use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, NatsSink, RedisSink, Sink, SinkError, StdoutSink,
-    WebhookSink,
+    Deliveries, DeliveryError, KafkaSink, NatsSink, RabbitMqSink, RedisSink, Sink, SinkError,
+    StdoutSink, WebhookSink,
 };
 
 use super::transient;
@@ -17,6 +17,7 @@ pub(super) enum AnySink {
     Kafka(KafkaSink),
     Nats(Box<NatsSink>),
     Redis(Box<RedisSink>),
+    RabbitMq(Box<RabbitMqSink>),
     Stdout(StdoutSink),
     Webhook(Box<WebhookSink>),
 }
@@ -27,6 +28,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.send(event, token).await,
             AnySink::Nats(s) => s.send(event, token).await,
             AnySink::Redis(s) => s.send(event, token).await,
+            AnySink::RabbitMq(s) => s.send(event, token).await,
             AnySink::Stdout(s) => s.send(event, token).await,
             AnySink::Webhook(s) => s.send(event, token).await,
         }
@@ -37,6 +39,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.end_batch(),
             AnySink::Nats(s) => s.end_batch(),
             AnySink::Redis(s) => s.end_batch(),
+            AnySink::RabbitMq(s) => s.end_batch(),
             AnySink::Stdout(s) => s.end_batch(),
             AnySink::Webhook(s) => s.end_batch(),
         }
@@ -47,6 +50,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.abort(),
             AnySink::Nats(s) => s.abort(),
             AnySink::Redis(s) => s.abort(),
+            AnySink::RabbitMq(s) => s.abort(),
             AnySink::Stdout(s) => s.abort(),
             AnySink::Webhook(s) => s.abort(),
         }
@@ -57,6 +61,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.flush(timeout).await,
             AnySink::Nats(s) => s.flush(timeout).await,
             AnySink::Redis(s) => s.flush(timeout).await,
+            AnySink::RabbitMq(s) => s.flush(timeout).await,
             AnySink::Stdout(s) => s.flush(timeout).await,
             AnySink::Webhook(s) => s.flush(timeout).await,
         }
@@ -67,6 +72,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.replay_as(name),
             AnySink::Nats(s) => s.replay_as(name),
             AnySink::Redis(s) => s.replay_as(name),
+            AnySink::RabbitMq(s) => s.replay_as(name),
             AnySink::Stdout(s) => s.replay_as(name),
             AnySink::Webhook(s) => s.replay_as(name),
         }
@@ -77,6 +83,7 @@ impl Sink for AnySink {
             AnySink::Kafka(s) => s.duplicates(),
             AnySink::Nats(s) => s.duplicates(),
             AnySink::Redis(s) => s.duplicates(),
+            AnySink::RabbitMq(s) => s.duplicates(),
             AnySink::Stdout(s) => s.duplicates(),
             AnySink::Webhook(s) => s.duplicates(),
         }
@@ -97,6 +104,11 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
             let (sink, deliveries) = RedisSink::new(config.sink.redis_sink(&config.source.slot)?)?;
             (AnySink::Redis(Box::new(sink)), deliveries)
         }
+        SinkKind::RabbitMq => {
+            let (sink, deliveries) =
+                RabbitMqSink::new(config.sink.rabbitmq_sink(&config.source.slot)?)?;
+            (AnySink::RabbitMq(Box::new(sink)), deliveries)
+        }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
             (AnySink::Stdout(sink), deliveries)
@@ -109,11 +121,13 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
 }
 
 /// A sink that could not take an event: a Kafka client error or an unreachable
-/// NATS or Redis server may pass (a new session retries), anything else (a missing topic
-/// or stream, refused credentials, configuration) would repeat.
+/// NATS, Redis or RabbitMQ server may pass (a new session retries), anything else (a
+/// missing topic or stream, refused credentials, configuration) would repeat.
 pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
     match e {
-        SinkError::Kafka(_) | SinkError::Nats(_) | SinkError::Redis(_) => transient(e),
+        SinkError::Kafka(_) | SinkError::Nats(_) | SinkError::Redis(_) | SinkError::RabbitMq(_) => {
+            transient(e)
+        }
         other => anyhow!(other),
     }
 }

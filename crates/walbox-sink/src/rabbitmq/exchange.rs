@@ -1,0 +1,549 @@
+//! Exchange mode: AMQP 0-9-1 with lapin. One connection and one channel per
+//! session, in confirm mode; each event is published to the configured
+//! exchange with routing key = its topic (a dead letter's topic is already
+//! `{topic}.dlq`), `mandatory`, persistent (delivery mode 2), `message_id` =
+//! the event id, the record's headers as AMQP headers and the key in
+//! `walbox_key`. The publisher confirm is the acknowledgement, reported in
+//! publish order ([`super::confirms`]); a message the broker sends back
+//! (no queue took it) or nacks fails its event, which is retried, never
+//! dead-lettered. After a failure nothing more of the session is published:
+//! later events fail unsent, and [`Sink::abort`] closes the channel.
+//!
+//! A resend after a crash is stored again (AMQP 0-9-1 has no deduplication):
+//! at least once, every copy with the same `message_id`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use tokio::sync::mpsc;
+use walbox_outbox::Event;
+
+use super::RabbitMqSinkConfig;
+use super::confirms::{Answer, Confirms, Outcome, Returned};
+use crate::nats::KEY_HEADER;
+use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+
+/// One publication on its way to the reporter.
+struct Published {
+    token: usize,
+    event_id: String,
+    topic: String,
+    confirm: Option<lapin::PublisherConfirm>,
+    answer: Option<Answer>,
+    rejected: RejectedRecord,
+    sent_at: Instant,
+}
+
+/// What a report needs besides the answer.
+struct Item {
+    token: usize,
+    event_id: String,
+    topic: String,
+    confirm: Option<lapin::PublisherConfirm>,
+    rejected: RejectedRecord,
+    sent_at: Instant,
+}
+
+struct Session {
+    connection: Connection,
+    channel: Channel,
+    published: mpsc::UnboundedSender<Published>,
+}
+
+/// Publishes events to an exchange.
+pub(super) struct ExchangeSink {
+    config: RabbitMqSinkConfig,
+    session: Option<Session>,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+    in_flight: Arc<AtomicUsize>,
+    aborted: bool,
+    /// A publication of this session could not be sent: every later event
+    /// fails with this, unsent.
+    unsent: Option<String>,
+}
+
+impl std::fmt::Debug for ExchangeSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExchangeSink")
+            .field("exchange", &self.config.exchange)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The failure of a connection or setup step, with what it was.
+fn amqp(what: &str, e: &lapin::Error) -> SinkError {
+    SinkError::RabbitMq(format!("{what}: {e}"))
+}
+
+/// Whether an error is the broker refusing walbox's credentials.
+fn refused_credentials(e: &lapin::Error) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    text.contains("access_refused") || text.contains("access-refused") || text.contains("403")
+}
+
+/// Connects with the settings (TLS, credentials) and opens a channel.
+pub(super) async fn connect(
+    config: &RabbitMqSinkConfig,
+) -> Result<(Connection, Channel), SinkError> {
+    let uri = AMQPUri {
+        scheme: if config.tls {
+            AMQPScheme::AMQPS
+        } else {
+            AMQPScheme::AMQP
+        },
+        authority: AMQPAuthority {
+            userinfo: AMQPUserInfo {
+                username: config.user().to_owned(),
+                password: config.password().to_owned(),
+            },
+            host: config.host.clone(),
+            port: config.amqp_port(),
+        },
+        vhost: config.vhost.clone(),
+        query: AMQPQueryString {
+            connection_timeout: Some(config.connect_timeout_ms),
+            heartbeat: Some(10),
+            ..Default::default()
+        },
+    };
+    let mut tls = OwnedTLSConfig::default();
+    if let Some(ca) = &config.ca_file {
+        let pem = config.read("ca_file", ca)?;
+        tls.cert_chain = Some(String::from_utf8_lossy(&pem).into_owned());
+    }
+    if let (Some(cert), Some(key)) = (&config.client_cert, &config.client_key) {
+        tls.identity = Some(OwnedIdentity::PKCS8 {
+            pem: config.read("client_cert", cert)?,
+            key: config.read("client_key", key)?,
+        });
+    }
+    let runtime = lapin::runtime::default_runtime()
+        .map_err(|e| amqp("starting the AMQP client's runtime", &e))?;
+    let connect =
+        Connection::connect_uri_with_config(uri, ConnectionProperties::default(), tls, runtime);
+    let connection = tokio::time::timeout(
+        Duration::from_millis(config.connect_timeout_ms.saturating_add(1_000)),
+        connect,
+    )
+    .await
+    .map_err(|_| {
+        SinkError::RabbitMq(format!(
+            "connecting to {}: no answer within {} ms",
+            config.describe(),
+            config.connect_timeout_ms
+        ))
+    })?
+    .map_err(|e| {
+        if refused_credentials(&e) {
+            SinkError::RabbitMqAuthentication {
+                user: config.user().to_owned(),
+                reason: e.to_string(),
+            }
+        } else {
+            amqp(&format!("connecting to {}", config.describe()), &e)
+        }
+    })?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| amqp("opening a channel", &e))?;
+    Ok((connection, channel))
+}
+
+impl ExchangeSink {
+    pub(super) fn new(config: RabbitMqSinkConfig) -> (Self, Deliveries) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (
+            ExchangeSink {
+                config,
+                session: None,
+                deliveries: tx,
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                aborted: false,
+                unsent: None,
+            },
+            rx,
+        )
+    }
+
+    async fn session(&mut self) -> Result<&Session, SinkError> {
+        if self.session.is_none() {
+            let (connection, channel) = connect(&self.config).await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| amqp("turning on publisher confirms", &e))?;
+            let exchange = ShortString::from(self.config.exchange.clone());
+            let kind = match self.config.exchange_type.as_str() {
+                "direct" => ExchangeKind::Direct,
+                "fanout" => ExchangeKind::Fanout,
+                "headers" => ExchangeKind::Headers,
+                _ => ExchangeKind::Topic,
+            };
+            let options = ExchangeDeclareOptions {
+                passive: !self.config.declare,
+                durable: true,
+                ..Default::default()
+            };
+            if let Err(e) = channel
+                .exchange_declare(exchange, kind, options, FieldTable::default())
+                .await
+            {
+                let text = e.to_string();
+                return Err(if text.contains("NOT_FOUND") || text.contains("404") {
+                    SinkError::MissingExchange(self.config.exchange.clone())
+                } else {
+                    amqp(
+                        &format!(
+                            "{} exchange {:?}",
+                            if self.config.declare {
+                                "declaring"
+                            } else {
+                                "checking"
+                            },
+                            self.config.exchange
+                        ),
+                        &e,
+                    )
+                });
+            }
+            tracing::info!(
+                exchange = self.config.exchange,
+                server = self.config.describe(),
+                "publishing to the exchange with publisher confirms"
+            );
+            let (published, rx) = mpsc::unbounded_channel();
+            tokio::spawn(report(
+                rx,
+                self.deliveries.clone(),
+                self.in_flight.clone(),
+                Duration::from_millis(self.config.confirm_timeout_ms),
+            ));
+            self.session = Some(Session {
+                connection,
+                channel,
+                published,
+            });
+        }
+        Ok(self.session.as_ref().expect("connected above"))
+    }
+
+    fn queue(&self, p: Published) {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if let Some(s) = &self.session
+            && s.published.send(p).is_ok()
+        {
+            return;
+        }
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The event's headers as an AMQP table: the record's headers (bytes, as
+/// long strings) and the key.
+fn headers_of(event: &Event) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (name, value) in &event.headers {
+        if let Ok(name) = ShortString::try_new(name.as_ref()) {
+            table.insert(
+                name,
+                AMQPValue::LongString(LongString::from(value.to_vec())),
+            );
+        }
+    }
+    if let Some(key) = &event.key {
+        table.insert(
+            ShortString::from(KEY_HEADER),
+            AMQPValue::LongString(LongString::from(key.to_vec())),
+        );
+    }
+    table
+}
+
+impl Sink for ExchangeSink {
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        let mut p = Published {
+            token,
+            event_id: event.event_id.clone(),
+            topic: event.topic.clone(),
+            confirm: None,
+            answer: None,
+            rejected: RejectedRecord {
+                key: event.key.as_ref().map(|k| k.to_vec()),
+                headers: event
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_vec()))
+                    .collect(),
+                value_len: event.value.len(),
+            },
+            sent_at: Instant::now(),
+        };
+        self.session().await?;
+        if let Some(reason) = self.unsent.clone() {
+            p.answer = Some(Answer::Failed(DeliveryClass::BrokerError, reason));
+            self.queue(p);
+            return Ok(());
+        }
+        let Ok(routing_key) = ShortString::try_new(event.topic.as_str()) else {
+            p.answer = Some(Answer::Failed(
+                DeliveryClass::InvalidTopic,
+                format!(
+                    "a routing key holds at most 255 bytes, the topic has {}",
+                    event.topic.len()
+                ),
+            ));
+            self.queue(p);
+            return Ok(());
+        };
+        let Ok(message_id) = ShortString::try_new(event.event_id.as_str()) else {
+            p.answer = Some(Answer::Failed(
+                DeliveryClass::InvalidRecord,
+                format!(
+                    "a message_id holds at most 255 bytes, the event id has {}",
+                    event.event_id.len()
+                ),
+            ));
+            self.queue(p);
+            return Ok(());
+        };
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(message_id)
+            .with_headers(headers_of(&event));
+        let content_type = event
+            .headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+            .and_then(|v| ShortString::try_new(v).ok());
+        if let Some(ct) = content_type {
+            properties = properties.with_content_type(ct);
+        } else if event.json_value {
+            properties = properties.with_content_type(ShortString::from("application/json"));
+        }
+        let channel = self.session().await?.channel.clone();
+        let published = channel
+            .basic_publish(
+                ShortString::from(self.config.exchange.clone()),
+                routing_key,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &event.value,
+                properties,
+            )
+            .await;
+        match published {
+            Ok(confirm) => p.confirm = Some(confirm),
+            Err(e) => {
+                self.unsent = Some(format!(
+                    "not sent: event {} of this session was not published ({e}); walbox \
+                     publishes again from its acknowledged position",
+                    event.event_id
+                ));
+                p.answer = Some(Answer::Failed(
+                    DeliveryClass::BrokerError,
+                    format!("publishing: {e}"),
+                ));
+            }
+        }
+        self.queue(p);
+        Ok(())
+    }
+
+    fn abort(&mut self) {
+        self.aborted = true;
+        if let Some(s) = self.session.take() {
+            // Nothing more goes out on this channel; what it still awaits is
+            // not reported.
+            tokio::spawn(async move {
+                let _ = s
+                    .channel
+                    .close(200, ShortString::from("walbox: session aborted"))
+                    .await;
+                let _ = s
+                    .connection
+                    .close(200, ShortString::from("walbox: session aborted"))
+                    .await;
+            });
+        }
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ExchangeSink {
+    fn drop(&mut self) {
+        if let Some(s) = self.session.take()
+            && let Ok(handle) = tokio::runtime::Handle::try_current()
+        {
+            handle.spawn(async move {
+                let _ = s
+                    .connection
+                    .close(200, ShortString::from("walbox: done"))
+                    .await;
+            });
+        }
+    }
+}
+
+/// Reports publications in publish order as their confirms come: every wake
+/// polls every awaited confirm, so that each return is recorded (whichever
+/// confirm lapin attached it to) before the prefix it belongs to is reported.
+async fn report(
+    mut rx: mpsc::UnboundedReceiver<Published>,
+    tx: mpsc::UnboundedSender<Delivery>,
+    in_flight: Arc<AtomicUsize>,
+    timeout: Duration,
+) {
+    let mut confirms: Confirms<Item> = Confirms::default();
+    let mut closed = false;
+    loop {
+        if closed && confirms.len() == 0 {
+            return;
+        }
+        let oldest = confirms
+            .entries()
+            .find(|e| e.answer.is_none())
+            .map(|e| e.item.sent_at);
+        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(
+            oldest.unwrap_or_else(Instant::now) + timeout,
+        ));
+        let progressed = std::future::poll_fn(|cx| {
+            let mut progressed = false;
+            while !closed {
+                match rx.poll_recv(cx) {
+                    Poll::Ready(Some(p)) => {
+                        let item = Item {
+                            token: p.token,
+                            event_id: p.event_id.clone(),
+                            topic: p.topic,
+                            confirm: p.confirm,
+                            rejected: p.rejected,
+                            sent_at: p.sent_at,
+                        };
+                        confirms.push(item, p.event_id, p.answer);
+                        progressed = true;
+                    }
+                    Poll::Ready(None) => {
+                        closed = true;
+                        progressed = true;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            let mut returns = Vec::new();
+            for e in confirms.entries() {
+                if e.answer.is_some() {
+                    continue;
+                }
+                let Some(confirm) = e.item.confirm.as_mut() else {
+                    continue;
+                };
+                if let Poll::Ready(r) = Pin::new(confirm).poll(cx) {
+                    e.item.confirm = None;
+                    progressed = true;
+                    e.answer = Some(match r {
+                        Ok(Confirmation::Ack(ret)) => {
+                            returns.extend(ret);
+                            Answer::Ack
+                        }
+                        Ok(Confirmation::Nack(ret)) => {
+                            returns.extend(ret);
+                            Answer::Nack
+                        }
+                        Ok(Confirmation::NotRequested) => Answer::Failed(
+                            DeliveryClass::BrokerError,
+                            "the channel is not in confirm mode".into(),
+                        ),
+                        Err(e) => Answer::Failed(
+                            DeliveryClass::BrokerError,
+                            format!("no confirm: the channel or connection failed ({e})"),
+                        ),
+                    });
+                }
+            }
+            for r in returns {
+                let id = r
+                    .delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|m| m.to_string());
+                tracing::warn!(
+                    event_id = id.as_deref().unwrap_or("(none)"),
+                    exchange = r.delivery.exchange.as_str(),
+                    routing_key = r.delivery.routing_key.as_str(),
+                    code = r.reply_code,
+                    "the broker returned a message: no queue took it"
+                );
+                confirms.returned(
+                    id,
+                    Returned {
+                        code: r.reply_code,
+                        text: r.reply_text.to_string(),
+                        exchange: r.delivery.exchange.to_string(),
+                        routing_key: r.delivery.routing_key.to_string(),
+                    },
+                );
+            }
+            if progressed {
+                Poll::Ready(true)
+            } else {
+                Poll::Pending
+            }
+        });
+        let progressed = tokio::select! {
+            p = progressed => p,
+            () = sleep, if oldest.is_some() => false,
+        };
+        if !progressed && confirms.front_waiting() {
+            confirms.fail_waiting(
+                DeliveryClass::Timeout,
+                &format!("no publisher confirm within {} ms", timeout.as_millis()),
+            );
+        }
+        for (item, outcome) in confirms.ready() {
+            let result = match outcome {
+                Outcome::Stored => Ok(()),
+                Outcome::Failed(class, reason) => Err(DeliveryError {
+                    event_id: item.event_id,
+                    topic: item.topic,
+                    class,
+                    reason,
+                    rejected: class.is_about_the_message().then_some(item.rejected),
+                }),
+            };
+            let _ = tx.send(Delivery {
+                token: item.token,
+                result,
+            });
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}

@@ -1,0 +1,698 @@
+//! Stream mode: RabbitMQ Streams over the stream protocol
+//! (`rabbitmq-stream-client`, pinned at 0.4.4: later versions send a 3.11
+//! command on connect that 3.10 answers by closing the connection). Each
+//! topic is a stream; each event is published by a named producer under a
+//! publishing id taken from its position ([`super::publishing_id`]), with
+//! the record's headers, the key (`walbox_key`), and the producer name and
+//! publishing id it went under (`walbox_producer`, `walbox_publishing_id`)
+//! as application properties.
+//!
+//! On its first event for a (stream, name) a session asks the broker for
+//! the name's sequence (the highest id stored under it). An event whose id
+//! is at or below it is already stored: it is not sent, and it is counted
+//! apart as a duplicate ([`Sink::duplicates`]), never as stored. That holds
+//! only if the name is walbox's alone, so a sequence above 0 is checked
+//! first: the stream must hold a message that walbox published under that
+//! name with that id (read from its tail, or from its start when the tail
+//! does not hold it); else another producer uses the name, and walbox stops
+//! naming the stream, the name and the id. The event at exactly the
+//! sequence is also compared by event id with that message.
+//!
+//! A replay (`walbox replay`, [`Sink::replay_as`]) publishes under names of
+//! its own, `{base}.replay.{name}`, so the stream stores the range again and
+//! drops only what an earlier run of the same replay stored.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use rabbitmq_stream_client::error::{ProducerCreateError, StreamCreateError};
+use rabbitmq_stream_client::types::{Message, OffsetSpecification, ResponseCode, SimpleValue};
+use rabbitmq_stream_client::{Client, ClientOptions, Dedup, Environment, Producer};
+use tokio::sync::mpsc;
+use walbox_outbox::{Event, header};
+
+use super::RabbitMqSinkConfig;
+use super::confirms::{Answer, Confirms, Outcome};
+use super::publishing_id::{Slot, slot};
+use crate::nats::KEY_HEADER;
+use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+
+/// The application property naming the producer a message went under.
+pub(super) const PRODUCER_PROPERTY: &str = "walbox_producer";
+/// The application property holding its publishing id.
+pub(super) const ID_PROPERTY: &str = "walbox_publishing_id";
+
+/// What the reporter learns.
+enum Report {
+    /// A publication (or an event settled without one), in publish order.
+    Queued {
+        seq: u64,
+        token: usize,
+        event_id: String,
+        topic: String,
+        dropped: bool,
+        answer: Option<Answer>,
+        rejected: RejectedRecord,
+    },
+    /// The broker's answer for publication `seq`.
+    Answered(u64, Answer),
+}
+
+struct Item {
+    seq: u64,
+    token: usize,
+    event_id: String,
+    topic: String,
+    dropped: bool,
+    rejected: RejectedRecord,
+    queued_at: Instant,
+}
+
+/// A producer of this session and what the broker held under its name.
+struct Named {
+    producer: Producer<Dedup>,
+    /// The highest id stored under the name when the session began.
+    sequence: u64,
+    /// The event id of the message stored at `sequence`, if above 0.
+    stored_event: Option<String>,
+    /// The highest id sent under the name in this session.
+    sent: u64,
+}
+
+struct Session {
+    environment: Environment,
+    client: Client,
+    producers: HashMap<(String, String), Named>,
+    reports: mpsc::UnboundedSender<Report>,
+}
+
+/// Publishes events to streams.
+pub(super) struct StreamSink {
+    config: RabbitMqSinkConfig,
+    session: Option<Session>,
+    deliveries: mpsc::UnboundedSender<Delivery>,
+    in_flight: Arc<AtomicUsize>,
+    duplicates: Arc<AtomicU64>,
+    aborted: bool,
+    replay: Option<String>,
+    next_seq: u64,
+    /// A failure of this session that every later event shares, unsent.
+    unsent: Option<(DeliveryClass, String)>,
+}
+
+impl std::fmt::Debug for StreamSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSink")
+            .field("producer", &self.config.producer)
+            .finish_non_exhaustive()
+    }
+}
+
+fn stream_error(what: &str, e: &dyn std::fmt::Display) -> SinkError {
+    SinkError::RabbitMq(format!("{what}: {e}"))
+}
+
+/// The client options of these settings.
+fn client_options(config: &RabbitMqSinkConfig) -> ClientOptions {
+    let mut b = ClientOptions::builder()
+        .host(&config.host)
+        .port(config.stream_port())
+        .user(config.user())
+        .password(config.password())
+        .v_host(&config.vhost);
+    if config.tls {
+        b = b.tls(tls(config));
+    }
+    b.build()
+}
+
+fn tls(config: &RabbitMqSinkConfig) -> rabbitmq_stream_client::TlsConfiguration {
+    let mut t = rabbitmq_stream_client::TlsConfiguration::builder()
+        .enable(true)
+        .trust_certificates(false);
+    if let Some(ca) = &config.ca_file {
+        t = t.add_root_certificates(ca.display().to_string());
+    }
+    if let (Some(cert), Some(key)) = (&config.client_cert, &config.client_key) {
+        t = t.add_client_certificates_keys(cert.display().to_string(), key.display().to_string());
+    }
+    t.build()
+}
+
+/// Connects an environment (producers, consumers) and a client (queries).
+pub(super) async fn connect(
+    config: &RabbitMqSinkConfig,
+) -> Result<(Environment, Client), SinkError> {
+    let refused = |e: &dyn std::fmt::Display| {
+        let text = e.to_string();
+        if text.contains("AuthenticationFailure") || text.contains("SaslAuthenticationFailure") {
+            SinkError::RabbitMqAuthentication {
+                user: config.user().to_owned(),
+                reason: "authentication failed".into(),
+            }
+        } else {
+            stream_error(&format!("connecting to {}", config.describe()), &text)
+        }
+    };
+    let timeout = Duration::from_millis(config.connect_timeout_ms.saturating_add(1_000));
+    let mut builder = Environment::builder()
+        .host(&config.host)
+        .port(config.stream_port())
+        .username(config.user())
+        .password(config.password())
+        .virtual_host(&config.vhost);
+    if config.tls {
+        builder = builder.tls(tls(config));
+    }
+    let late = || {
+        SinkError::RabbitMq(format!(
+            "connecting to {}: no answer in time",
+            config.describe()
+        ))
+    };
+    let environment = tokio::time::timeout(timeout, builder.build())
+        .await
+        .map_err(|_| late())?
+        .map_err(|e| refused(&e))?;
+    let client = tokio::time::timeout(timeout, Client::connect(client_options(config)))
+        .await
+        .map_err(|_| late())?
+        .map_err(|e| refused(&e))?;
+    Ok((environment, client))
+}
+
+/// The text of an application property.
+pub(super) fn property(m: &Message, name: &str) -> Option<String> {
+    match m.application_properties()?.get(name)? {
+        SimpleValue::String(s) => Some(s.clone()),
+        SimpleValue::Binary(b) => String::from_utf8(b.clone()).ok(),
+        SimpleValue::Ulong(v) => Some(v.to_string()),
+        SimpleValue::Long(v) => Some(v.to_string()),
+        _ => None,
+    }
+}
+
+/// Finds the message walbox stored in `stream` under `name` with publishing
+/// id `id`: its event id. Reads the tail first (the last chunk on), then the
+/// whole stream; each read ends once nothing came for a moment.
+async fn stored_under(
+    environment: &Environment,
+    stream: &str,
+    name: &str,
+    id: u64,
+) -> Result<Option<String>, SinkError> {
+    let wanted = id.to_string();
+    for from in [OffsetSpecification::Last, OffsetSpecification::First] {
+        let mut consumer = environment
+            .consumer()
+            .offset(from)
+            .build(stream)
+            .await
+            .map_err(|e| stream_error(&format!("reading stream {stream}"), &e))?;
+        let mut found = None;
+        while let Ok(Some(delivery)) =
+            tokio::time::timeout(Duration::from_millis(500), consumer.next()).await
+        {
+            let Ok(delivery) = delivery else { break };
+            let m = delivery.message();
+            if property(m, PRODUCER_PROPERTY).as_deref() == Some(name)
+                && property(m, ID_PROPERTY).as_deref() == Some(wanted.as_str())
+            {
+                found = property(m, header::EVENT_ID);
+            }
+        }
+        let _ = consumer.handle().close().await;
+        if found.is_some() {
+            return Ok(found);
+        }
+    }
+    Ok(None)
+}
+
+impl StreamSink {
+    pub(super) fn new(config: RabbitMqSinkConfig) -> (Self, Deliveries) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (
+            StreamSink {
+                config,
+                session: None,
+                deliveries: tx,
+                in_flight: Arc::new(AtomicUsize::new(0)),
+                duplicates: Arc::new(AtomicU64::new(0)),
+                aborted: false,
+                replay: None,
+                next_seq: 0,
+                unsent: None,
+            },
+            rx,
+        )
+    }
+
+    async fn session(&mut self) -> Result<&mut Session, SinkError> {
+        if self.session.is_none() {
+            let (environment, client) = connect(&self.config).await?;
+            let (reports, rx) = mpsc::unbounded_channel();
+            tokio::spawn(report(
+                rx,
+                self.deliveries.clone(),
+                self.in_flight.clone(),
+                self.duplicates.clone(),
+                Duration::from_millis(self.config.confirm_timeout_ms),
+            ));
+            tracing::info!(
+                server = self.config.describe(),
+                "publishing to streams with named producers"
+            );
+            self.session = Some(Session {
+                environment,
+                client,
+                producers: HashMap::new(),
+                reports,
+            });
+        }
+        Ok(self.session.as_mut().expect("connected above"))
+    }
+
+    /// The producer of `slot.name` on `stream`, declared (and the stream
+    /// created, with `declare`) on first use, with the name's sequence
+    /// checked to be walbox's.
+    async fn producer(&mut self, stream: &str, name: &str) -> Result<(), ProducerFailure> {
+        let declare = self.config.declare;
+        let wait = Duration::from_millis(self.config.connect_timeout_ms.max(1_000));
+        let batch = self.config.max_in_flight.clamp(1, 1_000);
+        let session = self.session().await.map_err(ProducerFailure::Sink)?;
+        let key = (stream.to_owned(), name.to_owned());
+        if session.producers.contains_key(&key) {
+            return Ok(());
+        }
+        if declare {
+            let created =
+                tokio::time::timeout(wait, session.environment.stream_creator().create(stream))
+                    .await
+                    .map_err(|_| {
+                        ProducerFailure::Sink(SinkError::RabbitMq(format!(
+                            "creating stream {stream}: no answer within {} ms",
+                            wait.as_millis()
+                        )))
+                    })?;
+            match created {
+                Ok(()) => tracing::info!(stream, "created the stream"),
+                Err(StreamCreateError::Create {
+                    status: ResponseCode::StreamAlreadyExists,
+                    ..
+                }) => {}
+                Err(e) => {
+                    return Err(ProducerFailure::Sink(stream_error(
+                        &format!("creating stream {stream}"),
+                        &e,
+                    )));
+                }
+            }
+        }
+        let late = |what: &str| {
+            ProducerFailure::Sink(SinkError::RabbitMq(format!(
+                "{what} producer {name} on stream {stream}: no answer within {} ms",
+                wait.as_millis()
+            )))
+        };
+        let producer = tokio::time::timeout(
+            wait,
+            session
+                .environment
+                .producer()
+                .name(name)
+                .batch_size(batch)
+                .batch_delay(Duration::from_millis(5))
+                .build(stream),
+        )
+        .await
+        .map_err(|_| late("declaring"))?
+        .map_err(|e| match e {
+            ProducerCreateError::StreamDoesNotExist { .. } => {
+                ProducerFailure::Sink(SinkError::MissingRabbitStream(stream.to_owned()))
+            }
+            other => ProducerFailure::Sink(stream_error(
+                &format!("declaring producer {name} on stream {stream}"),
+                &other,
+            )),
+        })?;
+        let sequence =
+            tokio::time::timeout(wait, session.client.query_publisher_sequence(name, stream))
+                .await
+                .map_err(|_| late("asking the sequence of"))?
+                .map_err(|e| {
+                    ProducerFailure::Sink(stream_error(
+                        &format!("asking the sequence of producer {name} on stream {stream}"),
+                        &e,
+                    ))
+                })?;
+        let mut stored_event = None;
+        if sequence > 0 {
+            stored_event = tokio::time::timeout(
+                wait * 10,
+                stored_under(&session.environment, stream, name, sequence),
+            )
+            .await
+            .map_err(|_| late("reading the stream's last message of"))?
+            .map_err(ProducerFailure::Sink)?;
+            if stored_event.is_none() {
+                let _ = producer.close().await;
+                return Err(ProducerFailure::Taken(format!(
+                    "stream {stream}: the broker holds sequence {sequence} for producer name \
+                     {name}, but the stream holds no message walbox published under that name \
+                     with that id: another producer uses the name {name} (or retention removed \
+                     what walbox published); walbox's names must be its own: give walbox \
+                     another producer base (sink.rabbitmq.producer) or the other producer \
+                     another name; walbox stops before this event"
+                )));
+            }
+            tracing::info!(
+                stream,
+                producer = name,
+                sequence,
+                "the stream holds walbox's events up to this publishing id; those are not sent again"
+            );
+        }
+        session.producers.insert(
+            key,
+            Named {
+                producer,
+                sequence,
+                stored_event,
+                sent: 0,
+            },
+        );
+        Ok(())
+    }
+
+    fn queue(&mut self, token: usize, event: &Event, dropped: bool, answer: Option<Answer>) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let report = Report::Queued {
+            seq,
+            token,
+            event_id: event.event_id.clone(),
+            topic: event.topic.clone(),
+            dropped,
+            answer,
+            rejected: RejectedRecord {
+                key: event.key.as_ref().map(|k| k.to_vec()),
+                headers: event
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_vec()))
+                    .collect(),
+                value_len: event.value.len(),
+            },
+        };
+        let queued = self
+            .session
+            .as_ref()
+            .is_some_and(|s| s.reports.send(report).is_ok());
+        if !queued {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+        seq
+    }
+
+    /// The producer name's base: the configured one, or a replay's own.
+    fn base(&self) -> String {
+        let base = self
+            .config
+            .producer
+            .clone()
+            .unwrap_or_else(|| "walbox".into());
+        match &self.replay {
+            Some(r) => format!("{base}.replay.{r}"),
+            None => base,
+        }
+    }
+}
+
+/// Why a producer could not be had.
+enum ProducerFailure {
+    /// The session's failure.
+    Sink(SinkError),
+    /// Another producer uses the name.
+    Taken(String),
+}
+
+/// The message of `event` under `slot`.
+fn message_of(event: &Event, slot: &Slot) -> Message {
+    let mut props = Message::builder()
+        .body(event.value.to_vec())
+        .publising_id(slot.id)
+        .application_properties();
+    for (name, value) in &event.headers {
+        let v = match std::str::from_utf8(value) {
+            Ok(s) => SimpleValue::String(s.to_owned()),
+            Err(_) => SimpleValue::Binary(value.to_vec()),
+        };
+        props = props.insert(name.as_ref(), v);
+    }
+    if let Some(key) = &event.key {
+        let v = match std::str::from_utf8(key) {
+            Ok(s) => SimpleValue::String(s.to_owned()),
+            Err(_) => SimpleValue::Binary(key.to_vec()),
+        };
+        props = props.insert(KEY_HEADER, v);
+    }
+    props
+        .insert(PRODUCER_PROPERTY, SimpleValue::String(slot.name.clone()))
+        .insert(ID_PROPERTY, SimpleValue::Ulong(slot.id))
+        .message_builder()
+        .build()
+}
+
+impl Sink for StreamSink {
+    fn replay_as(&mut self, name: &str) {
+        self.replay = Some(name.to_owned());
+    }
+
+    fn duplicates(&self) -> u64 {
+        self.duplicates.load(Ordering::SeqCst)
+    }
+
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        self.session().await?;
+        if let Some((class, reason)) = self.unsent.clone() {
+            self.queue(token, &event, false, Some(Answer::Failed(class, reason)));
+            return Ok(());
+        }
+        let slot = slot(
+            &self.base(),
+            event.position.commit_lsn.0,
+            event.position.index,
+            event.position.xid == 0,
+        );
+        let stream = event.topic.clone();
+        match self.producer(&stream, &slot.name).await {
+            Ok(()) => {}
+            Err(ProducerFailure::Sink(e)) => return Err(e),
+            Err(ProducerFailure::Taken(reason)) => {
+                self.unsent = Some((
+                    DeliveryClass::BrokerError,
+                    format!("not sent: an earlier event of this session failed ({reason})"),
+                ));
+                self.queue(
+                    token,
+                    &event,
+                    false,
+                    Some(Answer::Failed(DeliveryClass::DuplicateId, reason)),
+                );
+                return Ok(());
+            }
+        }
+        let key = (stream.clone(), slot.name.clone());
+        let named = &self.session.as_ref().expect("connected above").producers[&key];
+        if slot.id <= named.sequence {
+            // Already stored by an earlier session: not sent.
+            let answer = if slot.id == named.sequence
+                && named.stored_event.as_deref() != Some(event.event_id.as_str())
+            {
+                let reason = format!(
+                    "stream {stream} holds, under producer {} with publishing id {} (commit LSN \
+                     {}, index {}), event {} where walbox has event {}: another event was \
+                     published from this position; walbox stops before this event",
+                    slot.name,
+                    slot.id,
+                    event.position.commit_lsn,
+                    event.position.index,
+                    named.stored_event.as_deref().unwrap_or("(none)"),
+                    event.event_id
+                );
+                self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+                Answer::Failed(DeliveryClass::DuplicateId, reason)
+            } else {
+                Answer::Ack
+            };
+            let dropped = matches!(answer, Answer::Ack);
+            self.queue(token, &event, dropped, Some(answer));
+            return Ok(());
+        }
+        if slot.id <= named.sent {
+            // The broker would drop it as a duplicate of what this session
+            // sent under the name: a position that went backwards. Stopping
+            // keeps it from being lost.
+            let reason = format!(
+                "event {} (commit LSN {}, index {}) would go to stream {stream} under producer \
+                 {} with publishing id {}, at or below the id {} this session already sent under \
+                 that name: the broker would drop it unseen; positions must grow under a name; \
+                 walbox stops before this event",
+                event.event_id,
+                event.position.commit_lsn,
+                event.position.index,
+                slot.name,
+                slot.id,
+                named.sent
+            );
+            self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+            self.queue(
+                token,
+                &event,
+                false,
+                Some(Answer::Failed(DeliveryClass::DuplicateId, reason)),
+            );
+            return Ok(());
+        }
+        let message = message_of(&event, &slot);
+        let seq = self.queue(token, &event, false, None);
+        let reports = self
+            .session
+            .as_ref()
+            .expect("connected above")
+            .reports
+            .clone();
+        let named = self
+            .session
+            .as_mut()
+            .expect("connected above")
+            .producers
+            .get_mut(&key)
+            .expect("declared above");
+        named.sent = slot.id;
+        let sent = named
+            .producer
+            .send(message, move |status| {
+                let reports = reports.clone();
+                async move {
+                    let answer = match status {
+                        Ok(s) if s.confirmed() => Answer::Ack,
+                        Ok(s) => Answer::Failed(
+                            DeliveryClass::BrokerError,
+                            format!("the broker did not confirm it ({:?})", s.status()),
+                        ),
+                        Err(e) => Answer::Failed(DeliveryClass::BrokerError, e.to_string()),
+                    };
+                    let _ = reports.send(Report::Answered(seq, answer));
+                }
+            })
+            .await;
+        if let Err(e) = sent {
+            let reason = format!("publishing to stream {stream}: {e}");
+            self.unsent = Some((
+                DeliveryClass::BrokerError,
+                format!("not sent: an earlier event of this session was not ({reason})"),
+            ));
+            if let Some(s) = &self.session {
+                let _ = s.reports.send(Report::Answered(
+                    seq,
+                    Answer::Failed(DeliveryClass::BrokerError, reason),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self) {
+        self.aborted = true;
+        if let Some(s) = self.session.take() {
+            tokio::spawn(async move {
+                for (_, named) in s.producers {
+                    let _ = named.producer.close().await;
+                }
+                let _ = s.client.close().await;
+            });
+        }
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        let deadline = Instant::now() + timeout;
+        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(())
+    }
+}
+
+/// Reports events in publish order as their confirms come.
+async fn report(
+    mut rx: mpsc::UnboundedReceiver<Report>,
+    tx: mpsc::UnboundedSender<Delivery>,
+    in_flight: Arc<AtomicUsize>,
+    duplicates: Arc<AtomicU64>,
+    timeout: Duration,
+) {
+    let mut confirms: Confirms<Item> = Confirms::default();
+    loop {
+        let oldest = confirms
+            .entries()
+            .find(|e| e.answer.is_none())
+            .map(|e| e.item.queued_at);
+        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(
+            oldest.unwrap_or_else(Instant::now) + timeout,
+        ));
+        tokio::select! {
+            r = rx.recv() => match r {
+                None => return,
+                Some(Report::Queued { seq, token, event_id, topic, dropped, answer, rejected }) => {
+                    let item = Item { seq, token, event_id: event_id.clone(), topic, dropped, rejected, queued_at: Instant::now() };
+                    confirms.push(item, event_id, answer);
+                }
+                Some(Report::Answered(seq, answer)) => {
+                    if let Some(e) = confirms.entries().find(|e| e.item.seq == seq) {
+                        e.answer = Some(answer);
+                    }
+                }
+            },
+            () = sleep, if oldest.is_some() => {
+                confirms.fail_waiting(
+                    DeliveryClass::Timeout,
+                    &format!("no confirm within {} ms", timeout.as_millis()),
+                );
+            }
+        }
+        for (item, outcome) in confirms.ready() {
+            let result = match outcome {
+                Outcome::Stored => {
+                    if item.dropped {
+                        duplicates.fetch_add(1, Ordering::SeqCst);
+                    }
+                    Ok(())
+                }
+                Outcome::Failed(class, reason) => Err(DeliveryError {
+                    event_id: item.event_id,
+                    topic: item.topic,
+                    class,
+                    reason,
+                    rejected: class.is_about_the_message().then_some(item.rejected),
+                }),
+            };
+            let _ = tx.send(Delivery {
+                token: item.token,
+                result,
+            });
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
