@@ -149,7 +149,7 @@ async fn resends_are_duplicates_and_lower_positions_are_appended_after_the_top()
     assert_eq!(dups, 0);
     assert_eq!(
         raw_ids(&redis, s).await,
-        ["100-0", "100-1", "200-0", "300-0", "300-1"]
+        ["100-0", "100-1", "200-0", "300-0", "301-0"]
     );
     let events = ids(&redis, s).await;
     assert_eq!(events, ["e1", "e2", "e3", "e4", "e-late"]);
@@ -385,4 +385,67 @@ async fn tls_with_the_ca_and_a_client_certificate_delivers_and_without_them_fail
     sink.send(event("t2", "outbox.tls", 200, 0), 0)
         .await
         .expect_err("no client certificate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_entry_resent_is_appended_where_no_later_position_can_land() {
+    // A transaction at 200 was written in part (200-0, 200-1) when walbox was
+    // killed; a consumer deleted 100-0 meanwhile. The resend finds 100-0 empty
+    // below the top and appends it, at an odd milliseconds part that no
+    // position has: not at 200-2, the id of the transaction's next event,
+    // which would then find its id taken by another event and stop walbox.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.deleted";
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("a", s, 100, 0),
+            event("c0", s, 200, 0),
+            event("c1", s, 200, 1),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let n: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg("100-0")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let (r, dups) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("a", s, 100, 0),
+            event("c0", s, 200, 0),
+            event("c1", s, 200, 1),
+            event("c2", s, 200, 2),
+            event("d", s, 208, 0),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 2);
+    // The rest of transaction 200 lies below the appended entry: appended
+    // after it, in order; the next transaction at its own id.
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["200-0", "200-1", "201-0", "201-1", "208-0"]
+    );
+    assert_eq!(ids(&redis, s).await, ["c0", "c1", "a", "c2", "d"]);
+    // A resend of it all again: nothing is refused; what sits at its own id
+    // is a duplicate, the appended ones are appended again (at least once).
+    let (r, dups) = send_all(
+        &cfg,
+        None,
+        vec![event("c1", s, 200, 1), event("d", s, 208, 0)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 2);
 }

@@ -11,8 +11,11 @@
 //! Histories where positions do not grow (a retaken snapshot, whose rows sit
 //! at the later consistent point; `walbox replay`) put an event below the
 //! stream's top. Its own id is then empty, and the entry is appended after
-//! the top (`<top ms>-*`) instead: stored, at least once for those events (a
-//! resend of one after a crash is appended again). A replay always appends
+//! the top instead, at an odd milliseconds part (`<top ms, made odd>-*`):
+//! positions are WAL record LSNs, which are even, so no event written later
+//! at its own id (the rest of the transaction at the top) finds its id taken
+//! by an appended one. Stored, at least once for those events (a resend of
+//! one after a crash is appended again). A replay always appends
 //! ([`Sink::replay_as`]): its point is to store the events again; a run of
 //! the same replay again after a kill counts what the first run appended as
 //! duplicates (its progress per stream is kept in a hash of its own).

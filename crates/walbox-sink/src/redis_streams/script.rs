@@ -11,7 +11,8 @@
 //!    that id: the same event id is a duplicate (already stored), another
 //!    event id stops walbox naming both, and no entry at all (the position is
 //!    below what the stream holds: a retaken snapshot, a replay) appends the
-//!    event after the top, at `<top ms>-*`;
+//!    event after the top, at `<top ms>-*` with the milliseconds part made
+//!    odd (positions are even), so that it never takes a later position's id;
 //! 3. in a replay, always appends after the top, and records per stream the
 //!    position of the last event appended in a hash of the replay's own
 //!    (`walbox:replay:<writer>:<name>`): a run of the same replay again (after
@@ -123,7 +124,13 @@ for i = 1, #KEYS do
     if not info.err then
       for j = 1, #info, 2 do
         if info[j] == 'last-generated-id' then
-          at = string.match(info[j + 1], '^(%d+)') .. '-*'
+          -- An odd milliseconds part: positions are WAL record LSNs, which
+          -- are even, so no event written later at its own id (the rest of
+          -- the transaction at the top) finds its id taken by this entry.
+          local ms = string.match(info[j + 1], '^(%d+)')
+          local last = tonumber(string.sub(ms, -1))
+          if last % 2 == 0 then ms = string.sub(ms, 1, -2) .. tostring(last + 1) end
+          at = ms .. '-*'
         end
       end
     end
