@@ -75,8 +75,8 @@ pub use nats::{
 pub use nats_reader::{DurableLetters, read_subject};
 pub use reader::{RecordView, commit_group, read_topic, read_topic_from_group};
 pub use redis_streams::{
-    Durability, RedisSink, RedisSinkConfig, StreamEntry, StreamLetters, entry_id, position_of,
-    read_stream, server_durability, shown_url,
+    Durability, RedisSink, RedisSinkConfig, StreamEntry, StreamLetters, entry_id, event_entry_id,
+    position_of, read_stream, server_durability, shown_url,
 };
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;

@@ -449,3 +449,38 @@ async fn a_deleted_entry_resent_is_appended_where_no_later_position_can_land() {
     assert!(r.iter().all(Result::is_ok), "{r:?}");
     assert_eq!(dups, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_committed_at_the_snapshots_point_does_not_meet_its_rows_ids() {
+    // The consistent point P is the end of a WAL record, so the next record,
+    // the commit of a transaction the snapshot does not show, can start at P:
+    // its events have positions (P, 0..) like the snapshot's rows.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.snap";
+    let row = |id: &str, index: u32| {
+        let mut e = event(id, s, 4096, index);
+        e.position.xid = 0;
+        e
+    };
+    let events = vec![
+        row("row0", 0),
+        row("row1", 1),
+        event("t0", s, 4096, 0),
+        event("t1", s, 4096, 1),
+        event("t2", s, 4096, 2),
+        event("u0", s, 4104, 0),
+    ];
+    let (r, dups) = send_all(&cfg, None, events.clone()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    assert_eq!(
+        ids(&redis, s).await,
+        ["row0", "row1", "t0", "t1", "t2", "u0"]
+    );
+    // Every one at an id of its own: a resend of all finds each there.
+    let (r, dups) = send_all(&cfg, None, events).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 6);
+    assert_eq!(ids(&redis, s).await.len(), 6);
+}

@@ -42,7 +42,7 @@ use walbox_outbox::Event;
 
 pub use config::{RedisSinkConfig, shown_url};
 
-pub use entry::{entry_id, position_of};
+pub use entry::{entry_id, event_entry_id, position_of};
 pub use letters::StreamLetters;
 pub use reader::{StreamEntry, read_stream};
 use script::{Reply, Stop, Written};
@@ -327,7 +327,7 @@ impl Writer {
         );
         for item in &batch {
             let e = &item.event;
-            let id = entry_id(e.position.commit_lsn.0, e.position.index);
+            let id = entry::event_entry_id(&e.position);
             let trim = self.config.trim_args(e.position.commit_lsn.0);
             let fields = entry::fields_of(e, &writer, item.replay.as_deref());
             call.key(e.topic.as_str());
