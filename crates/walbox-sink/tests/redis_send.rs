@@ -484,3 +484,36 @@ async fn a_transaction_committed_at_the_snapshots_point_does_not_meet_its_rows_i
     assert_eq!(dups, 6);
     assert_eq!(ids(&redis, s).await.len(), 6);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_skips_fsync_while_it_rewrites_is_refused_unless_allowed() {
+    // With no-appendfsync-on-rewrite yes, Redis does not fsync while a
+    // background save or AOF rewrite runs, even with appendfsync always: an
+    // acknowledged entry may not be on disk.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("no-appendfsync-on-rewrite")
+        .arg("yes")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let cfg = config(&redis, "slot_a");
+    let (mut sink, _d) = RedisSink::new(cfg.clone()).unwrap();
+    let e = sink
+        .send(event("e1", "outbox.x", 100, 0), 0)
+        .await
+        .expect_err("refused");
+    assert!(
+        e.to_string().contains("no-appendfsync-on-rewrite yes"),
+        "{e}"
+    );
+    let allowed = RedisSinkConfig {
+        allow_unsynced: true,
+        ..cfg
+    };
+    let (r, _) = send_all(&allowed, None, vec![event("e1", "outbox.x", 100, 0)]).await;
+    assert!(r[0].is_ok(), "{r:?}");
+}

@@ -192,6 +192,10 @@ pub enum Durability {
     Synced,
     /// Other settings (the values of `appendonly` and `appendfsync`).
     Unsynced(String, String),
+    /// `appendonly yes` and `appendfsync always`, but
+    /// `no-appendfsync-on-rewrite yes`: no fsync while a background save or
+    /// AOF rewrite runs.
+    UnsyncedOnRewrite,
     /// The server does not let walbox read them (CONFIG GET refused), with
     /// what it said.
     Unknown(String),
@@ -210,6 +214,12 @@ impl Durability {
                  it acknowledged can be lost when it crashes, after walbox moved its position \
                  past it"
             ),
+            Durability::UnsyncedOnRewrite => "the Redis server runs with appendfsync always but \
+                                   no-appendfsync-on-rewrite yes: while it saves or rewrites \
+                                   its append-only file in the background it does not fsync, \
+                                   so an event it acknowledged can be lost when it crashes, \
+                                   after walbox moved its position past it"
+                .into(),
             Durability::Unknown(why) => format!(
                 "cannot read the server's appendonly and appendfsync (CONFIG GET: {why}): \
                  acknowledged events are durable only if Redis runs with appendonly yes and \
@@ -230,13 +240,19 @@ async fn durability(con: &mut MultiplexedConnection) -> Durability {
         .arg("GET")
         .arg("appendonly")
         .arg("appendfsync")
+        .arg("no-appendfsync-on-rewrite")
         .query_async(con)
         .await;
     match read {
         Ok(settings) => {
             let aof = settings.get("appendonly").cloned().unwrap_or_default();
             let fsync = settings.get("appendfsync").cloned().unwrap_or_default();
-            if aof == "yes" && fsync == "always" {
+            let on_rewrite = settings
+                .get("no-appendfsync-on-rewrite")
+                .map_or("no", String::as_str);
+            if aof == "yes" && fsync == "always" && on_rewrite != "no" {
+                Durability::UnsyncedOnRewrite
+            } else if aof == "yes" && fsync == "always" {
                 Durability::Synced
             } else {
                 Durability::Unsynced(aof, fsync)
@@ -246,8 +262,8 @@ async fn durability(con: &mut MultiplexedConnection) -> Durability {
     }
 }
 
-/// An acknowledged entry is on disk only with `appendonly yes` and
-/// `appendfsync always`. Otherwise walbox refuses to start unless
+/// An acknowledged entry is on disk only with `appendonly yes`,
+/// `appendfsync always` and `no-appendfsync-on-rewrite no`. Otherwise walbox refuses to start unless
 /// `allow_unsynced`; a server that does not let walbox read them (a managed
 /// Redis without CONFIG) is used with a warning.
 async fn check_durability(
@@ -260,7 +276,7 @@ async fn check_durability(
             tracing::warn!("{}", d.describe());
             Ok(())
         }
-        d @ Durability::Unsynced(..) if config.allow_unsynced => {
+        d @ (Durability::Unsynced(..) | Durability::UnsyncedOnRewrite) if config.allow_unsynced => {
             tracing::warn!(
                 "{}; going on (sink.redis.allow_unsynced = true)",
                 d.describe()
@@ -268,9 +284,9 @@ async fn check_durability(
             Ok(())
         }
         d => Err(SinkError::Config(format!(
-            "sink.redis: {}; set appendonly yes and appendfsync always on the server \
-             (CONFIG SET appendonly yes, CONFIG SET appendfsync always, and in redis.conf), \
-             or accept the loss with allow_unsynced = true",
+            "sink.redis: {}; set appendonly yes, appendfsync always and \
+             no-appendfsync-on-rewrite no on the server (CONFIG SET, and in redis.conf), or \
+             accept the loss with allow_unsynced = true",
             d.describe()
         ))),
     }
