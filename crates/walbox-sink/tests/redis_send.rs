@@ -517,3 +517,27 @@ async fn a_server_that_skips_fsync_while_it_rewrites_is_refused_unless_allowed()
     let (r, _) = send_all(&allowed, None, vec![event("e1", "outbox.x", 100, 0)]).await;
     assert!(r[0].is_ok(), "{r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_with_more_fields_than_a_script_call_can_pass_is_refused_alone() {
+    // Lua unpacks at most about 8,000 values into one call: an entry with
+    // more fields would make the whole script fail, for every session again.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.wide";
+    let mut wide = event("wide", s, 200, 0);
+    wide.headers = (0..4_500)
+        .map(|i| (format!("h{i}").into(), Bytes::from_static(b"v")))
+        .collect();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("before", s, 100, 0), wide, event("after", s, 300, 0)],
+    )
+    .await;
+    assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
+    let (class, reason) = r[1].clone().expect_err("refused");
+    assert_eq!(class, DeliveryClass::MessageTooLarge, "{reason}");
+    assert!(reason.contains("fields"), "{reason}");
+    assert_eq!(ids(&redis, s).await, ["before", "after"]);
+}

@@ -53,6 +53,12 @@ pub fn position_of(id: &str) -> Option<(u64, u32)> {
     Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
+/// How many fields [`fields_of`] gives `event`'s entry.
+#[must_use]
+pub fn field_count(event: &Event, replay: bool) -> usize {
+    3 + usize::from(replay) + usize::from(event.key.is_some()) + event.headers.len()
+}
+
 /// The fields of `event`'s entry, in order.
 #[must_use]
 pub fn fields_of(event: &Event, writer: &str, replay: Option<&str>) -> Vec<(String, Vec<u8>)> {
@@ -92,6 +98,25 @@ mod tests {
         sorted.sort();
         assert_eq!(sorted, parsed);
         assert_eq!(entry_id(0x16B_3748, 2), "23803720-2");
+        let e = Event {
+            event_id: "e".into(),
+            topic: "t".into(),
+            key: Some(bytes::Bytes::from_static(b"k")),
+            value: bytes::Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: vec![("a".into(), bytes::Bytes::from_static(b"1"))],
+            position: Position {
+                commit_lsn: walbox_pgoutput::Lsn(8),
+                index: 0,
+                xid: 3,
+            },
+        };
+        for replay in [None, Some("0/8")] {
+            assert_eq!(
+                field_count(&e, replay.is_some()),
+                fields_of(&e, "w", replay).len()
+            );
+        }
         assert_eq!(position_of("1700000000000-*"), None);
         assert_eq!(position_of("abc"), None);
     }

@@ -55,6 +55,11 @@ const BATCH_BYTES: usize = 8 << 20;
 /// so calls stay short (the append-only file is fsynced once per call).
 const BATCH_ENTRIES: usize = 1_000;
 
+/// Most arguments of one XADD the script makes: Lua unpacks at most about
+/// 8,000 values into a call ("too many results to unpack"), and that error
+/// would fail the whole script call, in every session again.
+const MAX_XADD_ARGS: usize = 7_900;
+
 /// One event on its way.
 struct Item {
     event: Event,
@@ -332,6 +337,27 @@ impl Writer {
 
     async fn write(&mut self, script: &redis::Script, batch: Vec<Item>) {
         let writer = self.config.writer_name().to_owned();
+        // An entry with more fields than one XADD can take is refused alone
+        // (it goes to a dead letter), as a key of another type is.
+        let (batch, wide): (Vec<Item>, Vec<Item>) = batch.into_iter().partition(|item| {
+            let e = &item.event;
+            let trim = self.config.trim_args(e.position.commit_lsn.0).len();
+            let fields = entry::field_count(e, item.replay.is_some());
+            3 + trim + 2 * fields <= MAX_XADD_ARGS
+        });
+        for item in wide {
+            let reason = format!(
+                "event {} has {} headers: its entry would have more fields than one XADD \
+                 in walbox's script can take (at most {} arguments)",
+                item.event.event_id,
+                item.event.headers.len(),
+                MAX_XADD_ARGS
+            );
+            self.report(&item, Err((DeliveryClass::MessageTooLarge, reason)));
+        }
+        if batch.is_empty() {
+            return;
+        }
         let mut call = script.prepare_invoke();
         call.arg(&writer);
         // One batch belongs to one replay or none (the name is the sink's).
