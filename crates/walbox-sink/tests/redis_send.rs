@@ -541,3 +541,44 @@ async fn an_event_with_more_fields_than_a_script_call_can_pass_is_refused_alone(
     assert!(reason.contains("fields"), "{reason}");
     assert_eq!(ids(&redis, s).await, ["before", "after"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_run_again_after_its_copies_were_deleted_stores_them_again() {
+    // What a replay's progress says it stored counts as stored only while
+    // the stream holds the last copy it appended: a stream deleted (or
+    // trimmed past it) since gets the range again, not "already stored".
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.replayed";
+    let range = || vec![event("e1", s, 100, 0), event("e2", s, 200, 0)];
+    let (r, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    // Run again as is (after a kill): nothing twice.
+    let (_, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert_eq!(dups, 2);
+    assert_eq!(ids(&redis, s).await, ["e1", "e2"]);
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(s)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    assert_eq!(ids(&redis, s).await, ["e1", "e2"]);
+    // Deleted and written again by others since: the last copy is gone, so
+    // the range is stored again.
+    let _: i64 = redis::cmd("DEL")
+        .arg(s)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(&cfg, None, vec![event("e9", s, 900, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let (_, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert_eq!(dups, 0);
+    assert_eq!(ids(&redis, s).await, ["e9", "e1", "e2"]);
+}

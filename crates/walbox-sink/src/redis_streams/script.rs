@@ -14,10 +14,12 @@
 //!    event after the top, at `<top ms>-*` with the milliseconds part made
 //!    odd (positions are even), so that it never takes a later position's id;
 //! 3. in a replay, always appends after the top, and records per stream the
-//!    position of the last event appended in a hash of the replay's own
-//!    (`walbox:replay:<writer>:<name>`): a run of the same replay again (after
-//!    a kill) counts an event at or below that position as a duplicate, since
-//!    a replay appends its events in position order.
+//!    position of the last event appended, with the id and event id of its
+//!    copy, in a hash of the replay's own (`walbox:replay:<writer>:<name>`):
+//!    a run of the same replay again (after a kill) counts an event at or
+//!    below that position as a duplicate, since a replay appends its events
+//!    in position order, as long as the stream still holds that copy (a
+//!    stream deleted or trimmed past it since gets the range again).
 //!
 //! A key of another type (WRONGTYPE) refuses its entry alone (it is about
 //! the record's stream: it goes to a dead letter), and the call goes on.
@@ -55,6 +57,24 @@ local function above(a, b)
   if #as ~= #bs then return #as > #bs end
   return as > bs
 end
+-- Where an earlier run of this replay got to in a stream: the position of
+-- the last event it appended, as long as the stream still holds that copy
+-- (its id and event id are kept beside the position); false otherwise.
+local marks = {}
+local function replayed(key)
+  if marks[key] ~= nil then return marks[key] end
+  local m = false
+  local v = redis.call('HGET', progress, key)
+  if v then
+    local pos, at, eid = string.match(v, '^(%S+) (%S+) (.*)$')
+    if pos then
+      local r = redis.pcall('XRANGE', key, at, at)
+      if not r.err and #r > 0 and field(r[1][2], 'event_id') == eid then m = pos end
+    end
+  end
+  marks[key] = m
+  return m
+end
 for i = 1, #KEYS do
   local key = KEYS[i]
   local mode = ARGV[pos]
@@ -89,7 +109,7 @@ for i = 1, #KEYS do
   end
   local after = mode == 'a'
   local mark = false
-  if after and progress ~= '' then mark = redis.call('HGET', progress, key) end
+  if after and progress ~= '' then mark = replayed(key) end
   if after and mark and not above(id, mark) then
     -- Stored by an earlier run of this replay (a replay stores in order).
     out[#out + 1] = 'dup'
@@ -136,7 +156,9 @@ for i = 1, #KEYS do
     end
     local r = add(at)
     if type(r) == 'table' and r.err then return {out, i, 'error', r.err} end
-    if mode == 'a' and progress ~= '' then redis.call('HSET', progress, key, id) end
+    if mode == 'a' and progress ~= '' then
+      redis.call('HSET', progress, key, id .. ' ' .. r .. ' ' .. eid)
+    end
     out[#out + 1] = '+' .. r
   end
 end
