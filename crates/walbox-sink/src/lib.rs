@@ -51,7 +51,8 @@
 //! [`RedisSink`] writes each event at the id its position gives, so rule 1
 //! holds through the position; a replay appends after the stream's top and
 //! keeps its own progress per stream (rule 2); a refused id counts as a
-//! duplicate only once the entry there holds the event id (rules 3 and 4);
+//! duplicate only once the entry there holds the event id and key (rules 3
+//! and 4);
 //! batches are written by a script that stops at the first refusal, so
 //! nothing is stored after a gap (rule 5's aim).
 

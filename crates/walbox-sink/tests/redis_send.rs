@@ -582,3 +582,32 @@ async fn a_replay_run_again_after_its_copies_were_deleted_stores_them_again() {
     assert_eq!(dups, 0);
     assert_eq!(ids(&redis, s).await, ["e9", "e1", "e2"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_event_id_with_another_key_at_the_id_is_not_a_duplicate() {
+    // A resend counts as stored only when the entry at its id is the same
+    // event: its event id and its key (the stream and the position are the
+    // entry's own). Event ids a sequence gives can come back after a
+    // database is restored to an earlier point, for other rows.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.rekeyed";
+    let (r, _) = send_all(&cfg, None, vec![event("e1", s, 100, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let mut other = event("e1", s, 100, 0);
+    other.key = Some(Bytes::from_static(b"order-2"));
+    let (r, dups) = send_all(&cfg, None, vec![other, event("e2", s, 200, 0)]).await;
+    assert_eq!(dups, 0);
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::DuplicateId);
+    assert!(
+        reason.contains("another key") && reason.contains("100-0"),
+        "{reason}"
+    );
+    assert!(r[1].is_err(), "{r:?}");
+    assert_eq!(raw_ids(&redis, s).await, ["100-0"]);
+    // The same key again: a duplicate.
+    let (r, dups) = send_all(&cfg, None, vec![event("e1", s, 100, 0)]).await;
+    assert!(r[0].is_ok(), "{r:?}");
+    assert_eq!(dups, 1);
+}

@@ -504,12 +504,15 @@ impl Writer {
                 id,
                 writer,
                 event_id,
+                other_key,
             } => (
                 DeliveryClass::DuplicateId,
                 format!(
-                    "entry {id} of stream {:?} holds event {event_id:?} (writer {writer:?}), \
+                    "entry {id} of stream {:?} holds event {event_id:?}{} (writer {writer:?}), \
                      not event {:?} of this walbox (writer {me:?}), at the same position",
-                    event.topic, event.event_id
+                    event.topic,
+                    if *other_key { " with another key" } else { "" },
+                    event.event_id
                 ),
             ),
             Stop::Error(text) => (classify(text), text.clone()),

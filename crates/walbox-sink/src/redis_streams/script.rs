@@ -8,8 +8,9 @@
 //!    writer's entry there stops walbox, naming both;
 //! 2. adds the entry at its id (the position); when Redis refuses it as
 //!    "equal or smaller than the target stream top item", reads the entry at
-//!    that id: the same event id is a duplicate (already stored), another
-//!    event id stops walbox naming both, and no entry at all (the position is
+//!    that id: the same event id and key is a duplicate (already stored),
+//!    another event id (or the same one with another key) stops walbox
+//!    naming both, and no entry at all (the position is
 //!    below what the stream holds: a retaken snapshot, a replay) appends the
 //!    event after the top, at `<top ms>-*` with the milliseconds part made
 //!    odd (positions are even), so that it never takes a later position's id;
@@ -130,6 +131,9 @@ for i = 1, #KEYS do
         if other ~= eid then
           return {out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other}
         end
+        if field(at[1][2], 'key') ~= field(fields, 'key') then
+          return {out, i, 'rekeyed', id, field(at[1][2], 'walbox_writer'), other}
+        end
         out[#out + 1] = 'dup'
       else
         after = true
@@ -199,6 +203,8 @@ pub enum Stop {
         writer: String,
         /// Its event id.
         event_id: String,
+        /// The event id is the same, the key another.
+        other_key: bool,
     },
     /// Redis refused the command (out of memory, a key of another type, an
     /// ACL).
@@ -263,10 +269,11 @@ pub fn parse_reply(v: &Value) -> Option<Reply> {
             writer: arg(4),
             event_id: arg(5),
         },
-        "taken" => Stop::Taken {
+        kind @ ("taken" | "rekeyed") => Stop::Taken {
             id: arg(3),
             writer: arg(4),
             event_id: arg(5),
+            other_key: kind == "rekeyed",
         },
         _ => Stop::Error(arg(3)),
     };
@@ -327,7 +334,8 @@ mod tests {
                 Stop::Taken {
                     id: "6-0".into(),
                     writer: "walbox-a".into(),
-                    event_id: "other-event".into()
+                    event_id: "other-event".into(),
+                    other_key: false,
                 }
             ))
         );
