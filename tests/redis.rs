@@ -42,8 +42,11 @@ impl Entry {
     }
     /// The position the entry's headers name, as its natural entry id.
     fn natural_id(&self) -> String {
-        let lsn: walbox_pgoutput::Lsn = self.header("walbox_commit_lsn").parse().unwrap();
-        walbox_sink::entry_id(lsn.0, self.header("walbox_index").parse().unwrap())
+        walbox_sink::event_entry_id(&walbox_outbox::Position {
+            commit_lsn: self.header("walbox_commit_lsn").parse().unwrap(),
+            index: self.header("walbox_index").parse().unwrap(),
+            xid: self.header("walbox_xid").parse().unwrap(),
+        })
     }
 }
 

@@ -56,7 +56,8 @@
 //! [`RedisSink`] writes each event at the id its position gives, so rule 1
 //! holds through the position; a replay appends after the stream's top and
 //! keeps its own progress per stream (rule 2); a refused id counts as a
-//! duplicate only once the entry there holds the event id (rules 3 and 4);
+//! duplicate only once the entry there holds the event id and key (rules 3
+//! and 4);
 //! batches are written by a script that stops at the first refusal, so
 //! nothing is stored after a gap (rule 5's aim).
 
@@ -87,8 +88,8 @@ pub use rabbitmq::{
 };
 pub use reader::{OwnedRecord, RecordView, commit_group, read_topic, read_topic_from_group};
 pub use redis_streams::{
-    Durability, RedisSink, RedisSinkConfig, StreamEntry, StreamLetters, entry_id, position_of,
-    read_stream, server_durability, shown_url,
+    Durability, RedisSink, RedisSinkConfig, StreamEntry, StreamLetters, entry_id, event_entry_id,
+    position_of, read_stream, server_durability, shown_url,
 };
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;

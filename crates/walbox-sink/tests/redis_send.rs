@@ -149,7 +149,7 @@ async fn resends_are_duplicates_and_lower_positions_are_appended_after_the_top()
     assert_eq!(dups, 0);
     assert_eq!(
         raw_ids(&redis, s).await,
-        ["100-0", "100-1", "200-0", "300-0", "300-1"]
+        ["100-0", "100-1", "200-0", "300-0", "301-0"]
     );
     let events = ids(&redis, s).await;
     assert_eq!(events, ["e1", "e2", "e3", "e4", "e-late"]);
@@ -385,4 +385,229 @@ async fn tls_with_the_ca_and_a_client_certificate_delivers_and_without_them_fail
     sink.send(event("t2", "outbox.tls", 200, 0), 0)
         .await
         .expect_err("no client certificate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_entry_resent_is_appended_where_no_later_position_can_land() {
+    // A transaction at 200 was written in part (200-0, 200-1) when walbox was
+    // killed; a consumer deleted 100-0 meanwhile. The resend finds 100-0 empty
+    // below the top and appends it, at an odd milliseconds part that no
+    // position has: not at 200-2, the id of the transaction's next event,
+    // which would then find its id taken by another event and stop walbox.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.deleted";
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("a", s, 100, 0),
+            event("c0", s, 200, 0),
+            event("c1", s, 200, 1),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let n: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg("100-0")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let (r, dups) = send_all(
+        &cfg,
+        None,
+        vec![
+            event("a", s, 100, 0),
+            event("c0", s, 200, 0),
+            event("c1", s, 200, 1),
+            event("c2", s, 200, 2),
+            event("d", s, 208, 0),
+        ],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 2);
+    // The rest of transaction 200 lies below the appended entry: appended
+    // after it, in order; the next transaction at its own id.
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["200-0", "200-1", "201-0", "201-1", "208-0"]
+    );
+    assert_eq!(ids(&redis, s).await, ["c0", "c1", "a", "c2", "d"]);
+    // A resend of it all again: nothing is refused; what sits at its own id
+    // is a duplicate, the appended ones are appended again (at least once).
+    let (r, dups) = send_all(
+        &cfg,
+        None,
+        vec![event("c1", s, 200, 1), event("d", s, 208, 0)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_committed_at_the_snapshots_point_does_not_meet_its_rows_ids() {
+    // The consistent point P is the end of a WAL record, so the next record,
+    // the commit of a transaction the snapshot does not show, can start at P:
+    // its events have positions (P, 0..) like the snapshot's rows.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.snap";
+    let row = |id: &str, index: u32| {
+        let mut e = event(id, s, 4096, index);
+        e.position.xid = 0;
+        e
+    };
+    let events = vec![
+        row("row0", 0),
+        row("row1", 1),
+        event("t0", s, 4096, 0),
+        event("t1", s, 4096, 1),
+        event("t2", s, 4096, 2),
+        event("u0", s, 4104, 0),
+    ];
+    let (r, dups) = send_all(&cfg, None, events.clone()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    assert_eq!(
+        ids(&redis, s).await,
+        ["row0", "row1", "t0", "t1", "t2", "u0"]
+    );
+    // Every one at an id of its own: a resend of all finds each there.
+    let (r, dups) = send_all(&cfg, None, events).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 6);
+    assert_eq!(ids(&redis, s).await.len(), 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_skips_fsync_while_it_rewrites_is_refused_unless_allowed() {
+    // With no-appendfsync-on-rewrite yes, Redis does not fsync while a
+    // background save or AOF rewrite runs, even with appendfsync always: an
+    // acknowledged entry may not be on disk.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("no-appendfsync-on-rewrite")
+        .arg("yes")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let cfg = config(&redis, "slot_a");
+    let (mut sink, _d) = RedisSink::new(cfg.clone()).unwrap();
+    let e = sink
+        .send(event("e1", "outbox.x", 100, 0), 0)
+        .await
+        .expect_err("refused");
+    assert!(
+        e.to_string().contains("no-appendfsync-on-rewrite yes"),
+        "{e}"
+    );
+    let allowed = RedisSinkConfig {
+        allow_unsynced: true,
+        ..cfg
+    };
+    let (r, _) = send_all(&allowed, None, vec![event("e1", "outbox.x", 100, 0)]).await;
+    assert!(r[0].is_ok(), "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_with_more_fields_than_a_script_call_can_pass_is_refused_alone() {
+    // Lua unpacks at most about 8,000 values into one call: an entry with
+    // more fields would make the whole script fail, for every session again.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.wide";
+    let mut wide = event("wide", s, 200, 0);
+    wide.headers = (0..4_500)
+        .map(|i| (format!("h{i}").into(), Bytes::from_static(b"v")))
+        .collect();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("before", s, 100, 0), wide, event("after", s, 300, 0)],
+    )
+    .await;
+    assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
+    let (class, reason) = r[1].clone().expect_err("refused");
+    assert_eq!(class, DeliveryClass::MessageTooLarge, "{reason}");
+    assert!(reason.contains("fields"), "{reason}");
+    assert_eq!(ids(&redis, s).await, ["before", "after"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_run_again_after_its_copies_were_deleted_stores_them_again() {
+    // What a replay's progress says it stored counts as stored only while
+    // the stream holds the last copy it appended: a stream deleted (or
+    // trimmed past it) since gets the range again, not "already stored".
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.replayed";
+    let range = || vec![event("e1", s, 100, 0), event("e2", s, 200, 0)];
+    let (r, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    // Run again as is (after a kill): nothing twice.
+    let (_, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert_eq!(dups, 2);
+    assert_eq!(ids(&redis, s).await, ["e1", "e2"]);
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(s)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    assert_eq!(ids(&redis, s).await, ["e1", "e2"]);
+    // Deleted and written again by others since: the last copy is gone, so
+    // the range is stored again.
+    let _: i64 = redis::cmd("DEL")
+        .arg(s)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(&cfg, None, vec![event("e9", s, 900, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let (_, dups) = send_all(&cfg, Some("0/64"), range()).await;
+    assert_eq!(dups, 0);
+    assert_eq!(ids(&redis, s).await, ["e9", "e1", "e2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_event_id_with_another_key_at_the_id_is_not_a_duplicate() {
+    // A resend counts as stored only when the entry at its id is the same
+    // event: its event id and its key (the stream and the position are the
+    // entry's own). Event ids a sequence gives can come back after a
+    // database is restored to an earlier point, for other rows.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.rekeyed";
+    let (r, _) = send_all(&cfg, None, vec![event("e1", s, 100, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let mut other = event("e1", s, 100, 0);
+    other.key = Some(Bytes::from_static(b"order-2"));
+    let (r, dups) = send_all(&cfg, None, vec![other, event("e2", s, 200, 0)]).await;
+    assert_eq!(dups, 0);
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::DuplicateId);
+    assert!(
+        reason.contains("another key") && reason.contains("100-0"),
+        "{reason}"
+    );
+    assert!(r[1].is_err(), "{r:?}");
+    assert_eq!(raw_ids(&redis, s).await, ["100-0"]);
+    // The same key again: a duplicate.
+    let (r, dups) = send_all(&cfg, None, vec![event("e1", s, 100, 0)]).await;
+    assert!(r[0].is_ok(), "{r:?}");
+    assert_eq!(dups, 1);
 }

@@ -357,7 +357,8 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
             Ok(d) => r.add(
                 Verdict::Fail,
                 format!(
-                    "{}; walbox run refuses it: set appendonly yes and appendfsync always",
+                    "{}; walbox run refuses it: set appendonly yes, appendfsync always and \
+                     no-appendfsync-on-rewrite no",
                     d.describe()
                 ),
             ),

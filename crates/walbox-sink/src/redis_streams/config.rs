@@ -118,19 +118,41 @@ impl std::fmt::Debug for RedisSinkConfig {
     }
 }
 
-/// `url` with whatever stands before `@` in its authority replaced: what logs
-/// and errors may show.
+/// `url` with whatever stands before `@` in its authority replaced, and the
+/// value of a `pass` or `password` query parameter (a Unix socket's URL
+/// gives its password there): what logs and errors may show.
 #[must_use]
 pub fn shown_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
+    let (url, query) = match url.split_once('?') {
+        Some((u, q)) => (u, Some(hidden_query(q))),
+        None => (url, None),
     };
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let query = query.map_or_else(String::new, |q| format!("?{q}"));
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return format!("{url}{query}");
+    };
+    let end = rest.find('/').unwrap_or(rest.len());
     let (authority, path) = rest.split_at(end);
     match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{path}"),
-        None => url.to_owned(),
+        Some((_, host)) => format!("{scheme}://***@{host}{path}{query}"),
+        None => format!("{url}{query}"),
     }
+}
+
+/// A URL's query with the values of `pass` and `password` replaced.
+fn hidden_query(query: &str) -> String {
+    query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((k, _))
+                if k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password") =>
+            {
+                format!("{k}=***")
+            }
+            _ => pair.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("&")
 }
 
 impl RedisSinkConfig {
@@ -304,6 +326,16 @@ mod tests {
         let mut secrets = c.secrets();
         secrets.sort();
         assert_eq!(secrets, ["other-pw", "s3cret-pw"]);
+        // A Unix socket's URL gives its password in the query (`pass`).
+        let unix = parse("url = \"redis+unix:///run/redis.sock?db=1&pass=sock-pw&user=app\"")
+            .expect("parses");
+        let shown = format!("{unix:?}");
+        assert!(!shown.contains("sock-pw"), "{shown}");
+        assert!(
+            shown.contains("/run/redis.sock?db=1&pass=***&user=app"),
+            "{shown}"
+        );
+        assert_eq!(unix.secrets(), ["sock-pw"]);
         let bad = parse("url = \"http://u:pw-in-bad-url@h\"").expect("parses");
         let e = bad.validate().expect_err("not redis").to_string();
         assert!(!e.contains("pw-in-bad-url"), "{e}");

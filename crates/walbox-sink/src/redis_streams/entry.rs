@@ -1,9 +1,10 @@
 //! What one event becomes in a stream: its entry id, taken from its source
-//! position (`<commit LSN>-<index>`, so ids grow with commit order), and its
+//! position (`<commit LSN>-<index>`, so ids grow with commit order; 2 below
+//! the LSN for a snapshot row, see [`event_entry_id`]), and its
 //! fields (`value`, `key`, `event_id`, `walbox_writer`, `header:<name>` per
 //! header, `walbox_replay` in a replay).
 
-use walbox_outbox::Event;
+use walbox_outbox::{Event, Position};
 
 /// The field holding the event id.
 pub const EVENT_ID_FIELD: &str = "event_id";
@@ -26,11 +27,36 @@ pub fn entry_id(commit_lsn: u64, index: u32) -> String {
     format!("{commit_lsn}-{index}")
 }
 
+/// The entry id of an event at `position`: [`entry_id`] for an event of a
+/// transaction. An event with no transaction (xid 0: a snapshot row, at the
+/// snapshot's consistent point; a non-transactional message, at its LSN)
+/// takes the milliseconds part 2 below its LSN. Positions are WAL record
+/// LSNs, multiples of 4 at least (8 on 64-bit builds), and the commit record
+/// of a transaction the snapshot does not show can start right at the
+/// consistent point: at `<point>-<index>` its events would meet the rows'
+/// ids. 2 below keeps them apart, still before every later position and
+/// after every earlier one, and even (odd ones are for appended entries).
+#[must_use]
+pub fn event_entry_id(position: &Position) -> String {
+    let lsn = position.commit_lsn.0;
+    if position.xid == 0 && lsn > 2 {
+        entry_id(lsn - 2, position.index)
+    } else {
+        entry_id(lsn, position.index)
+    }
+}
+
 /// The position an entry id stands for, when it is one of walbox's.
 #[must_use]
 pub fn position_of(id: &str) -> Option<(u64, u32)> {
     let (ms, seq) = id.split_once('-')?;
     Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+/// How many fields [`fields_of`] gives `event`'s entry.
+#[must_use]
+pub fn field_count(event: &Event, replay: bool) -> usize {
+    3 + usize::from(replay) + usize::from(event.key.is_some()) + event.headers.len()
 }
 
 /// The fields of `event`'s entry, in order.
@@ -72,8 +98,51 @@ mod tests {
         sorted.sort();
         assert_eq!(sorted, parsed);
         assert_eq!(entry_id(0x16B_3748, 2), "23803720-2");
+        let e = Event {
+            event_id: "e".into(),
+            topic: "t".into(),
+            key: Some(bytes::Bytes::from_static(b"k")),
+            value: bytes::Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: vec![("a".into(), bytes::Bytes::from_static(b"1"))],
+            position: Position {
+                commit_lsn: walbox_pgoutput::Lsn(8),
+                index: 0,
+                xid: 3,
+            },
+        };
+        for replay in [None, Some("0/8")] {
+            assert_eq!(
+                field_count(&e, replay.is_some()),
+                fields_of(&e, "w", replay).len()
+            );
+        }
         assert_eq!(position_of("1700000000000-*"), None);
         assert_eq!(position_of("abc"), None);
+    }
+
+    #[test]
+    fn rows_of_a_snapshot_and_a_transaction_committed_at_its_point_never_share_an_id() {
+        let at = |lsn: u64, index: u32, xid: u32| {
+            event_entry_id(&Position {
+                commit_lsn: walbox_pgoutput::Lsn(lsn),
+                index,
+                xid,
+            })
+        };
+        // Rows at the consistent point 4096, a transaction committed at it,
+        // one committed before it (at least 8 bytes of WAL earlier).
+        let rows = [at(4096, 0, 0), at(4096, 1, 0)];
+        let txn = [at(4096, 0, 9), at(4096, 1, 9)];
+        let before = at(4088, 5, 8);
+        for r in &rows {
+            assert!(!txn.contains(r), "{r}");
+            let p = position_of(r).expect("an id");
+            assert!(p > position_of(&before).expect("an id"));
+            assert!(p < position_of(&txn[0]).expect("an id"));
+            assert_eq!(p.0 % 2, 0, "odd milliseconds are for appended entries");
+        }
+        assert_eq!(txn[1], entry_id(4096, 1));
     }
 
     #[test]

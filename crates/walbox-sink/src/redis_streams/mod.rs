@@ -11,8 +11,11 @@
 //! Histories where positions do not grow (a retaken snapshot, whose rows sit
 //! at the later consistent point; `walbox replay`) put an event below the
 //! stream's top. Its own id is then empty, and the entry is appended after
-//! the top (`<top ms>-*`) instead: stored, at least once for those events (a
-//! resend of one after a crash is appended again). A replay always appends
+//! the top instead, at an odd milliseconds part (`<top ms, made odd>-*`):
+//! positions are WAL record LSNs, which are even, so no event written later
+//! at its own id (the rest of the transaction at the top) finds its id taken
+//! by an appended one. Stored, at least once for those events (a resend of
+//! one after a crash is appended again). A replay always appends
 //! ([`Sink::replay_as`]): its point is to store the events again; a run of
 //! the same replay again after a kill counts what the first run appended as
 //! duplicates (its progress per stream is kept in a hash of its own).
@@ -39,7 +42,7 @@ use walbox_outbox::Event;
 
 pub use config::{RedisSinkConfig, shown_url};
 
-pub use entry::{entry_id, position_of};
+pub use entry::{entry_id, event_entry_id, position_of};
 pub use letters::StreamLetters;
 pub use reader::{StreamEntry, read_stream};
 use script::{Reply, Stop, Written};
@@ -51,6 +54,11 @@ const BATCH_BYTES: usize = 8 << 20;
 /// Most entries in one script call: a script holds the server while it runs,
 /// so calls stay short (the append-only file is fsynced once per call).
 const BATCH_ENTRIES: usize = 1_000;
+
+/// Most arguments of one XADD the script makes: Lua unpacks at most about
+/// 8,000 values into a call ("too many results to unpack"), and that error
+/// would fail the whole script call, in every session again.
+const MAX_XADD_ARGS: usize = 7_900;
 
 /// One event on its way.
 struct Item {
@@ -189,6 +197,10 @@ pub enum Durability {
     Synced,
     /// Other settings (the values of `appendonly` and `appendfsync`).
     Unsynced(String, String),
+    /// `appendonly yes` and `appendfsync always`, but
+    /// `no-appendfsync-on-rewrite yes`: no fsync while a background save or
+    /// AOF rewrite runs.
+    UnsyncedOnRewrite,
     /// The server does not let walbox read them (CONFIG GET refused), with
     /// what it said.
     Unknown(String),
@@ -207,6 +219,12 @@ impl Durability {
                  it acknowledged can be lost when it crashes, after walbox moved its position \
                  past it"
             ),
+            Durability::UnsyncedOnRewrite => "the Redis server runs with appendfsync always but \
+                                   no-appendfsync-on-rewrite yes: while it saves or rewrites \
+                                   its append-only file in the background it does not fsync, \
+                                   so an event it acknowledged can be lost when it crashes, \
+                                   after walbox moved its position past it"
+                .into(),
             Durability::Unknown(why) => format!(
                 "cannot read the server's appendonly and appendfsync (CONFIG GET: {why}): \
                  acknowledged events are durable only if Redis runs with appendonly yes and \
@@ -227,13 +245,19 @@ async fn durability(con: &mut MultiplexedConnection) -> Durability {
         .arg("GET")
         .arg("appendonly")
         .arg("appendfsync")
+        .arg("no-appendfsync-on-rewrite")
         .query_async(con)
         .await;
     match read {
         Ok(settings) => {
             let aof = settings.get("appendonly").cloned().unwrap_or_default();
             let fsync = settings.get("appendfsync").cloned().unwrap_or_default();
-            if aof == "yes" && fsync == "always" {
+            let on_rewrite = settings
+                .get("no-appendfsync-on-rewrite")
+                .map_or("no", String::as_str);
+            if aof == "yes" && fsync == "always" && on_rewrite != "no" {
+                Durability::UnsyncedOnRewrite
+            } else if aof == "yes" && fsync == "always" {
                 Durability::Synced
             } else {
                 Durability::Unsynced(aof, fsync)
@@ -243,8 +267,8 @@ async fn durability(con: &mut MultiplexedConnection) -> Durability {
     }
 }
 
-/// An acknowledged entry is on disk only with `appendonly yes` and
-/// `appendfsync always`. Otherwise walbox refuses to start unless
+/// An acknowledged entry is on disk only with `appendonly yes`,
+/// `appendfsync always` and `no-appendfsync-on-rewrite no`. Otherwise walbox refuses to start unless
 /// `allow_unsynced`; a server that does not let walbox read them (a managed
 /// Redis without CONFIG) is used with a warning.
 async fn check_durability(
@@ -257,7 +281,7 @@ async fn check_durability(
             tracing::warn!("{}", d.describe());
             Ok(())
         }
-        d @ Durability::Unsynced(..) if config.allow_unsynced => {
+        d @ (Durability::Unsynced(..) | Durability::UnsyncedOnRewrite) if config.allow_unsynced => {
             tracing::warn!(
                 "{}; going on (sink.redis.allow_unsynced = true)",
                 d.describe()
@@ -265,9 +289,9 @@ async fn check_durability(
             Ok(())
         }
         d => Err(SinkError::Config(format!(
-            "sink.redis: {}; set appendonly yes and appendfsync always on the server \
-             (CONFIG SET appendonly yes, CONFIG SET appendfsync always, and in redis.conf), \
-             or accept the loss with allow_unsynced = true",
+            "sink.redis: {}; set appendonly yes, appendfsync always and \
+             no-appendfsync-on-rewrite no on the server (CONFIG SET, and in redis.conf), or \
+             accept the loss with allow_unsynced = true",
             d.describe()
         ))),
     }
@@ -313,6 +337,27 @@ impl Writer {
 
     async fn write(&mut self, script: &redis::Script, batch: Vec<Item>) {
         let writer = self.config.writer_name().to_owned();
+        // An entry with more fields than one XADD can take is refused alone
+        // (it goes to a dead letter), as a key of another type is.
+        let (batch, wide): (Vec<Item>, Vec<Item>) = batch.into_iter().partition(|item| {
+            let e = &item.event;
+            let trim = self.config.trim_args(e.position.commit_lsn.0).len();
+            let fields = entry::field_count(e, item.replay.is_some());
+            3 + trim + 2 * fields <= MAX_XADD_ARGS
+        });
+        for item in wide {
+            let reason = format!(
+                "event {} has {} headers: its entry would have more fields than one XADD \
+                 in walbox's script can take (at most {} arguments)",
+                item.event.event_id,
+                item.event.headers.len(),
+                MAX_XADD_ARGS
+            );
+            self.report(&item, Err((DeliveryClass::MessageTooLarge, reason)));
+        }
+        if batch.is_empty() {
+            return;
+        }
         let mut call = script.prepare_invoke();
         call.arg(&writer);
         // One batch belongs to one replay or none (the name is the sink's).
@@ -324,7 +369,7 @@ impl Writer {
         );
         for item in &batch {
             let e = &item.event;
-            let id = entry_id(e.position.commit_lsn.0, e.position.index);
+            let id = entry::event_entry_id(&e.position);
             let trim = self.config.trim_args(e.position.commit_lsn.0);
             let fields = entry::fields_of(e, &writer, item.replay.as_deref());
             call.key(e.topic.as_str());
@@ -459,12 +504,15 @@ impl Writer {
                 id,
                 writer,
                 event_id,
+                other_key,
             } => (
                 DeliveryClass::DuplicateId,
                 format!(
-                    "entry {id} of stream {:?} holds event {event_id:?} (writer {writer:?}), \
+                    "entry {id} of stream {:?} holds event {event_id:?}{} (writer {writer:?}), \
                      not event {:?} of this walbox (writer {me:?}), at the same position",
-                    event.topic, event.event_id
+                    event.topic,
+                    if *other_key { " with another key" } else { "" },
+                    event.event_id
                 ),
             ),
             Stop::Error(text) => (classify(text), text.clone()),

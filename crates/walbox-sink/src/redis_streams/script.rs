@@ -8,15 +8,19 @@
 //!    writer's entry there stops walbox, naming both;
 //! 2. adds the entry at its id (the position); when Redis refuses it as
 //!    "equal or smaller than the target stream top item", reads the entry at
-//!    that id: the same event id is a duplicate (already stored), another
-//!    event id stops walbox naming both, and no entry at all (the position is
+//!    that id: the same event id and key is a duplicate (already stored),
+//!    another event id (or the same one with another key) stops walbox
+//!    naming both, and no entry at all (the position is
 //!    below what the stream holds: a retaken snapshot, a replay) appends the
-//!    event after the top, at `<top ms>-*`;
+//!    event after the top, at `<top ms>-*` with the milliseconds part made
+//!    odd (positions are even), so that it never takes a later position's id;
 //! 3. in a replay, always appends after the top, and records per stream the
-//!    position of the last event appended in a hash of the replay's own
-//!    (`walbox:replay:<writer>:<name>`): a run of the same replay again (after
-//!    a kill) counts an event at or below that position as a duplicate, since
-//!    a replay appends its events in position order.
+//!    position of the last event appended, with the id and event id of its
+//!    copy, in a hash of the replay's own (`walbox:replay:<writer>:<name>`):
+//!    a run of the same replay again (after a kill) counts an event at or
+//!    below that position as a duplicate, since a replay appends its events
+//!    in position order, as long as the stream still holds that copy (a
+//!    stream deleted or trimmed past it since gets the range again).
 //!
 //! A key of another type (WRONGTYPE) refuses its entry alone (it is about
 //! the record's stream: it goes to a dead letter), and the call goes on.
@@ -54,6 +58,24 @@ local function above(a, b)
   if #as ~= #bs then return #as > #bs end
   return as > bs
 end
+-- Where an earlier run of this replay got to in a stream: the position of
+-- the last event it appended, as long as the stream still holds that copy
+-- (its id and event id are kept beside the position); false otherwise.
+local marks = {}
+local function replayed(key)
+  if marks[key] ~= nil then return marks[key] end
+  local m = false
+  local v = redis.call('HGET', progress, key)
+  if v then
+    local pos, at, eid = string.match(v, '^(%S+) (%S+) (.*)$')
+    if pos then
+      local r = redis.pcall('XRANGE', key, at, at)
+      if not r.err and #r > 0 and field(r[1][2], 'event_id') == eid then m = pos end
+    end
+  end
+  marks[key] = m
+  return m
+end
 for i = 1, #KEYS do
   local key = KEYS[i]
   local mode = ARGV[pos]
@@ -88,7 +110,7 @@ for i = 1, #KEYS do
   end
   local after = mode == 'a'
   local mark = false
-  if after and progress ~= '' then mark = redis.call('HGET', progress, key) end
+  if after and progress ~= '' then mark = replayed(key) end
   if after and mark and not above(id, mark) then
     -- Stored by an earlier run of this replay (a replay stores in order).
     out[#out + 1] = 'dup'
@@ -109,6 +131,9 @@ for i = 1, #KEYS do
         if other ~= eid then
           return {out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other}
         end
+        if field(at[1][2], 'key') ~= field(fields, 'key') then
+          return {out, i, 'rekeyed', id, field(at[1][2], 'walbox_writer'), other}
+        end
         out[#out + 1] = 'dup'
       else
         after = true
@@ -123,13 +148,21 @@ for i = 1, #KEYS do
     if not info.err then
       for j = 1, #info, 2 do
         if info[j] == 'last-generated-id' then
-          at = string.match(info[j + 1], '^(%d+)') .. '-*'
+          -- An odd milliseconds part: positions are WAL record LSNs, which
+          -- are even, so no event written later at its own id (the rest of
+          -- the transaction at the top) finds its id taken by this entry.
+          local ms = string.match(info[j + 1], '^(%d+)')
+          local last = tonumber(string.sub(ms, -1))
+          if last % 2 == 0 then ms = string.sub(ms, 1, -2) .. tostring(last + 1) end
+          at = ms .. '-*'
         end
       end
     end
     local r = add(at)
     if type(r) == 'table' and r.err then return {out, i, 'error', r.err} end
-    if mode == 'a' and progress ~= '' then redis.call('HSET', progress, key, id) end
+    if mode == 'a' and progress ~= '' then
+      redis.call('HSET', progress, key, id .. ' ' .. r .. ' ' .. eid)
+    end
     out[#out + 1] = '+' .. r
   end
 end
@@ -170,6 +203,8 @@ pub enum Stop {
         writer: String,
         /// Its event id.
         event_id: String,
+        /// The event id is the same, the key another.
+        other_key: bool,
     },
     /// Redis refused the command (out of memory, a key of another type, an
     /// ACL).
@@ -234,10 +269,11 @@ pub fn parse_reply(v: &Value) -> Option<Reply> {
             writer: arg(4),
             event_id: arg(5),
         },
-        "taken" => Stop::Taken {
+        kind @ ("taken" | "rekeyed") => Stop::Taken {
             id: arg(3),
             writer: arg(4),
             event_id: arg(5),
+            other_key: kind == "rekeyed",
         },
         _ => Stop::Error(arg(3)),
     };
@@ -298,7 +334,8 @@ mod tests {
                 Stop::Taken {
                     id: "6-0".into(),
                     writer: "walbox-a".into(),
-                    event_id: "other-event".into()
+                    event_id: "other-event".into(),
+                    other_key: false,
                 }
             ))
         );
