@@ -61,6 +61,7 @@
 //! batches are written by a script that stops at the first refusal, so
 //! nothing is stored after a gap (rule 5's aim).
 
+mod crypto;
 mod delivery;
 mod kafka;
 mod nats;
@@ -75,6 +76,7 @@ mod webhook;
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
+pub use crypto::install_crypto_provider;
 pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};
 pub use nats::{

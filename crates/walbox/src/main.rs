@@ -261,6 +261,8 @@ fn lossy(argv: &[std::ffi::OsString]) -> Vec<String> {
 }
 
 fn main() -> std::process::ExitCode {
+    // One rustls provider for every TLS client in the process (see the function).
+    walbox_sink::install_crypto_provider();
     let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let cmd = command_line();
     let parsed = cmd

@@ -41,6 +41,7 @@ impl RabbitMqSink {
     /// A sink with these settings; it connects on its first event. Returns the
     /// sink and the receiver of its deliveries.
     pub fn new(config: RabbitMqSinkConfig) -> Result<(Self, Deliveries), SinkError> {
+        crate::install_crypto_provider();
         config.validate()?;
         match config.mode {
             RabbitMqMode::Exchange => {

@@ -149,6 +149,7 @@ impl RedisSink {
     /// A sink with these settings; it connects on its first event. Returns the
     /// sink and the receiver of its deliveries.
     pub fn new(config: RedisSinkConfig) -> Result<(Self, Deliveries), SinkError> {
+        crate::install_crypto_provider();
         config.validate()?;
         let (tx, rx) = mpsc::unbounded_channel();
         Ok((
