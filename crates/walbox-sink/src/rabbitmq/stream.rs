@@ -8,21 +8,25 @@
 //! as application properties.
 //!
 //! On its first event for a (stream, name) a session asks the broker for
-//! the name's sequence (the highest id stored under it). An event whose id
-//! is at or below it is already stored: it is not sent, and it is counted
-//! apart as a duplicate ([`Sink::duplicates`]), never as stored. That holds
-//! only if the name is walbox's alone, so a sequence above 0 is checked
-//! first: the stream must hold a message that walbox published under that
-//! name with that id (read from its tail, or from its start when the tail
-//! does not hold it); else another producer uses the name, and walbox stops
-//! naming the stream, the name and the id. The event at exactly the
-//! sequence is also compared by event id with that message.
+//! the name's sequence (the highest id stored under it). A sequence above 0
+//! is checked first: the stream must hold a message that walbox published
+//! under that name with that id; else another producer uses the name, and
+//! walbox stops naming the stream, the name and the id. The same read (the
+//! stream's tail, or the whole stream when the tail does not reach back to
+//! the session's first id under the name) gathers the event ids walbox's
+//! messages hold under the name from that first id to the sequence. An
+//! event whose id is at or below the sequence is not sent (the broker would
+//! drop it); it counts as already stored, apart ([`Sink::duplicates`]),
+//! only if the stream holds that very event under its id. Anything else
+//! there, or nothing, means another history published under the name (a
+//! restored database, another one with the same producer base): walbox
+//! stops before the event rather than lose it.
 //!
 //! A replay (`walbox replay`, [`Sink::replay_as`]) publishes under names of
 //! its own, `{base}.replay.{name}`, so the stream stores the range again and
 //! drops only what an earlier run of the same replay stored.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -76,8 +80,9 @@ struct Named {
     producer: Producer<Dedup>,
     /// The highest id stored under the name when the session began.
     sequence: u64,
-    /// The event id of the message stored at `sequence`, if above 0.
-    stored_event: Option<String>,
+    /// The event ids walbox's messages under the name hold, by publishing
+    /// id, from the session's first id under the name to `sequence`.
+    stored: BTreeMap<u64, String>,
     /// The highest id sent under the name in this session.
     sent: u64,
 }
@@ -195,41 +200,52 @@ pub(super) fn property(m: &Message, name: &str) -> Option<String> {
     }
 }
 
-/// Finds the message walbox stored in `stream` under `name` with publishing
-/// id `id`: its event id. Reads the tail first (the last chunk on), then the
-/// whole stream; each read ends once nothing came for a moment.
+/// What walbox stored in `stream` under `name` with publishing ids from
+/// `from` to `to`: each id's event id. Reads the tail first (the last chunk
+/// on), then the whole stream unless the tail already reached an id at or
+/// below `from` under the name (ids grow with the offset under a name, so
+/// everything from there on was read); each read ends once nothing came for
+/// a moment.
 async fn stored_under(
     environment: &Environment,
     stream: &str,
     name: &str,
-    id: u64,
-) -> Result<Option<String>, SinkError> {
-    let wanted = id.to_string();
-    for from in [OffsetSpecification::Last, OffsetSpecification::First] {
+    from: u64,
+    to: u64,
+) -> Result<BTreeMap<u64, String>, SinkError> {
+    let mut found = BTreeMap::new();
+    for start in [OffsetSpecification::Last, OffsetSpecification::First] {
         let mut consumer = environment
             .consumer()
-            .offset(from)
+            .offset(start)
             .build(stream)
             .await
             .map_err(|e| stream_error(&format!("reading stream {stream}"), &e))?;
-        let mut found = None;
+        let mut reached = false;
         while let Ok(Some(delivery)) =
             tokio::time::timeout(Duration::from_millis(500), consumer.next()).await
         {
             let Ok(delivery) = delivery else { break };
             let m = delivery.message();
-            if property(m, PRODUCER_PROPERTY).as_deref() == Some(name)
-                && property(m, ID_PROPERTY).as_deref() == Some(wanted.as_str())
+            if property(m, PRODUCER_PROPERTY).as_deref() != Some(name) {
+                continue;
+            }
+            let Some(id) = property(m, ID_PROPERTY).and_then(|v| v.parse::<u64>().ok()) else {
+                continue;
+            };
+            reached |= id <= from;
+            if (from..=to).contains(&id)
+                && let Some(event) = property(m, header::EVENT_ID)
             {
-                found = property(m, header::EVENT_ID);
+                found.insert(id, event);
             }
         }
         let _ = consumer.handle().close().await;
-        if found.is_some() {
-            return Ok(found);
+        if found.contains_key(&to) && reached {
+            break;
         }
     }
-    Ok(None)
+    Ok(found)
 }
 
 impl StreamSink {
@@ -279,7 +295,12 @@ impl StreamSink {
     /// The producer of `slot.name` on `stream`, declared (and the stream
     /// created, with `declare`) on first use, with the name's sequence
     /// checked to be walbox's.
-    async fn producer(&mut self, stream: &str, name: &str) -> Result<(), ProducerFailure> {
+    async fn producer(
+        &mut self,
+        stream: &str,
+        name: &str,
+        first_id: u64,
+    ) -> Result<(), ProducerFailure> {
         let declare = self.config.declare;
         let wait = Duration::from_millis(self.config.connect_timeout_ms.max(1_000));
         let batch = self.config.max_in_flight.clamp(1, 1_000);
@@ -349,16 +370,22 @@ impl StreamSink {
                         &e,
                     ))
                 })?;
-        let mut stored_event = None;
+        let mut stored = BTreeMap::new();
         if sequence > 0 {
-            stored_event = tokio::time::timeout(
+            stored = tokio::time::timeout(
                 wait * 10,
-                stored_under(&session.environment, stream, name, sequence),
+                stored_under(
+                    &session.environment,
+                    stream,
+                    name,
+                    first_id.min(sequence),
+                    sequence,
+                ),
             )
             .await
-            .map_err(|_| late("reading the stream's last message of"))?
+            .map_err(|_| late("reading the stream's last messages of"))?
             .map_err(ProducerFailure::Sink)?;
-            if stored_event.is_none() {
+            if !stored.contains_key(&sequence) {
                 let _ = producer.close().await;
                 return Err(ProducerFailure::Taken(format!(
                     "stream {stream}: the broker holds sequence {sequence} for producer name \
@@ -381,7 +408,7 @@ impl StreamSink {
             Named {
                 producer,
                 sequence,
-                stored_event,
+                stored,
                 sent: 0,
             },
         );
@@ -493,7 +520,7 @@ impl Sink for StreamSink {
             event.position.xid == 0,
         );
         let stream = event.topic.clone();
-        match self.producer(&stream, &slot.name).await {
+        match self.producer(&stream, &slot.name, slot.id).await {
             Ok(()) => {}
             Err(ProducerFailure::Sink(e)) => return Err(e),
             Err(ProducerFailure::Taken(reason)) => {
@@ -513,25 +540,32 @@ impl Sink for StreamSink {
         let key = (stream.clone(), slot.name.clone());
         let named = &self.session.as_ref().expect("connected above").producers[&key];
         if slot.id <= named.sequence {
-            // Already stored by an earlier session: not sent.
-            let answer = if slot.id == named.sequence
-                && named.stored_event.as_deref() != Some(event.event_id.as_str())
-            {
+            // At or below the name's sequence: the broker would drop it. It
+            // is already stored only if the stream holds this very event
+            // under that id; anything else (another event there, or none: an
+            // earlier history under the name, such as a restored cluster or
+            // another database with the same producer base) would be lost.
+            let held = named.stored.get(&slot.id);
+            let answer = if held.map(String::as_str) == Some(event.event_id.as_str()) {
+                Answer::Ack
+            } else {
                 let reason = format!(
                     "stream {stream} holds, under producer {} with publishing id {} (commit LSN \
-                     {}, index {}), event {} where walbox has event {}: another event was \
-                     published from this position; walbox stops before this event",
+                     {}, index {}), {} where walbox has event {}, and the broker keeps id {} as \
+                     the name's last: sent, it would be dropped unseen; another history \
+                     published under this name (a restored or replaced database, another \
+                     database with the same producer base): give walbox another producer base \
+                     (sink.rabbitmq.producer); walbox stops before this event",
                     slot.name,
                     slot.id,
                     event.position.commit_lsn,
                     event.position.index,
-                    named.stored_event.as_deref().unwrap_or("(none)"),
-                    event.event_id
+                    held.map_or_else(|| "no message".to_owned(), |e| format!("event {e}")),
+                    event.event_id,
+                    named.sequence,
                 );
                 self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
                 Answer::Failed(DeliveryClass::DuplicateId, reason)
-            } else {
-                Answer::Ack
             };
             let dropped = matches!(answer, Answer::Ack);
             self.queue(token, &event, dropped, Some(answer));
