@@ -752,3 +752,27 @@ async fn stream_an_event_below_a_name_s_sequence_counts_as_stored_only_if_the_st
     assert_eq!(got, [Err(walbox_sink::DeliveryClass::DuplicateId)]);
     assert_eq!(read_stream(&node, s).await.len(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_events_under_several_producer_names_keep_their_order_in_the_stream() {
+    let node = node().read().await;
+    let s = "names.order";
+    // Each transaction's event past 2^23 goes under its transaction's own
+    // name, the next transaction's under the epoch's: two producers, each
+    // on a connection of its own. The stream must hold them in send order.
+    let mut events = vec![stream_event(s, "e-0", 0x1000, 0)];
+    for i in 0..8u64 {
+        let lsn = 0x2000 + 0x100 * i;
+        events.push(stream_event(s, &format!("x-{i}"), lsn, 1 << 23));
+        events.push(stream_event(s, &format!("e-{}", i + 1), lsn + 0x10, 0));
+    }
+    let sent: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+    let (got, _) = send_through_stream_sink(&node, "names", events).await;
+    assert!(got.iter().all(Result::is_ok), "{got:?}");
+    let stored: Vec<String> = read_stream(&node, s)
+        .await
+        .iter()
+        .map(|r| header(r, "event_id").unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(stored, sent);
+}

@@ -28,14 +28,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use rabbitmq_stream_client::error::{ProducerCreateError, StreamCreateError};
 use rabbitmq_stream_client::types::{Message, OffsetSpecification, ResponseCode, SimpleValue};
 use rabbitmq_stream_client::{Client, ClientOptions, Dedup, Environment, Producer};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use walbox_outbox::{Event, header};
 
 use super::RabbitMqSinkConfig;
@@ -92,6 +92,12 @@ struct Session {
     client: Client,
     producers: HashMap<(String, String), Named>,
     reports: mpsc::UnboundedSender<Report>,
+    /// How many publications handed to a producer await the broker's answer.
+    unanswered: Arc<watch::Sender<usize>>,
+    /// Whether the broker failed one of them (or it could not be sent).
+    refused: Arc<AtomicBool>,
+    /// The name each stream was last published under.
+    last_name: HashMap<String, String>,
 }
 
 /// Publishes events to streams.
@@ -287,6 +293,9 @@ impl StreamSink {
                 client,
                 producers: HashMap::new(),
                 reports,
+                unanswered: Arc::new(watch::channel(0).0),
+                refused: Arc::new(AtomicBool::new(false)),
+                last_name: HashMap::new(),
             });
         }
         Ok(self.session.as_mut().expect("connected above"))
@@ -412,6 +421,43 @@ impl StreamSink {
                 sent: 0,
             },
         );
+        Ok(())
+    }
+
+    /// Before the first publication to `stream` under `name` after others
+    /// under another name: waits until the broker has answered every
+    /// publication of the session. Each name's producer has a connection of
+    /// its own, and the broker orders only what one connection sends, so
+    /// without this a later event could land before an earlier one of
+    /// another name (snapshot rows then the stream, an epoch's last events
+    /// then the next's, a transaction past 2^23 events then the next). Errs
+    /// (the event must not go) when one failed or no answer came in time.
+    async fn after_other_names(&mut self, stream: &str, name: &str) -> Result<(), String> {
+        let wait = Duration::from_millis(self.config.confirm_timeout_ms);
+        let session = self.session.as_mut().expect("connected above");
+        let previous = session.last_name.insert(stream.to_owned(), name.to_owned());
+        if previous.is_none_or(|p| p == name) {
+            return Ok(());
+        }
+        let mut rx = session.unanswered.subscribe();
+        let answered = tokio::time::timeout(wait, rx.wait_for(|n| *n == 0))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if !answered {
+            return Err(format!(
+                "an earlier publication of this session had no answer within {} ms; the \
+                 next one, to stream {stream} under producer {name}, waits for it (another \
+                 name's producer has a connection of its own, which would not keep their \
+                 order)",
+                wait.as_millis()
+            ));
+        }
+        if session.refused.load(Ordering::SeqCst) {
+            return Err(format!(
+                "an earlier publication of this session failed; the next one, to stream \
+                 {stream} under producer {name}, would land after it out of order"
+            ));
+        }
         Ok(())
     }
 
@@ -596,14 +642,23 @@ impl Sink for StreamSink {
             );
             return Ok(());
         }
+        if let Err(reason) = self.after_other_names(&stream, &slot.name).await {
+            self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+            self.queue(
+                token,
+                &event,
+                false,
+                Some(Answer::Failed(DeliveryClass::BrokerError, reason)),
+            );
+            return Ok(());
+        }
         let message = message_of(&event, &slot);
         let seq = self.queue(token, &event, false, None);
-        let reports = self
-            .session
-            .as_ref()
-            .expect("connected above")
-            .reports
-            .clone();
+        let session = self.session.as_ref().expect("connected above");
+        let reports = session.reports.clone();
+        let unanswered = Arc::clone(&session.unanswered);
+        let refused = Arc::clone(&session.refused);
+        unanswered.send_modify(|n| *n += 1);
         let named = self
             .session
             .as_mut()
@@ -614,22 +669,34 @@ impl Sink for StreamSink {
         named.sent = slot.id;
         let sent = named
             .producer
-            .send(message, move |status| {
-                let reports = reports.clone();
-                async move {
-                    let answer = match status {
-                        Ok(s) if s.confirmed() => Answer::Ack,
-                        Ok(s) => Answer::Failed(
-                            DeliveryClass::BrokerError,
-                            format!("the broker did not confirm it ({:?})", s.status()),
-                        ),
-                        Err(e) => Answer::Failed(DeliveryClass::BrokerError, e.to_string()),
-                    };
-                    let _ = reports.send(Report::Answered(seq, answer));
+            .send(message, {
+                let unanswered = Arc::clone(&unanswered);
+                let refused = Arc::clone(&refused);
+                move |status| {
+                    let reports = reports.clone();
+                    let unanswered = Arc::clone(&unanswered);
+                    let refused = Arc::clone(&refused);
+                    async move {
+                        let answer = match status {
+                            Ok(s) if s.confirmed() => Answer::Ack,
+                            Ok(s) => Answer::Failed(
+                                DeliveryClass::BrokerError,
+                                format!("the broker did not confirm it ({:?})", s.status()),
+                            ),
+                            Err(e) => Answer::Failed(DeliveryClass::BrokerError, e.to_string()),
+                        };
+                        if !matches!(answer, Answer::Ack) {
+                            refused.store(true, Ordering::SeqCst);
+                        }
+                        let _ = reports.send(Report::Answered(seq, answer));
+                        unanswered.send_modify(|n| *n = n.saturating_sub(1));
+                    }
                 }
             })
             .await;
         if let Err(e) = sent {
+            refused.store(true, Ordering::SeqCst);
+            unanswered.send_modify(|n| *n = n.saturating_sub(1));
             let reason = format!("publishing to stream {stream}: {e}");
             self.unsent = Some((
                 DeliveryClass::BrokerError,
