@@ -704,6 +704,7 @@ async fn send_through_stream_sink(
         stream_port: Some(node.stream_port()),
         declare: true,
         producer: Some(producer.to_owned()),
+        confirm_timeout_ms: 5_000,
         ..Default::default()
     };
     let (mut sink, mut deliveries) = walbox_sink::RabbitMqSink::new(config).unwrap();

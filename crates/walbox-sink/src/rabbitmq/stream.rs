@@ -12,8 +12,8 @@
 //! is checked first: the stream must hold a message that walbox published
 //! under that name with that id; else another producer uses the name, and
 //! walbox stops naming the stream, the name and the id. The same read (the
-//! stream's tail, or the whole stream when the tail does not reach back to
-//! the session's first id under the name) gathers the event ids walbox's
+//! stream's tail, and further back until it reaches the session's first id
+//! under the name) gathers the event ids walbox's
 //! messages hold under the name from that first id to the sequence. An
 //! event whose id is at or below the sequence is not sent (the broker would
 //! drop it); it counts as already stored, apart ([`Sink::duplicates`]),
@@ -207,11 +207,12 @@ pub(super) fn property(m: &Message, name: &str) -> Option<String> {
 }
 
 /// What walbox stored in `stream` under `name` with publishing ids from
-/// `from` to `to`: each id's event id. Reads the tail first (the last chunk
-/// on), then the whole stream unless the tail already reached an id at or
-/// below `from` under the name (ids grow with the offset under a name, so
-/// everything from there on was read); each read ends once nothing came for
-/// a moment.
+/// `from` to `to`: each id's event id. Reads the tail (the last chunk on),
+/// then from further back each time (a thousand messages before the lowest
+/// offset read, then eight times as many each time, then the whole stream)
+/// until it has read `to` and an id at or below `from` under the name: ids
+/// grow with the offset under a name, so everything from there on was read.
+/// Each read ends once nothing came for a moment.
 async fn stored_under(
     environment: &Environment,
     stream: &str,
@@ -220,7 +221,10 @@ async fn stored_under(
     to: u64,
 ) -> Result<BTreeMap<u64, String>, SinkError> {
     let mut found = BTreeMap::new();
-    for start in [OffsetSpecification::Last, OffsetSpecification::First] {
+    let mut start = OffsetSpecification::Last;
+    let mut back = 1_024u64;
+    loop {
+        let whole = matches!(start, OffsetSpecification::First);
         let mut consumer = environment
             .consumer()
             .offset(start)
@@ -228,10 +232,12 @@ async fn stored_under(
             .await
             .map_err(|e| stream_error(&format!("reading stream {stream}"), &e))?;
         let mut reached = false;
+        let mut lowest: Option<u64> = None;
         while let Ok(Some(delivery)) =
             tokio::time::timeout(Duration::from_millis(500), consumer.next()).await
         {
             let Ok(delivery) = delivery else { break };
+            lowest = Some(lowest.map_or(delivery.offset(), |l| l.min(delivery.offset())));
             let m = delivery.message();
             if property(m, PRODUCER_PROPERTY).as_deref() != Some(name) {
                 continue;
@@ -247,11 +253,15 @@ async fn stored_under(
             }
         }
         let _ = consumer.handle().close().await;
-        if found.contains_key(&to) && reached {
-            break;
+        if whole || (found.contains_key(&to) && reached) {
+            return Ok(found);
         }
+        start = match lowest {
+            Some(low) if low > back => OffsetSpecification::Offset(low - back),
+            _ => OffsetSpecification::First,
+        };
+        back = back.saturating_mul(8);
     }
-    Ok(found)
 }
 
 impl StreamSink {
