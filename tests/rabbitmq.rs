@@ -669,3 +669,111 @@ async fn stream_dead_letters_are_replayed_after_a_fix_each_under_a_name_of_its_o
     assert_eq!(read_stream(&node, dlq).await.len(), 1);
     drop(pg);
 }
+
+/// An event at `(lsn, index)` for `stream`, with its event id as a header.
+fn stream_event(stream: &str, id: &str, lsn: u64, index: u32) -> walbox_outbox::Event {
+    walbox_outbox::Event {
+        event_id: id.to_owned(),
+        topic: stream.to_owned(),
+        key: Some(bytes::Bytes::from_static(b"k")),
+        value: bytes::Bytes::from_static(b"{}"),
+        json_value: true,
+        headers: vec![(
+            walbox_outbox::header::EVENT_ID.into(),
+            bytes::Bytes::from(id.to_owned()),
+        )],
+        position: walbox_outbox::Position {
+            commit_lsn: walbox_pgoutput::Lsn(lsn),
+            index,
+            xid: 7,
+        },
+    }
+}
+
+/// Sends `events` through a new stream-mode sink and returns each delivery's
+/// outcome (in token order) and how many were dropped as duplicates.
+async fn send_through_stream_sink(
+    node: &walbox_testkit::RabbitMq,
+    producer: &str,
+    events: Vec<walbox_outbox::Event>,
+) -> (Vec<Result<(), walbox_sink::DeliveryClass>>, u64) {
+    use walbox_sink::Sink as _;
+    let config = walbox_sink::RabbitMqSinkConfig {
+        mode: walbox_sink::RabbitMqMode::Stream,
+        port: Some(node.amqp_port()),
+        stream_port: Some(node.stream_port()),
+        declare: true,
+        producer: Some(producer.to_owned()),
+        confirm_timeout_ms: 5_000,
+        ..Default::default()
+    };
+    let (mut sink, mut deliveries) = walbox_sink::RabbitMqSink::new(config).unwrap();
+    let n = events.len();
+    for (token, e) in events.into_iter().enumerate() {
+        sink.send(e, token).await.unwrap();
+    }
+    sink.end_batch();
+    let mut out = vec![None; n];
+    for _ in 0..n {
+        let d = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
+            .await
+            .expect("a delivery in time")
+            .expect("the sink is alive");
+        out[d.token] = Some(d.result.map_err(|e| e.class));
+    }
+    let duplicates = sink.duplicates();
+    (out.into_iter().map(Option::unwrap).collect(), duplicates)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_an_event_below_a_name_s_sequence_counts_as_stored_only_if_the_stream_holds_it() {
+    let node = node().read().await;
+    let s = "history.order";
+    // One history stored two events under the name.
+    let first = vec![
+        stream_event(s, "h1-a", 0x2000, 0),
+        stream_event(s, "h1-b", 0x2000, 1),
+    ];
+    let (got, _) = send_through_stream_sink(&node, "hist", first).await;
+    assert_eq!(got, [Ok(()), Ok(())]);
+    // A resend of the first is dropped by the broker and checked: stored.
+    let (got, dup) =
+        send_through_stream_sink(&node, "hist", vec![stream_event(s, "h1-a", 0x2000, 0)]).await;
+    assert_eq!((got, dup), (vec![Ok(())], 1));
+    // Another history's event at a position below the name's sequence (a
+    // restored cluster, another database under the same name) is not there:
+    // it must not read as stored.
+    let (got, dup) =
+        send_through_stream_sink(&node, "hist", vec![stream_event(s, "h2-a", 0x1000, 0)]).await;
+    assert_eq!(dup, 0);
+    assert_eq!(got, [Err(walbox_sink::DeliveryClass::DuplicateId)]);
+    // Nor another event at a position the stream holds.
+    let (got, _) =
+        send_through_stream_sink(&node, "hist", vec![stream_event(s, "h2-b", 0x2000, 0)]).await;
+    assert_eq!(got, [Err(walbox_sink::DeliveryClass::DuplicateId)]);
+    assert_eq!(read_stream(&node, s).await.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_events_under_several_producer_names_keep_their_order_in_the_stream() {
+    let node = node().read().await;
+    let s = "names.order";
+    // Each transaction's event past 2^23 goes under its transaction's own
+    // name, the next transaction's under the epoch's: two producers, each
+    // on a connection of its own. The stream must hold them in send order.
+    let mut events = vec![stream_event(s, "e-0", 0x1000, 0)];
+    for i in 0..8u64 {
+        let lsn = 0x2000 + 0x100 * i;
+        events.push(stream_event(s, &format!("x-{i}"), lsn, 1 << 23));
+        events.push(stream_event(s, &format!("e-{}", i + 1), lsn + 0x10, 0));
+    }
+    let sent: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+    let (got, _) = send_through_stream_sink(&node, "names", events).await;
+    assert!(got.iter().all(Result::is_ok), "{got:?}");
+    let stored: Vec<String> = read_stream(&node, s)
+        .await
+        .iter()
+        .map(|r| header(r, "event_id").unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(stored, sent);
+}

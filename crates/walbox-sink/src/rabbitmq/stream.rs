@@ -8,30 +8,34 @@
 //! as application properties.
 //!
 //! On its first event for a (stream, name) a session asks the broker for
-//! the name's sequence (the highest id stored under it). An event whose id
-//! is at or below it is already stored: it is not sent, and it is counted
-//! apart as a duplicate ([`Sink::duplicates`]), never as stored. That holds
-//! only if the name is walbox's alone, so a sequence above 0 is checked
-//! first: the stream must hold a message that walbox published under that
-//! name with that id (read from its tail, or from its start when the tail
-//! does not hold it); else another producer uses the name, and walbox stops
-//! naming the stream, the name and the id. The event at exactly the
-//! sequence is also compared by event id with that message.
+//! the name's sequence (the highest id stored under it). A sequence above 0
+//! is checked first: the stream must hold a message that walbox published
+//! under that name with that id; else another producer uses the name, and
+//! walbox stops naming the stream, the name and the id. The same read (the
+//! stream's tail, and further back until it reaches the session's first id
+//! under the name) gathers the event ids walbox's
+//! messages hold under the name from that first id to the sequence. An
+//! event whose id is at or below the sequence is not sent (the broker would
+//! drop it); it counts as already stored, apart ([`Sink::duplicates`]),
+//! only if the stream holds that very event under its id. Anything else
+//! there, or nothing, means another history published under the name (a
+//! restored database, another one with the same producer base): walbox
+//! stops before the event rather than lose it.
 //!
 //! A replay (`walbox replay`, [`Sink::replay_as`]) publishes under names of
 //! its own, `{base}.replay.{name}`, so the stream stores the range again and
 //! drops only what an earlier run of the same replay stored.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use rabbitmq_stream_client::error::{ProducerCreateError, StreamCreateError};
 use rabbitmq_stream_client::types::{Message, OffsetSpecification, ResponseCode, SimpleValue};
 use rabbitmq_stream_client::{Client, ClientOptions, Dedup, Environment, Producer};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use walbox_outbox::{Event, header};
 
 use super::RabbitMqSinkConfig;
@@ -76,8 +80,9 @@ struct Named {
     producer: Producer<Dedup>,
     /// The highest id stored under the name when the session began.
     sequence: u64,
-    /// The event id of the message stored at `sequence`, if above 0.
-    stored_event: Option<String>,
+    /// The event ids walbox's messages under the name hold, by publishing
+    /// id, from the session's first id under the name to `sequence`.
+    stored: BTreeMap<u64, String>,
     /// The highest id sent under the name in this session.
     sent: u64,
 }
@@ -87,6 +92,12 @@ struct Session {
     client: Client,
     producers: HashMap<(String, String), Named>,
     reports: mpsc::UnboundedSender<Report>,
+    /// How many publications handed to a producer await the broker's answer.
+    unanswered: Arc<watch::Sender<usize>>,
+    /// Whether the broker failed one of them (or it could not be sent).
+    refused: Arc<AtomicBool>,
+    /// The name each stream was last published under.
+    last_name: HashMap<String, String>,
 }
 
 /// Publishes events to streams.
@@ -195,41 +206,62 @@ pub(super) fn property(m: &Message, name: &str) -> Option<String> {
     }
 }
 
-/// Finds the message walbox stored in `stream` under `name` with publishing
-/// id `id`: its event id. Reads the tail first (the last chunk on), then the
-/// whole stream; each read ends once nothing came for a moment.
+/// What walbox stored in `stream` under `name` with publishing ids from
+/// `from` to `to`: each id's event id. Reads the tail (the last chunk on),
+/// then from further back each time (a thousand messages before the lowest
+/// offset read, then eight times as many each time, then the whole stream)
+/// until it has read `to` and an id at or below `from` under the name: ids
+/// grow with the offset under a name, so everything from there on was read.
+/// Each read ends once nothing came for a moment.
 async fn stored_under(
     environment: &Environment,
     stream: &str,
     name: &str,
-    id: u64,
-) -> Result<Option<String>, SinkError> {
-    let wanted = id.to_string();
-    for from in [OffsetSpecification::Last, OffsetSpecification::First] {
+    from: u64,
+    to: u64,
+) -> Result<BTreeMap<u64, String>, SinkError> {
+    let mut found = BTreeMap::new();
+    let mut start = OffsetSpecification::Last;
+    let mut back = 1_024u64;
+    loop {
+        let whole = matches!(start, OffsetSpecification::First);
         let mut consumer = environment
             .consumer()
-            .offset(from)
+            .offset(start)
             .build(stream)
             .await
             .map_err(|e| stream_error(&format!("reading stream {stream}"), &e))?;
-        let mut found = None;
+        let mut reached = false;
+        let mut lowest: Option<u64> = None;
         while let Ok(Some(delivery)) =
             tokio::time::timeout(Duration::from_millis(500), consumer.next()).await
         {
             let Ok(delivery) = delivery else { break };
+            lowest = Some(lowest.map_or(delivery.offset(), |l| l.min(delivery.offset())));
             let m = delivery.message();
-            if property(m, PRODUCER_PROPERTY).as_deref() == Some(name)
-                && property(m, ID_PROPERTY).as_deref() == Some(wanted.as_str())
+            if property(m, PRODUCER_PROPERTY).as_deref() != Some(name) {
+                continue;
+            }
+            let Some(id) = property(m, ID_PROPERTY).and_then(|v| v.parse::<u64>().ok()) else {
+                continue;
+            };
+            reached |= id <= from;
+            if (from..=to).contains(&id)
+                && let Some(event) = property(m, header::EVENT_ID)
             {
-                found = property(m, header::EVENT_ID);
+                found.insert(id, event);
             }
         }
         let _ = consumer.handle().close().await;
-        if found.is_some() {
+        if whole || (found.contains_key(&to) && reached) {
             return Ok(found);
         }
+        start = match lowest {
+            Some(low) if low > back => OffsetSpecification::Offset(low - back),
+            _ => OffsetSpecification::First,
+        };
+        back = back.saturating_mul(8);
     }
-    Ok(None)
 }
 
 impl StreamSink {
@@ -271,6 +303,9 @@ impl StreamSink {
                 client,
                 producers: HashMap::new(),
                 reports,
+                unanswered: Arc::new(watch::channel(0).0),
+                refused: Arc::new(AtomicBool::new(false)),
+                last_name: HashMap::new(),
             });
         }
         Ok(self.session.as_mut().expect("connected above"))
@@ -279,7 +314,12 @@ impl StreamSink {
     /// The producer of `slot.name` on `stream`, declared (and the stream
     /// created, with `declare`) on first use, with the name's sequence
     /// checked to be walbox's.
-    async fn producer(&mut self, stream: &str, name: &str) -> Result<(), ProducerFailure> {
+    async fn producer(
+        &mut self,
+        stream: &str,
+        name: &str,
+        first_id: u64,
+    ) -> Result<(), ProducerFailure> {
         let declare = self.config.declare;
         let wait = Duration::from_millis(self.config.connect_timeout_ms.max(1_000));
         let batch = self.config.max_in_flight.clamp(1, 1_000);
@@ -349,16 +389,22 @@ impl StreamSink {
                         &e,
                     ))
                 })?;
-        let mut stored_event = None;
+        let mut stored = BTreeMap::new();
         if sequence > 0 {
-            stored_event = tokio::time::timeout(
+            stored = tokio::time::timeout(
                 wait * 10,
-                stored_under(&session.environment, stream, name, sequence),
+                stored_under(
+                    &session.environment,
+                    stream,
+                    name,
+                    first_id.min(sequence),
+                    sequence,
+                ),
             )
             .await
-            .map_err(|_| late("reading the stream's last message of"))?
+            .map_err(|_| late("reading the stream's last messages of"))?
             .map_err(ProducerFailure::Sink)?;
-            if stored_event.is_none() {
+            if !stored.contains_key(&sequence) {
                 let _ = producer.close().await;
                 return Err(ProducerFailure::Taken(format!(
                     "stream {stream}: the broker holds sequence {sequence} for producer name \
@@ -381,10 +427,47 @@ impl StreamSink {
             Named {
                 producer,
                 sequence,
-                stored_event,
+                stored,
                 sent: 0,
             },
         );
+        Ok(())
+    }
+
+    /// Before the first publication to `stream` under `name` after others
+    /// under another name: waits until the broker has answered every
+    /// publication of the session. Each name's producer has a connection of
+    /// its own, and the broker orders only what one connection sends, so
+    /// without this a later event could land before an earlier one of
+    /// another name (snapshot rows then the stream, an epoch's last events
+    /// then the next's, a transaction past 2^23 events then the next). Errs
+    /// (the event must not go) when one failed or no answer came in time.
+    async fn after_other_names(&mut self, stream: &str, name: &str) -> Result<(), String> {
+        let wait = Duration::from_millis(self.config.confirm_timeout_ms);
+        let session = self.session.as_mut().expect("connected above");
+        let previous = session.last_name.insert(stream.to_owned(), name.to_owned());
+        if previous.is_none_or(|p| p == name) {
+            return Ok(());
+        }
+        let mut rx = session.unanswered.subscribe();
+        let answered = tokio::time::timeout(wait, rx.wait_for(|n| *n == 0))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if !answered {
+            return Err(format!(
+                "an earlier publication of this session had no answer within {} ms; the \
+                 next one, to stream {stream} under producer {name}, waits for it (another \
+                 name's producer has a connection of its own, which would not keep their \
+                 order)",
+                wait.as_millis()
+            ));
+        }
+        if session.refused.load(Ordering::SeqCst) {
+            return Err(format!(
+                "an earlier publication of this session failed; the next one, to stream \
+                 {stream} under producer {name}, would land after it out of order"
+            ));
+        }
         Ok(())
     }
 
@@ -493,7 +576,7 @@ impl Sink for StreamSink {
             event.position.xid == 0,
         );
         let stream = event.topic.clone();
-        match self.producer(&stream, &slot.name).await {
+        match self.producer(&stream, &slot.name, slot.id).await {
             Ok(()) => {}
             Err(ProducerFailure::Sink(e)) => return Err(e),
             Err(ProducerFailure::Taken(reason)) => {
@@ -513,25 +596,32 @@ impl Sink for StreamSink {
         let key = (stream.clone(), slot.name.clone());
         let named = &self.session.as_ref().expect("connected above").producers[&key];
         if slot.id <= named.sequence {
-            // Already stored by an earlier session: not sent.
-            let answer = if slot.id == named.sequence
-                && named.stored_event.as_deref() != Some(event.event_id.as_str())
-            {
+            // At or below the name's sequence: the broker would drop it. It
+            // is already stored only if the stream holds this very event
+            // under that id; anything else (another event there, or none: an
+            // earlier history under the name, such as a restored cluster or
+            // another database with the same producer base) would be lost.
+            let held = named.stored.get(&slot.id);
+            let answer = if held.map(String::as_str) == Some(event.event_id.as_str()) {
+                Answer::Ack
+            } else {
                 let reason = format!(
                     "stream {stream} holds, under producer {} with publishing id {} (commit LSN \
-                     {}, index {}), event {} where walbox has event {}: another event was \
-                     published from this position; walbox stops before this event",
+                     {}, index {}), {} where walbox has event {}, and the broker keeps id {} as \
+                     the name's last: sent, it would be dropped unseen; another history \
+                     published under this name (a restored or replaced database, another \
+                     database with the same producer base): give walbox another producer base \
+                     (sink.rabbitmq.producer); walbox stops before this event",
                     slot.name,
                     slot.id,
                     event.position.commit_lsn,
                     event.position.index,
-                    named.stored_event.as_deref().unwrap_or("(none)"),
-                    event.event_id
+                    held.map_or_else(|| "no message".to_owned(), |e| format!("event {e}")),
+                    event.event_id,
+                    named.sequence,
                 );
                 self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
                 Answer::Failed(DeliveryClass::DuplicateId, reason)
-            } else {
-                Answer::Ack
             };
             let dropped = matches!(answer, Answer::Ack);
             self.queue(token, &event, dropped, Some(answer));
@@ -562,14 +652,23 @@ impl Sink for StreamSink {
             );
             return Ok(());
         }
+        if let Err(reason) = self.after_other_names(&stream, &slot.name).await {
+            self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+            self.queue(
+                token,
+                &event,
+                false,
+                Some(Answer::Failed(DeliveryClass::BrokerError, reason)),
+            );
+            return Ok(());
+        }
         let message = message_of(&event, &slot);
         let seq = self.queue(token, &event, false, None);
-        let reports = self
-            .session
-            .as_ref()
-            .expect("connected above")
-            .reports
-            .clone();
+        let session = self.session.as_ref().expect("connected above");
+        let reports = session.reports.clone();
+        let unanswered = Arc::clone(&session.unanswered);
+        let refused = Arc::clone(&session.refused);
+        unanswered.send_modify(|n| *n += 1);
         let named = self
             .session
             .as_mut()
@@ -580,22 +679,34 @@ impl Sink for StreamSink {
         named.sent = slot.id;
         let sent = named
             .producer
-            .send(message, move |status| {
-                let reports = reports.clone();
-                async move {
-                    let answer = match status {
-                        Ok(s) if s.confirmed() => Answer::Ack,
-                        Ok(s) => Answer::Failed(
-                            DeliveryClass::BrokerError,
-                            format!("the broker did not confirm it ({:?})", s.status()),
-                        ),
-                        Err(e) => Answer::Failed(DeliveryClass::BrokerError, e.to_string()),
-                    };
-                    let _ = reports.send(Report::Answered(seq, answer));
+            .send(message, {
+                let unanswered = Arc::clone(&unanswered);
+                let refused = Arc::clone(&refused);
+                move |status| {
+                    let reports = reports.clone();
+                    let unanswered = Arc::clone(&unanswered);
+                    let refused = Arc::clone(&refused);
+                    async move {
+                        let answer = match status {
+                            Ok(s) if s.confirmed() => Answer::Ack,
+                            Ok(s) => Answer::Failed(
+                                DeliveryClass::BrokerError,
+                                format!("the broker did not confirm it ({:?})", s.status()),
+                            ),
+                            Err(e) => Answer::Failed(DeliveryClass::BrokerError, e.to_string()),
+                        };
+                        if !matches!(answer, Answer::Ack) {
+                            refused.store(true, Ordering::SeqCst);
+                        }
+                        let _ = reports.send(Report::Answered(seq, answer));
+                        unanswered.send_modify(|n| *n = n.saturating_sub(1));
+                    }
                 }
             })
             .await;
         if let Err(e) = sent {
+            refused.store(true, Ordering::SeqCst);
+            unanswered.send_modify(|n| *n = n.saturating_sub(1));
             let reason = format!("publishing to stream {stream}: {e}");
             self.unsent = Some((
                 DeliveryClass::BrokerError,
