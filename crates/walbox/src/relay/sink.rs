@@ -22,71 +22,43 @@ pub(super) enum AnySink {
     Webhook(Box<WebhookSink>),
 }
 
+/// Calls the same method on whichever sink `AnySink` holds.
+macro_rules! each_sink {
+    ($any:expr, $s:ident => $call:expr) => {
+        match $any {
+            AnySink::Kafka($s) => $call,
+            AnySink::Nats($s) => $call,
+            AnySink::Redis($s) => $call,
+            AnySink::RabbitMq($s) => $call,
+            AnySink::Stdout($s) => $call,
+            AnySink::Webhook($s) => $call,
+        }
+    };
+}
+
 impl Sink for AnySink {
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
-        match self {
-            AnySink::Kafka(s) => s.send(event, token).await,
-            AnySink::Nats(s) => s.send(event, token).await,
-            AnySink::Redis(s) => s.send(event, token).await,
-            AnySink::RabbitMq(s) => s.send(event, token).await,
-            AnySink::Stdout(s) => s.send(event, token).await,
-            AnySink::Webhook(s) => s.send(event, token).await,
-        }
+        each_sink!(self, s => s.send(event, token).await)
     }
 
     fn end_batch(&mut self) {
-        match self {
-            AnySink::Kafka(s) => s.end_batch(),
-            AnySink::Nats(s) => s.end_batch(),
-            AnySink::Redis(s) => s.end_batch(),
-            AnySink::RabbitMq(s) => s.end_batch(),
-            AnySink::Stdout(s) => s.end_batch(),
-            AnySink::Webhook(s) => s.end_batch(),
-        }
+        each_sink!(self, s => s.end_batch());
     }
 
     fn abort(&mut self) {
-        match self {
-            AnySink::Kafka(s) => s.abort(),
-            AnySink::Nats(s) => s.abort(),
-            AnySink::Redis(s) => s.abort(),
-            AnySink::RabbitMq(s) => s.abort(),
-            AnySink::Stdout(s) => s.abort(),
-            AnySink::Webhook(s) => s.abort(),
-        }
+        each_sink!(self, s => s.abort());
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        match self {
-            AnySink::Kafka(s) => s.flush(timeout).await,
-            AnySink::Nats(s) => s.flush(timeout).await,
-            AnySink::Redis(s) => s.flush(timeout).await,
-            AnySink::RabbitMq(s) => s.flush(timeout).await,
-            AnySink::Stdout(s) => s.flush(timeout).await,
-            AnySink::Webhook(s) => s.flush(timeout).await,
-        }
+        each_sink!(self, s => s.flush(timeout).await)
     }
 
     fn replay_as(&mut self, name: &str) {
-        match self {
-            AnySink::Kafka(s) => s.replay_as(name),
-            AnySink::Nats(s) => s.replay_as(name),
-            AnySink::Redis(s) => s.replay_as(name),
-            AnySink::RabbitMq(s) => s.replay_as(name),
-            AnySink::Stdout(s) => s.replay_as(name),
-            AnySink::Webhook(s) => s.replay_as(name),
-        }
+        each_sink!(self, s => s.replay_as(name));
     }
 
     fn duplicates(&self) -> u64 {
-        match self {
-            AnySink::Kafka(s) => s.duplicates(),
-            AnySink::Nats(s) => s.duplicates(),
-            AnySink::Redis(s) => s.duplicates(),
-            AnySink::RabbitMq(s) => s.duplicates(),
-            AnySink::Stdout(s) => s.duplicates(),
-            AnySink::Webhook(s) => s.duplicates(),
-        }
+        each_sink!(self, s => s.duplicates())
     }
 }
 
