@@ -3,7 +3,6 @@
 //! connection string and secret Kafka properties never appear in a `Debug`
 //! form ([`Secret`], [`walbox_sink::is_secret_property`]).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -12,10 +11,12 @@ use walbox_outbox::{MessageConfig, TableConfig};
 
 mod errors;
 mod secret;
+mod sink;
 #[cfg(test)]
 mod tests;
 
 pub use secret::Secret;
+pub use sink::{SinkConfig, SinkKind};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -334,213 +335,6 @@ impl Default for SourceConfig {
             ignore_tables: Vec::new(),
             failover: false,
         }
-    }
-}
-
-/// Sink kinds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum SinkKind {
-    /// Kafka (or any Kafka-protocol broker).
-    #[default]
-    Kafka,
-    /// JSON lines on standard output.
-    Stdout,
-    /// NATS JetStream (`[sink.nats]`).
-    Nats,
-    /// HTTP webhooks (`[sink.webhook]`).
-    Webhook,
-    /// Redis Streams (`[sink.redis]`).
-    Redis,
-    /// RabbitMQ, to an exchange or to streams (`[sink.rabbitmq]`).
-    #[value(name = "rabbitmq")]
-    #[serde(rename = "rabbitmq")]
-    RabbitMq,
-}
-
-impl SinkKind {
-    /// The protocol whose CloudEvents binding this sink's records follow (the
-    /// stdout sink prints records as Kafka carries them). A new sink names its
-    /// protocol here; [`walbox_outbox::Protocol::cloudevents`] says the rest.
-    #[must_use]
-    pub fn protocol(self) -> walbox_outbox::Protocol {
-        match self {
-            // A stream entry's fields carry headers as Kafka's do (unencoded).
-            SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis => walbox_outbox::Protocol::Kafka,
-            SinkKind::Nats => walbox_outbox::Protocol::Nats,
-            SinkKind::Webhook => walbox_outbox::Protocol::Http,
-            SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
-        }
-    }
-}
-
-/// The destination. Its `Debug` form hides secret Kafka properties.
-#[derive(Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SinkConfig {
-    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook` or `stdout`.
-    #[serde(rename = "type", default)]
-    pub kind: SinkKind,
-    /// Create missing topics instead of stopping.
-    #[serde(default)]
-    pub create_topics: bool,
-    /// Partitions of created topics.
-    #[serde(default = "default_partitions")]
-    pub topic_partitions: i32,
-    /// Replication factor of created topics.
-    #[serde(default = "default_replication")]
-    pub topic_replication: i32,
-    /// Most events in flight (sent, not yet acknowledged) before WAL reading pauses.
-    #[serde(default = "default_max_in_flight")]
-    pub max_in_flight: usize,
-    /// Most bytes in flight before WAL reading pauses.
-    #[serde(default = "default_max_in_flight_bytes")]
-    pub max_in_flight_bytes: usize,
-    /// librdkafka properties, passed through (`"bootstrap.servers" = "..."`).
-    #[serde(default)]
-    pub kafka: BTreeMap<String, toml::Value>,
-    /// The NATS JetStream sink's settings (`type = "nats"`).
-    #[serde(default)]
-    pub nats: walbox_sink::NatsSinkConfig,
-    /// The webhook sink's settings (`type = "webhook"`).
-    #[serde(default)]
-    pub webhook: walbox_sink::WebhookSinkConfig,
-    /// The Redis Streams sink's settings (`type = "redis"`).
-    #[serde(default)]
-    pub redis: walbox_sink::RedisSinkConfig,
-    /// The RabbitMQ sink's settings (`type = "rabbitmq"`).
-    #[serde(default)]
-    pub rabbitmq: walbox_sink::RabbitMqSinkConfig,
-}
-
-fn default_partitions() -> i32 {
-    6
-}
-fn default_replication() -> i32 {
-    1
-}
-fn default_max_in_flight() -> usize {
-    10_000
-}
-fn default_max_in_flight_bytes() -> usize {
-    64 * 1024 * 1024
-}
-
-impl Default for SinkConfig {
-    fn default() -> Self {
-        SinkConfig {
-            kind: SinkKind::default(),
-            create_topics: false,
-            topic_partitions: default_partitions(),
-            topic_replication: default_replication(),
-            max_in_flight: default_max_in_flight(),
-            max_in_flight_bytes: default_max_in_flight_bytes(),
-            kafka: BTreeMap::new(),
-            nats: walbox_sink::NatsSinkConfig::default(),
-            webhook: walbox_sink::WebhookSinkConfig::default(),
-            redis: walbox_sink::RedisSinkConfig::default(),
-            rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
-        }
-    }
-}
-
-impl std::fmt::Debug for SinkConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kafka: BTreeMap<&str, &dyn std::fmt::Debug> = self
-            .kafka
-            .iter()
-            .map(|(k, v)| {
-                let shown: &dyn std::fmt::Debug = if walbox_sink::is_secret_property(k) {
-                    &walbox_sink::Hidden
-                } else {
-                    v
-                };
-                (k.as_str(), shown)
-            })
-            .collect();
-        f.debug_struct("SinkConfig")
-            .field("kind", &self.kind)
-            .field("create_topics", &self.create_topics)
-            .field("topic_partitions", &self.topic_partitions)
-            .field("topic_replication", &self.topic_replication)
-            .field("max_in_flight", &self.max_in_flight)
-            .field("max_in_flight_bytes", &self.max_in_flight_bytes)
-            .field("kafka", &kafka)
-            .field("nats", &self.nats)
-            .field("webhook", &self.webhook)
-            .field("redis", &self.redis)
-            .field("rabbitmq", &self.rabbitmq)
-            .finish()
-    }
-}
-
-impl SinkConfig {
-    /// The librdkafka properties as strings; tables and arrays are refused.
-    pub fn kafka_properties(&self) -> Result<Vec<(String, String)>> {
-        self.kafka
-            .iter()
-            .map(|(k, v)| {
-                let s = match v {
-                    toml::Value::String(s) => s.clone(),
-                    toml::Value::Integer(i) => i.to_string(),
-                    toml::Value::Float(f) => f.to_string(),
-                    toml::Value::Boolean(b) => b.to_string(),
-                    _ => bail!("sink.kafka.{k}: must be a string, number or boolean"),
-                };
-                Ok((k.clone(), s))
-            })
-            .collect()
-    }
-
-    /// The Kafka sink's settings: the librdkafka properties, topic creation and
-    /// the in-flight bound. Every command that produces to Kafka builds them here.
-    pub fn kafka_sink(&self) -> Result<walbox_sink::KafkaSinkConfig> {
-        Ok(walbox_sink::KafkaSinkConfig {
-            properties: self.kafka_properties()?,
-            create_topics: self.create_topics,
-            topic_partitions: self.topic_partitions,
-            topic_replication: self.topic_replication,
-            max_in_flight: self.max_in_flight,
-        })
-    }
-
-    /// The NATS sink's settings, with the in-flight bound.
-    pub fn nats_sink(&self) -> Result<walbox_sink::NatsSinkConfig> {
-        let mut c = self.nats.clone();
-        c.max_in_flight = self.max_in_flight;
-        c.validate()?;
-        Ok(c)
-    }
-
-    /// The Redis sink's settings, with the in-flight bound, the writer name
-    /// (default: the slot) and the password from `WALBOX_REDIS_PASSWORD`
-    /// when the file gives none.
-    pub fn redis_sink(&self, slot: &str) -> Result<walbox_sink::RedisSinkConfig> {
-        let mut c = self.redis.clone();
-        c.max_in_flight = self.max_in_flight;
-        if c.writer.is_none() {
-            c.writer = Some(slot.to_owned());
-        }
-        if c.password.is_none()
-            && let Ok(p) = std::env::var("WALBOX_REDIS_PASSWORD")
-            && !p.is_empty()
-        {
-            c.password = Some(p);
-        }
-        c.validate()?;
-        Ok(c)
-    }
-
-    /// The RabbitMQ sink's settings, with the in-flight bound and the
-    /// producer name's default (`walbox.{slot}`).
-    pub fn rabbitmq_sink(&self, slot: &str) -> Result<walbox_sink::RabbitMqSinkConfig> {
-        let mut c = self.rabbitmq.clone();
-        c.max_in_flight = self.max_in_flight;
-        if c.producer.is_none() {
-            c.producer = Some(format!("walbox.{slot}"));
-        }
-        c.validate()?;
-        Ok(c)
     }
 }
 
