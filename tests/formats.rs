@@ -124,38 +124,9 @@ async fn debezium_outbox_records_are_what_the_outbox_event_router_emits() {
     );
 }
 
-/// A virtual environment with the CloudEvents SDK, made once per target
-/// directory; its python.
+/// A virtual environment with the CloudEvents SDK; its python.
 fn cloudevents_python() -> PathBuf {
-    // Tests of this file run at once: one of them makes the environment.
-    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = MAKING
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cloudevents-sdk");
-    let python = dir.join("bin").join("python");
-    let ready = dir.join("installed");
-    if ready.exists() {
-        return python;
-    }
-    let run = |cmd: &mut Command| {
-        let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{cmd:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    run(Command::new("python3").args(["-m", "venv"]).arg(&dir));
-    run(Command::new(dir.join("bin").join("pip")).args([
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        CLOUDEVENTS_SDK,
-    ]));
-    std::fs::write(&ready, CLOUDEVENTS_SDK).unwrap();
-    python
+    python_with("cloudevents-sdk", CLOUDEVENTS_SDK)
 }
 
 /// Parses `records` with the SDK, each in its content mode.

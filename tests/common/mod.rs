@@ -31,6 +31,7 @@ mod process;
 mod rabbitmq;
 mod servers;
 mod topics;
+mod venv;
 mod webhook;
 mod writers;
 
@@ -53,6 +54,8 @@ pub use rabbitmq::*;
 pub use servers::*;
 #[allow(unused_imports)]
 pub use topics::*;
+#[allow(unused_imports)]
+pub use venv::*;
 #[allow(unused_imports)]
 pub use webhook::*;
 #[allow(unused_imports)]

@@ -109,37 +109,10 @@ pub fn assert_arrival_order(arrivals: &[Arrival]) -> HashSet<String> {
     delivered
 }
 
-/// A virtual environment with the official `standardwebhooks` package, made
-/// once per target directory; its python.
+/// A virtual environment with the official `standardwebhooks` package; its
+/// python.
 pub fn standardwebhooks_python() -> PathBuf {
-    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = MAKING
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("standardwebhooks");
-    let python = dir.join("bin").join("python");
-    let ready = dir.join("installed");
-    if ready.exists() {
-        return python;
-    }
-    let run = |cmd: &mut Command| {
-        let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{cmd:?}: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    run(Command::new("python3").args(["-m", "venv"]).arg(&dir));
-    run(Command::new(dir.join("bin").join("pip")).args([
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "standardwebhooks==1.1.0",
-    ]));
-    std::fs::write(&ready, "standardwebhooks==1.1.0").unwrap();
-    python
+    super::python_with("standardwebhooks", "standardwebhooks==1.1.0")
 }
 
 /// Verifies every arrival's signature under `secret` with the official
