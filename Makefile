@@ -81,6 +81,8 @@ BENCH_ARGS ?=
 bench: bench-decoder bench-relay
 
 bench-relay: deps
+	$(CARGO) build --release -p walbox --features count-allocations
+	cp target/release/walbox target/release/walbox-count-allocations
 	$(CARGO) build --release -p walbox -p walbox-bench
 	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --repeat $(BENCH_REPEAT) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
 

@@ -8,7 +8,7 @@ use crate::Error;
 const USAGE: &str = "\
 usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                     [--rates LIST] [--only LIST] [--svg-dir DIR] [--walbox PATH]
-                    [--webhook-events N]
+                    [--webhook-events N] [--alloc-events N] [--walbox-counting PATH]
 
   --events N          backlog size, a multiple of 10 (default 1000000)
   --big-txn N         rows in the one big transaction (default 1000000)
@@ -16,11 +16,16 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                       big-txn scenarios, in rotating order (default 3)
   --steady-seconds N  seconds of writing per steady rate (default 60)
   --rates LIST        steady rates in events/s (default 1000,5000,20000)
-  --only LIST         scenarios to run: backlog, polling, messages, big-txn, steady,
-                      webhook (default all)
+  --only LIST         scenarios to run: backlog, polling, messages, allocations,
+                      big-txn, steady, webhook (default all)
   --webhook-events N  events of each webhook run, a multiple of 10 (default 20000)
+  --alloc-events N    events of each allocations run, a multiple of 10 (default 100000)
   --svg-dir DIR       where a full run writes its charts
-  --walbox PATH       the walbox binary (default: next to this one)";
+  --walbox PATH       the walbox binary (default: next to this one)
+  --walbox-counting PATH
+                      walbox built with --features count-allocations, for the
+                      allocations scenario (default: walbox-count-allocations next
+                      to this one)";
 
 pub struct Args {
     pub events: u64,
@@ -36,6 +41,10 @@ pub struct Args {
     pub rates: Vec<u64>,
     /// Events of each run of the webhook scenario.
     pub webhook_events: u64,
+    /// Events of each run of the allocations scenario.
+    pub alloc_events: u64,
+    /// The counting build of walbox.
+    pub walbox_counting: PathBuf,
 }
 
 /// A part of the run that `--only` can pick.
@@ -49,13 +58,16 @@ pub enum Scenario {
     Steady,
     /// A backlog POSTed to a local HTTP receiver at 1, 16 and 256 keys.
     Webhook,
+    /// Allocations per event, counted by a counting build of walbox.
+    Allocations,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 6] = [
+    pub const ALL: [Scenario; 7] = [
         Scenario::Backlog,
         Scenario::Polling,
         Scenario::Messages,
+        Scenario::Allocations,
         Scenario::BigTxn,
         Scenario::Steady,
         Scenario::Webhook,
@@ -69,9 +81,10 @@ impl Scenario {
             "big-txn" => Scenario::BigTxn,
             "steady" => Scenario::Steady,
             "webhook" => Scenario::Webhook,
+            "allocations" => Scenario::Allocations,
             other => {
                 return Err(format!(
-                    "--only: unknown scenario {other:?} (backlog, polling, messages, big-txn, steady, webhook)"
+                    "--only: unknown scenario {other:?} (backlog, polling, messages, allocations, big-txn, steady, webhook)"
                 )
                 .into());
             }
@@ -81,16 +94,21 @@ impl Scenario {
 
 /// The arguments, or `None` when `--help` asked for the usage (printed).
 pub fn args() -> Result<Option<Args>, Error> {
+    let here = std::env::current_exe()?;
+    let beside = |name: &str| {
+        here.parent()
+            .map(|d| d.join(name))
+            .unwrap_or_else(|| PathBuf::from(name))
+    };
     let mut a = Args {
         events: 1_000_000,
         big_txn: 1_000_000,
         repeat: 3,
         steady_seconds: 60,
         svg_dir: None,
-        walbox: std::env::current_exe()?
-            .parent()
-            .map(|d| d.join("walbox"))
-            .unwrap_or_else(|| PathBuf::from("walbox")),
+        walbox: beside("walbox"),
+        walbox_counting: beside("walbox-count-allocations"),
+        alloc_events: 100_000,
         only: Scenario::ALL.to_vec(),
         rates: vec![1_000, 5_000, 20_000],
         webhook_events: 20_000,
@@ -121,6 +139,13 @@ pub fn args() -> Result<Option<Args>, Error> {
                     .parse()?;
             }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
+            "--walbox-counting" => {
+                a.walbox_counting =
+                    PathBuf::from(it.next().ok_or("--walbox-counting needs a path")?);
+            }
+            "--alloc-events" => {
+                a.alloc_events = it.next().ok_or("--alloc-events needs a number")?.parse()?;
+            }
             "--rates" => {
                 let list = it.next().ok_or("--rates needs a list such as 1000,5000")?;
                 a.rates = comma_list(&list, |r| Ok(r.parse()?))?;
@@ -138,6 +163,9 @@ pub fn args() -> Result<Option<Args>, Error> {
     }
     if a.webhook_events == 0 || !a.webhook_events.is_multiple_of(10) {
         return Err("--webhook-events must be a positive multiple of 10".into());
+    }
+    if a.alloc_events == 0 || !a.alloc_events.is_multiple_of(10) {
+        return Err("--alloc-events must be a positive multiple of 10".into());
     }
     if a.events == 0 || !a.events.is_multiple_of(10) {
         return Err("--events must be a positive multiple of 10".into());

@@ -13,7 +13,12 @@ use crate::Error;
 /// A contender that drains its own logical replication slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Contender {
-    /// `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling.
+    /// walbox's replication client reading the slot and confirming each commit,
+    /// nothing decoded (`walbox-ceiling`): the ceiling, what the server hands
+    /// out at no cost above the socket.
+    TrueCeiling,
+    /// `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: PostgreSQL's own
+    /// client, shown beside the ceiling.
     Ceiling,
     /// `walbox run --sink stdout` to /dev/null: walbox without a broker.
     WalboxStdout,
@@ -29,12 +34,19 @@ pub enum Contender {
     /// `walbox run` to RabbitMQ streams (stream mode: named producers,
     /// deduplicated), a stream of the run's own, created by walbox.
     WalboxRabbitMq,
-    /// `pg_recvlogical` with `messages=true` on the publication without tables:
-    /// the ceiling of the messages scenario.
+    /// `walbox-ceiling` on the publication without tables: the ceiling of the
+    /// messages scenario.
+    TrueCeilingMessages,
+    /// `pg_recvlogical` with `messages=true` on the publication without tables.
     CeilingMessages,
     /// `walbox run` to the broker with a `[[messages]]` section and no table.
     WalboxKafkaMessages,
 }
+
+/// How often walbox and the ceiling report their position to the server:
+/// walbox's default is 1 s, which would leave a drain's end known only to a
+/// second. `pg_recvlogical` reports its end position as it exits.
+pub const STATUS_INTERVAL_MS: u64 = 100;
 
 /// How often the metrics contender's endpoint is scraped.
 const SCRAPE_EVERY: Duration = Duration::from_millis(100);
@@ -42,7 +54,8 @@ const SCRAPE_EVERY: Duration = Duration::from_millis(100);
 impl Contender {
     /// The contenders of the table scenarios; the ceiling first (the report
     /// relies on it).
-    pub const ALL: [Contender; 7] = [
+    pub const ALL: [Contender; 8] = [
+        Contender::TrueCeiling,
         Contender::Ceiling,
         Contender::WalboxStdout,
         Contender::WalboxKafka,
@@ -53,20 +66,25 @@ impl Contender {
     ];
 
     /// The contenders of the messages scenario; the ceiling first.
-    pub const MESSAGES: [Contender; 2] =
-        [Contender::CeilingMessages, Contender::WalboxKafkaMessages];
+    pub const MESSAGES: [Contender; 3] = [
+        Contender::TrueCeilingMessages,
+        Contender::CeilingMessages,
+        Contender::WalboxKafkaMessages,
+    ];
 
     /// The name in the report's tables.
     pub fn name(self) -> &'static str {
         match self {
-            Contender::Ceiling => "pg_recvlogical (ceiling)",
+            Contender::TrueCeiling => "replication client, no decoding (ceiling)",
+            Contender::Ceiling => "pg_recvlogical",
             Contender::WalboxStdout => "walbox, stdout sink to /dev/null",
             Contender::WalboxKafka => "walbox to the broker",
             Contender::WalboxKafkaMetrics => "walbox to the broker, metrics on",
             Contender::WalboxNats => "walbox to JetStream",
             Contender::WalboxRedis => "walbox to Redis Streams",
             Contender::WalboxRabbitMq => "walbox to RabbitMQ streams",
-            Contender::CeilingMessages => "pg_recvlogical (ceiling), messages=true",
+            Contender::TrueCeilingMessages => "replication client, no decoding (ceiling)",
+            Contender::CeilingMessages => "pg_recvlogical, messages=true",
             Contender::WalboxKafkaMessages => "walbox to the broker, [[messages]]",
         }
     }
@@ -74,14 +92,16 @@ impl Contender {
     /// The short name in the lines that give the order of the rounds.
     pub fn short(self) -> &'static str {
         match self {
-            Contender::Ceiling => "ceiling",
+            Contender::TrueCeiling => "ceiling",
+            Contender::Ceiling => "pg_recvlogical",
             Contender::WalboxStdout => "walbox-stdout",
             Contender::WalboxKafka => "walbox-broker",
             Contender::WalboxKafkaMetrics => "walbox-broker-metrics",
             Contender::WalboxNats => "walbox-jetstream",
             Contender::WalboxRedis => "walbox-redis",
             Contender::WalboxRabbitMq => "walbox-rabbitmq-stream",
-            Contender::CeilingMessages => "ceiling-messages",
+            Contender::TrueCeilingMessages => "ceiling-messages",
+            Contender::CeilingMessages => "pg_recvlogical-messages",
             Contender::WalboxKafkaMessages => "walbox-broker-messages",
         }
     }
@@ -89,21 +109,24 @@ impl Contender {
     /// The contender's slot in `round` (0-based).
     pub fn slot(self, round: usize) -> String {
         let prefix = match self {
-            Contender::Ceiling => "ceiling",
+            Contender::TrueCeiling => "ceiling",
+            Contender::Ceiling => "recvlogical",
             Contender::WalboxStdout => "walbox_stdout",
             Contender::WalboxKafka => "walbox_kafka",
             Contender::WalboxKafkaMetrics => "walbox_kafka_metrics",
             Contender::WalboxNats => "walbox_nats",
             Contender::WalboxRedis => "walbox_redis",
             Contender::WalboxRabbitMq => "walbox_rabbitmq",
-            Contender::CeilingMessages => "ceiling_messages",
+            Contender::TrueCeilingMessages => "ceiling_messages",
+            Contender::CeilingMessages => "recvlogical_messages",
             Contender::WalboxKafkaMessages => "walbox_kafka_messages",
         };
         format!("{prefix}_r{}", round + 1)
     }
 
     /// Starts the contender on `slot`, to stop at or after `target`; a broker
-    /// contender writes `topic`.
+    /// contender writes `topic`. Its stderr goes to `stderr` (the bench's own,
+    /// or a pipe the allocations scenario reads).
     #[allow(clippy::too_many_arguments)] // the run's parts, each of its own kind
     pub fn spawn(
         self,
@@ -116,8 +139,24 @@ impl Contender {
         slot: &str,
         topic: Option<&str>,
         target: &str,
+        stderr: Stdio,
     ) -> Result<Child, Error> {
         let sink = match self {
+            Contender::TrueCeiling | Contender::TrueCeilingMessages => {
+                let publication = if self == Contender::TrueCeilingMessages {
+                    MESSAGES_PUBLICATION
+                } else {
+                    "walbox_outbox"
+                };
+                // Built with the bench, next to it.
+                let ceiling = std::env::current_exe()?.with_file_name("walbox-ceiling");
+                return Ok(Command::new(ceiling)
+                    .args([pg.host(), &pg.port().to_string(), pg.user(), "postgres"])
+                    .args([slot, publication, &STATUS_INTERVAL_MS.to_string()])
+                    .stdout(Stdio::null())
+                    .stderr(stderr)
+                    .spawn()?);
+            }
             Contender::Ceiling | Contender::CeilingMessages => {
                 let mut cmd = Command::new(pg.bindir().join("pg_recvlogical"));
                 cmd.args(["-h", pg.host(), "-p", &pg.port().to_string()])
@@ -135,7 +174,7 @@ impl Contender {
                 return Ok(cmd
                     .stdout(Stdio::null())
                     // Silent unless it fails (no --verbose).
-                    .stderr(Stdio::inherit())
+                    .stderr(stderr)
                     .spawn()?);
             }
             Contender::WalboxStdout => "stdout",
@@ -147,62 +186,51 @@ impl Contender {
             Contender::WalboxRabbitMq => "rabbitmq",
         };
         let mut cmd = Command::new(walbox);
+        // Every walbox contender reports positions every STATUS_INTERVAL_MS, so
+        // that a drain's end is known to that.
+        let mut config = format!("[source]\nstatus_interval_ms = {STATUS_INTERVAL_MS}\n\n");
         if self == Contender::WalboxKafkaMessages {
             // Messages of prefix walbox and a publication without tables.
-            let config = pg.client_dir().join(format!("{slot}.messages.toml"));
             let topic = topic.map_or_else(String::new, |t| format!("topic = \"{t}\"\n"));
-            std::fs::write(
-                &config,
-                format!("[[messages]]\nprefix = \"{MESSAGES_PREFIX}\"\n{topic}"),
-            )?;
-            cmd.env("WALBOX_CONFIG", config)
-                .env("WALBOX_PUBLICATION", MESSAGES_PUBLICATION);
+            config += &format!("[[messages]]\nprefix = \"{MESSAGES_PREFIX}\"\n{topic}");
+            cmd.env("WALBOX_PUBLICATION", MESSAGES_PUBLICATION);
         } else if let Some(topic) = topic {
             // The run's own topic, for the table of the command line.
             cmd.env("WALBOX_TOPIC", topic);
         }
-        if self == Contender::WalboxNats {
+        match self {
             // The stream in memory, as the broker keeps its topics; deleted
             // after each run (reset_stream), so every run starts from an empty
             // stream without the ids of the one before.
-            let config = pg.client_dir().join(format!("{slot}.nats.toml"));
-            std::fs::write(
-                &config,
-                format!(
+            Contender::WalboxNats => {
+                config += &format!(
                     "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\n\
                      stream = \"{NATS_STREAM}\"\ncreate_stream = true\n\
                      subjects = [\"outbox.>\"]\nstorage = \"memory\"\n",
                     nats.url()
-                ),
-            )?;
-            cmd.env("WALBOX_CONFIG", config);
-        }
-        if self == Contender::WalboxRedis {
-            let config = pg.client_dir().join(format!("{slot}.redis.toml"));
-            std::fs::write(
-                &config,
-                format!(
+                );
+            }
+            Contender::WalboxRedis => {
+                config += &format!(
                     "[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{}\"\n",
                     redis.url()
-                ),
-            )?;
-            cmd.env("WALBOX_CONFIG", config);
-        }
-        if self == Contender::WalboxRabbitMq {
+                );
+            }
             // A stream of the run's own (the run's topic), created by walbox,
             // and producer names of the run's own.
-            let config = pg.client_dir().join(format!("{slot}.rabbitmq.toml"));
-            std::fs::write(
-                &config,
-                format!(
+            Contender::WalboxRabbitMq => {
+                config += &format!(
                     "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nmode = \"stream\"\n\
                      port = {}\nstream_port = {}\ndeclare = true\nproducer = \"{slot}\"\n",
                     rabbitmq.amqp_port(),
                     rabbitmq.stream_port()
-                ),
-            )?;
-            cmd.env("WALBOX_CONFIG", config);
+                );
+            }
+            _ => {}
         }
+        let config_file = pg.client_dir().join(format!("{slot}.toml"));
+        std::fs::write(&config_file, config)?;
+        cmd.env("WALBOX_CONFIG", config_file);
         let metrics = if self == Contender::WalboxKafkaMetrics {
             let addr = format!("127.0.0.1:{}", free_port()?);
             cmd.env("WALBOX_METRICS_LISTEN", &addr);
@@ -220,7 +248,7 @@ impl Contender {
             .env("WALBOX_CREATE_TOPICS", "true")
             .env("WALBOX_LOG", "warn")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()?;
         if let Some(addr) = metrics {
             scrape_while_running(child.id(), format!("http://{addr}/metrics"));
@@ -289,6 +317,32 @@ pub struct Run {
     /// `None` for a contender that runs inside the benchmark's own process.
     pub peak_rss_kb: Option<u64>,
     pub cpu_seconds: f64,
+    /// What a counting build of walbox allocated (the allocations scenario).
+    pub allocations: Option<Allocations>,
+}
+
+/// A counting build's `allocations: N reallocations: R bytes: B` line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocations {
+    pub allocations: u64,
+    pub reallocations: u64,
+    pub bytes: u64,
+}
+
+impl Allocations {
+    /// The figures of `line`, if it is the counting build's summary.
+    pub fn parse(line: &str) -> Option<Allocations> {
+        let mut words = line.split_whitespace();
+        let mut field = |name: &str| -> Option<u64> {
+            (words.next()? == name).then_some(())?;
+            words.next()?.parse().ok()
+        };
+        Some(Allocations {
+            allocations: field("allocations:")?,
+            reallocations: field("reallocations:")?,
+            bytes: field("bytes:")?,
+        })
+    }
 }
 
 /// Peak RSS (kB) and CPU seconds of a running process.
@@ -442,5 +496,6 @@ pub async fn drain(
         seconds,
         peak_rss_kb: Some(last.0),
         cpu_seconds: last.1,
+        allocations: None,
     })
 }

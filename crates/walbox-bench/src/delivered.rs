@@ -55,7 +55,11 @@ impl Contender {
                 "bench.{slot}.{}",
                 RUNS.fetch_add(1, Ordering::Relaxed) + 1
             ))),
-            Contender::Ceiling | Contender::CeilingMessages | Contender::WalboxStdout => None,
+            Contender::TrueCeiling
+            | Contender::TrueCeilingMessages
+            | Contender::Ceiling
+            | Contender::CeilingMessages
+            | Contender::WalboxStdout => None,
         }
     }
 }

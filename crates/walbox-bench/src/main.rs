@@ -4,10 +4,13 @@
 //!
 //! One machine. Rows like a real service writes them (uuid id, aggregate type, one
 //! of 1,000 aggregate ids, event type, a ~300-byte jsonb payload, a headers jsonb
-//! with a traceparent). The slot scenarios have five contenders
+//! with a traceparent). The slot scenarios have these contenders
 //! (`contenders.rs`):
 //!
-//! - `pg_recvlogical` (pgoutput, protocol 1) to /dev/null: the ceiling;
+//! - `walbox-ceiling` (src/bin): walbox's replication client reading the slot
+//!   and confirming every commit, nothing decoded: the ceiling, what the server
+//!   hands out at no cost above the socket;
+//! - `pg_recvlogical` (pgoutput, protocol 1) to /dev/null, beside it;
 //! - `walbox run --sink stdout` to /dev/null: walbox without a broker;
 //! - `walbox run` to the broker;
 //! - `walbox run` to the broker with `--metrics-listen`, its `/metrics` scraped
@@ -36,9 +39,12 @@
 //!    with the extra WAL its UPDATEs write per event.
 //! 2. Messages (`messages.rs`): the backlog's events, from the same generator,
 //!    as transactional `pg_logical_emit_message` calls in transactions of 10,
-//!    drained in rounds by the ceiling with `messages=true` and by walbox to the
+//!    drained in rounds by the ceiling, by `pg_recvlogical` with `messages=true` and by walbox to the
 //!    broker with a `[[messages]]` section (a publication without tables); the
 //!    event size and WAL per event of both loads, each against its ceiling.
+//!    Then allocations per event (`allocations.rs`): a build of walbox with a
+//!    counting global allocator drains `--alloc-events` rows to the broker and
+//!    to JetStream and as many messages to the broker, once each.
 //! 3. One transaction of `--big-txn` rows (default 1,000,000).
 //! 4. Steady load (`steady.rs`): four writers commit single-row transactions at
 //!    1,000, 5,000 and 20,000 events/s for `--steady-seconds` (default 60) while
@@ -60,6 +66,7 @@
 
 #![allow(clippy::print_stdout)] // the report is the output
 
+mod allocations;
 mod cli;
 mod contenders;
 mod delivered;
@@ -147,6 +154,14 @@ async fn main() -> Result<(), Error> {
     let mut messages = None;
     if runs(Scenario::Messages) {
         messages = Some(bench.messages(events, backlog_wal).await?);
+    }
+
+    // Allocations per event, by the counting build.
+    let mut counted = Vec::new();
+    if runs(Scenario::Allocations) {
+        let n = bench.a.alloc_events;
+        println!("allocations: {n} events per path, walbox built to count its allocations");
+        counted = bench.allocations(n, &bench.a.walbox_counting).await?;
     }
 
     // 3. One transaction of `big` rows.
@@ -258,6 +273,7 @@ async fn main() -> Result<(), Error> {
         };
         messages::print_comparison(events, m, backlog);
     }
+    allocations::print(&counted, &bench.a.walbox_counting);
     if !one_txn.is_empty() {
         report::print_table(
             &format!("One transaction of {big} events"),

@@ -147,14 +147,14 @@ pub fn print_comparison(events: u64, m: &Messages, backlog: &[Contended]) {
             "table inserts (outbox rows)",
             m.row_event_bytes,
             m.rows_wal_bytes,
-            find(backlog, Contender::Ceiling),
+            find(backlog, Contender::TrueCeiling),
             find(backlog, Contender::WalboxKafka),
         ),
         (
             "transactional messages",
             m.event_bytes,
             m.wal_bytes,
-            find(&m.contenders, Contender::CeilingMessages),
+            find(&m.contenders, Contender::TrueCeilingMessages),
             find(&m.contenders, Contender::WalboxKafkaMessages),
         ),
     ] {

@@ -135,15 +135,17 @@ pub fn print_table(
         println!();
     }
     println!(
-        "| contender | runs | seconds | events/s | WAL MB/s | of ceiling | peak RSS MB | CPU s | CPU s per M events | extra WAL per event |"
+        "| contender | runs | seconds | events/s | WAL MB/s | of ceiling | of pg_recvlogical | peak RSS MB | CPU s | CPU s per M events | CPU of ceiling's | extra WAL per event |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    // The ceiling's row comes first when the slot scenario ran.
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    // The ceiling's row comes first when the slot scenario ran; pg_recvlogical
+    // is shown beside it.
     let ceiling = results.first().filter(|r| r.name.contains("ceiling"));
-    for r in results {
-        let seconds = r.seconds();
-        let cpu = r.cpu_seconds();
-        let of_ceiling = ceiling.map_or_else(
+    let recvlogical = results
+        .iter()
+        .find(|r| r.name.starts_with("pg_recvlogical"));
+    let ratio_cell = |to: Option<&Contended>, r: &Contended| {
+        to.map_or_else(
             || "-".to_owned(),
             |c| match ratio(c, r) {
                 (m, Some(range)) if range.n > 1 => {
@@ -151,10 +153,22 @@ pub fn print_table(
                 }
                 (m, _) => format!("{m:.2}"),
             },
+        )
+    };
+    for r in results {
+        let seconds = r.seconds();
+        let cpu = r.cpu_seconds();
+        let of_ceiling = ratio_cell(ceiling, r);
+        let of_recvlogical = ratio_cell(recvlogical, r);
+        // CPU per event against the ceiling's (the same events, so of the
+        // medians' CPU seconds).
+        let cpu_of_ceiling = ceiling.map_or_else(
+            || "-".to_owned(),
+            |c| format!("{:.2}", cpu.median / c.cpu_seconds().median),
         );
         let peak_rss = r.runs.iter().map(|run| run.peak_rss_kb).max().flatten();
         println!(
-            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.name,
             r.runs.len(),
             seconds.cell(2),
@@ -166,12 +180,14 @@ pub fn print_table(
                 "-".to_owned()
             },
             of_ceiling,
+            of_recvlogical,
             peak_rss.map_or_else(
                 || "(in the bench process)".to_owned(),
                 |kb| format!("{:.1}", kb as f64 / 1024.0)
             ),
             cpu.cell(1),
             cpu.map(1e6 / events as f64).cell(1),
+            cpu_of_ceiling,
             r.extra_wal_per_event
                 .map_or_else(|| "0".to_owned(), |b| format!("{b:.0} B"))
         );
@@ -282,6 +298,7 @@ mod tests {
                     seconds,
                     peak_rss_kb: Some(1),
                     cpu_seconds: seconds / 2.0,
+                    allocations: None,
                 })
                 .collect(),
             in_rounds,

@@ -1,6 +1,8 @@
 //! The drain scenarios: the slot contenders in rounds over one load, and the
 //! polling relay over the rows that load left in the table.
 
+use std::path::Path;
+use std::process::Stdio;
 use std::time::Instant;
 
 use walbox_testkit::{Broker, NatsServer, PgCluster, RabbitMq, RedisServer};
@@ -8,7 +10,8 @@ use walbox_testkit::{Broker, NatsServer, PgCluster, RabbitMq, RedisServer};
 use crate::Error;
 use crate::cli::Args;
 use crate::contenders::{
-    Contender, Run, checkpoint_file, drain, drop_slot, lsn, reset_stream, usage, wal_between,
+    Allocations, Contender, Run, checkpoint_file, drain, drop_slot, lsn, reset_stream, usage,
+    wal_between,
 };
 use crate::delivered::Destination;
 use crate::polling;
@@ -96,8 +99,22 @@ impl Bench {
         load: &str,
         events: u64,
     ) -> Result<SlotDrain, Error> {
+        self.drain_slots_with(all, load, events, self.a.repeat, None)
+            .await
+    }
+
+    /// [`Bench::drain_slots`] in `rounds` rounds; with `counting`, the walbox
+    /// contenders run that build of walbox (cargo feature `count-allocations`)
+    /// and each run's allocations are read from its exit line.
+    pub async fn drain_slots_with(
+        &self,
+        all: &[Contender],
+        load: &str,
+        events: u64,
+        rounds: usize,
+        counting: Option<&Path>,
+    ) -> Result<SlotDrain, Error> {
         let db = &self.db;
-        let rounds = self.a.repeat;
         for round in 0..rounds {
             for &c in all {
                 db.execute(
@@ -132,18 +149,36 @@ impl Bench {
                 }
                 let destination = c.destination(&slot);
                 let started = Instant::now();
-                let child = c.spawn(
+                let mut child = c.spawn(
                     &self.pg,
                     &self.broker,
                     &self.nats,
                     &self.redis,
                     &self.rabbitmq,
-                    &self.a.walbox,
+                    counting.unwrap_or(&self.a.walbox),
                     &slot,
                     destination.as_ref().and_then(Destination::topic),
                     &target,
+                    if counting.is_some() {
+                        Stdio::piped()
+                    } else {
+                        Stdio::inherit()
+                    },
                 )?;
-                let run = drain(c.name(), db, &slot, &target, child, started).await?;
+                let summary = child.stderr.take().map(read_allocations);
+                let mut run = drain(c.name(), db, &slot, &target, child, started).await?;
+                if let Some(summary) = summary {
+                    run.allocations = summary.join().map_err(|_| "the stderr reader panicked")?;
+                    if run.allocations.is_none() {
+                        return Err(format!(
+                            "{}: no allocation counts on exit: is {} built with \
+                             --features count-allocations?",
+                            c.name(),
+                            counting.unwrap_or(&self.a.walbox).display()
+                        )
+                        .into());
+                    }
+                }
                 println!(
                     "round {}/{rounds}: {} {:.2} s, {:.1} CPU s",
                     round + 1,
@@ -219,6 +254,7 @@ impl Bench {
                     seconds,
                     peak_rss_kb: None,
                     cpu_seconds: usage(std::process::id()).1 - cpu_before,
+                    allocations: None,
                 }],
                 in_rounds: false,
                 extra_wal_per_event: Some(written as f64 / published as f64),
@@ -226,6 +262,25 @@ impl Bench {
         }
         Ok(results)
     }
+}
+
+/// Reads a counting build's stderr on a thread of its own until it closes:
+/// its other lines go to the bench's stderr, its exit line is the result.
+#[allow(clippy::print_stderr)] // walbox's own lines, passed on
+fn read_allocations(
+    stderr: std::process::ChildStderr,
+) -> std::thread::JoinHandle<Option<Allocations>> {
+    std::thread::spawn(move || {
+        let mut found = None;
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)) {
+            let Ok(line) = line else { break };
+            match Allocations::parse(&line) {
+                Some(a) => found = Some(a),
+                None => eprintln!("{line}"),
+            }
+        }
+        found
+    })
 }
 
 /// The place of `c` in `all`.

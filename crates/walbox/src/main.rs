@@ -21,6 +21,8 @@
 //! ([`config`]). Row values are never logged.
 
 mod admin;
+#[cfg(feature = "count-allocations")]
+mod alloc_count;
 mod catalog;
 mod config;
 mod dlq;
@@ -37,6 +39,12 @@ mod slot;
 mod snapshot;
 mod usage_error;
 mod verify;
+
+/// The benchmark's build counts what the process allocates (alloc_count.rs).
+#[cfg(feature = "count-allocations")]
+#[global_allocator]
+static ALLOCATOR: alloc_count::Counting<std::alloc::System> =
+    alloc_count::Counting(std::alloc::System);
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
@@ -364,6 +372,8 @@ fn main() -> std::process::ExitCode {
             } => dlq::replay(args).await,
         }
     });
+    #[cfg(feature = "count-allocations")]
+    alloc_count::report();
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
