@@ -9,6 +9,7 @@ const USAGE: &str = "\
 usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                     [--rates LIST] [--only LIST] [--svg-dir DIR] [--walbox PATH]
                     [--webhook-events N] [--alloc-events N] [--walbox-counting PATH]
+                    [--baseline PATH]
 
   --events N          backlog size, a multiple of 10 (default 1000000)
   --big-txn N         rows in the one big transaction (default 1000000)
@@ -25,7 +26,10 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
   --walbox-counting PATH
                       walbox built with --features count-allocations, for the
                       allocations scenario (default: walbox-count-allocations next
-                      to this one)";
+                      to this one)
+  --baseline PATH     another walbox build (say, the previous release) to run
+                      beside this one: its runs to the broker and to JetStream join
+                      the backlog's rounds, its [[messages]] run the messages'";
 
 pub struct Args {
     pub events: u64,
@@ -45,6 +49,8 @@ pub struct Args {
     pub alloc_events: u64,
     /// The counting build of walbox.
     pub walbox_counting: PathBuf,
+    /// Another build of walbox to compare with.
+    pub baseline: Option<PathBuf>,
 }
 
 /// A part of the run that `--only` can pick.
@@ -109,6 +115,7 @@ pub fn args() -> Result<Option<Args>, Error> {
         walbox: beside("walbox"),
         walbox_counting: beside("walbox-count-allocations"),
         alloc_events: 100_000,
+        baseline: None,
         only: Scenario::ALL.to_vec(),
         rates: vec![1_000, 5_000, 20_000],
         webhook_events: 20_000,
@@ -139,6 +146,9 @@ pub fn args() -> Result<Option<Args>, Error> {
                     .parse()?;
             }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
+            "--baseline" => {
+                a.baseline = Some(PathBuf::from(it.next().ok_or("--baseline needs a path")?));
+            }
             "--walbox-counting" => {
                 a.walbox_counting =
                     PathBuf::from(it.next().ok_or("--walbox-counting needs a path")?);

@@ -41,6 +41,12 @@ pub enum Contender {
     CeilingMessages,
     /// `walbox run` to the broker with a `[[messages]]` section and no table.
     WalboxKafkaMessages,
+    /// [`Contender::WalboxKafka`] with the `--baseline` build of walbox.
+    BaselineKafka,
+    /// [`Contender::WalboxNats`] with the `--baseline` build of walbox.
+    BaselineNats,
+    /// [`Contender::WalboxKafkaMessages`] with the `--baseline` build of walbox.
+    BaselineKafkaMessages,
 }
 
 /// How often walbox and the ceiling report their position to the server:
@@ -65,6 +71,27 @@ impl Contender {
         Contender::WalboxRabbitMq,
     ];
 
+    /// The contenders that run the `--baseline` build, beside their own in the
+    /// backlog and messages scenarios.
+    pub const BASELINE: [Contender; 2] = [Contender::BaselineKafka, Contender::BaselineNats];
+    pub const BASELINE_MESSAGES: [Contender; 1] = [Contender::BaselineKafkaMessages];
+
+    /// What the contender runs: a baseline contender runs as its own, with the
+    /// other build.
+    pub fn base(self) -> Contender {
+        match self {
+            Contender::BaselineKafka => Contender::WalboxKafka,
+            Contender::BaselineNats => Contender::WalboxNats,
+            Contender::BaselineKafkaMessages => Contender::WalboxKafkaMessages,
+            c => c,
+        }
+    }
+
+    /// Whether the contender runs the `--baseline` build.
+    pub fn is_baseline(self) -> bool {
+        self.base() != self
+    }
+
     /// The contenders of the messages scenario; the ceiling first.
     pub const MESSAGES: [Contender; 3] = [
         Contender::TrueCeilingMessages,
@@ -86,6 +113,9 @@ impl Contender {
             Contender::TrueCeilingMessages => "replication client, no decoding (ceiling)",
             Contender::CeilingMessages => "pg_recvlogical, messages=true",
             Contender::WalboxKafkaMessages => "walbox to the broker, [[messages]]",
+            Contender::BaselineKafka => "baseline build to the broker",
+            Contender::BaselineNats => "baseline build to JetStream",
+            Contender::BaselineKafkaMessages => "baseline build to the broker, [[messages]]",
         }
     }
 
@@ -103,6 +133,9 @@ impl Contender {
             Contender::TrueCeilingMessages => "ceiling-messages",
             Contender::CeilingMessages => "pg_recvlogical-messages",
             Contender::WalboxKafkaMessages => "walbox-broker-messages",
+            Contender::BaselineKafka => "baseline-broker",
+            Contender::BaselineNats => "baseline-jetstream",
+            Contender::BaselineKafkaMessages => "baseline-broker-messages",
         }
     }
 
@@ -120,6 +153,9 @@ impl Contender {
             Contender::TrueCeilingMessages => "ceiling_messages",
             Contender::CeilingMessages => "recvlogical_messages",
             Contender::WalboxKafkaMessages => "walbox_kafka_messages",
+            Contender::BaselineKafka => "baseline_kafka",
+            Contender::BaselineNats => "baseline_nats",
+            Contender::BaselineKafkaMessages => "baseline_kafka_messages",
         };
         format!("{prefix}_r{}", round + 1)
     }
@@ -141,9 +177,11 @@ impl Contender {
         target: &str,
         stderr: Stdio,
     ) -> Result<Child, Error> {
-        let sink = match self {
+        // A baseline contender runs as its own, with the other build.
+        let kind = self.base();
+        let sink = match kind {
             Contender::TrueCeiling | Contender::TrueCeilingMessages => {
-                let publication = if self == Contender::TrueCeilingMessages {
+                let publication = if kind == Contender::TrueCeilingMessages {
                     MESSAGES_PUBLICATION
                 } else {
                     "walbox_outbox"
@@ -164,7 +202,7 @@ impl Contender {
                     .args(["--slot", slot, "--start", "--no-loop"])
                     .args(["-f", "/dev/null", "-o", "proto_version=1"])
                     .args(["--endpos", target, "-s", "1", "-F", "1"]);
-                if self == Contender::CeilingMessages {
+                if kind == Contender::CeilingMessages {
                     // Decodes the messages too, as walbox asks the server to.
                     cmd.args(["-o", &format!("publication_names={MESSAGES_PUBLICATION}")])
                         .args(["-o", "messages=true"]);
@@ -184,12 +222,17 @@ impl Contender {
             Contender::WalboxNats => "nats",
             Contender::WalboxRedis => "redis",
             Contender::WalboxRabbitMq => "rabbitmq",
+            Contender::BaselineKafka
+            | Contender::BaselineNats
+            | Contender::BaselineKafkaMessages => {
+                return Err("base() maps a baseline contender to its own".into());
+            }
         };
         let mut cmd = Command::new(walbox);
         // Every walbox contender reports positions every STATUS_INTERVAL_MS, so
         // that a drain's end is known to that.
         let mut config = format!("[source]\nstatus_interval_ms = {STATUS_INTERVAL_MS}\n\n");
-        if self == Contender::WalboxKafkaMessages {
+        if kind == Contender::WalboxKafkaMessages {
             // Messages of prefix walbox and a publication without tables.
             let topic = topic.map_or_else(String::new, |t| format!("topic = \"{t}\"\n"));
             config += &format!("[[messages]]\nprefix = \"{MESSAGES_PREFIX}\"\n{topic}");
@@ -198,7 +241,7 @@ impl Contender {
             // The run's own topic, for the table of the command line.
             cmd.env("WALBOX_TOPIC", topic);
         }
-        match self {
+        match kind {
             // The stream in memory, as the broker keeps its topics; deleted
             // after each run (reset_stream), so every run starts from an empty
             // stream without the ids of the one before.
@@ -231,7 +274,7 @@ impl Contender {
         let config_file = pg.client_dir().join(format!("{slot}.toml"));
         std::fs::write(&config_file, config)?;
         cmd.env("WALBOX_CONFIG", config_file);
-        let metrics = if self == Contender::WalboxKafkaMetrics {
+        let metrics = if kind == Contender::WalboxKafkaMetrics {
             let addr = format!("127.0.0.1:{}", free_port()?);
             cmd.env("WALBOX_METRICS_LISTEN", &addr);
             Some(addr)

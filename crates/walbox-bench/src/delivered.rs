@@ -39,7 +39,7 @@ impl Contender {
     /// Where a run of the contender on `slot` puts its events, if anywhere they
     /// can be counted (the ceiling and the stdout sink write to /dev/null).
     pub fn destination(self, slot: &str) -> Option<Destination> {
-        match self {
+        match self.base() {
             Contender::WalboxKafka
             | Contender::WalboxKafkaMetrics
             | Contender::WalboxKafkaMessages => Some(Destination::Topic(format!(
@@ -60,6 +60,10 @@ impl Contender {
             | Contender::Ceiling
             | Contender::CeilingMessages
             | Contender::WalboxStdout => None,
+            // base() maps these to their own.
+            Contender::BaselineKafka
+            | Contender::BaselineNats
+            | Contender::BaselineKafkaMessages => None,
         }
     }
 }

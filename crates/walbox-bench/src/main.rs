@@ -92,7 +92,7 @@ async fn main() -> Result<(), Error> {
         return Ok(());
     };
     // A slot per contender and round, and one for the steady load.
-    let slots = (a.repeat * Contender::ALL.len() + 1).max(20);
+    let slots = (a.repeat * (Contender::ALL.len() + Contender::BASELINE.len()) + 1).max(20);
     let pg = PgCluster::start_with(
         PgOptions::default()
             .setting("timezone", "UTC")
@@ -133,7 +133,7 @@ async fn main() -> Result<(), Error> {
     if runs(Scenario::Backlog) {
         println!("scenario 1: backlog of {events} events in transactions of 10");
         let drained = bench
-            .drain_slots(&Contender::ALL, &backlog_load, events)
+            .drain_slots(&bench.slot_contenders(), &backlog_load, events)
             .await?;
         with_polling = drained.contenders;
         backlog_wal = drained.wal_bytes;
@@ -172,7 +172,7 @@ async fn main() -> Result<(), Error> {
         println!("scenario 3: one transaction of {big} events");
         let drained = bench
             .drain_slots(
-                &Contender::ALL,
+                &bench.slot_contenders(),
                 &format!(
                     "{INSERT} {ROW_SELECT} FROM generate_series(0, {last}) n",
                     last = big - 1
@@ -226,7 +226,7 @@ async fn main() -> Result<(), Error> {
          JetStream nats-server -js (memory stream), redis-server 7 (append-only file, \
          appendfsync always), \
          RabbitMQ 3.10 streams (one node, stream mode), \
-         walbox {} (release); rows like a real service writes them (uuid id, one of 1,000 \
+         walbox {} (release){}; rows like a real service writes them (uuid id, one of 1,000 \
          aggregate ids, ~300-byte jsonb payload, traceparent header){}{}",
         if bench.broker.is_external() {
             "external Kafka"
@@ -234,10 +234,15 @@ async fn main() -> Result<(), Error> {
             "tansu 0.6.0 (memory storage)"
         },
         bench.a.walbox.display(),
+        bench
+            .a
+            .baseline
+            .as_ref()
+            .map_or_else(String::new, |b| format!(", baseline build {}", b.display())),
         if runs(Scenario::Backlog) || runs(Scenario::BigTxn) {
             format!(
                 "; slot contenders: {}",
-                report::method(&Contender::ALL, bench.a.repeat)
+                report::method(&bench.slot_contenders(), bench.a.repeat)
             )
         } else {
             String::new()
@@ -248,7 +253,9 @@ async fn main() -> Result<(), Error> {
             ""
         }
     );
-    let rounds = |s: Scenario| runs(s).then_some((&Contender::ALL[..], bench.a.repeat));
+    let slot_contenders = bench.slot_contenders();
+    let messages_contenders = bench.messages_contenders();
+    let rounds = |s: Scenario| runs(s).then_some((&slot_contenders[..], bench.a.repeat));
     if !with_polling.is_empty() {
         report::print_table(
             &format!("Backlog drain: {events} events in transactions of 10"),
@@ -263,7 +270,7 @@ async fn main() -> Result<(), Error> {
             &format!("Transactional messages: {events} events in transactions of 10"),
             events,
             m.wal_bytes,
-            Some((&Contender::MESSAGES, bench.a.repeat)),
+            Some((&messages_contenders[..], bench.a.repeat)),
             &m.contenders,
         );
         let backlog = if runs(Scenario::Backlog) {

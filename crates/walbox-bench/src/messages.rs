@@ -97,7 +97,7 @@ impl Bench {
              {MESSAGES_PREFIX}, in transactions of 10"
         );
         let drained = self
-            .drain_slots(&Contender::MESSAGES, &load(events), events)
+            .drain_slots(&self.messages_contenders(), &load(events), events)
             .await?;
         let content_bytes: String = db
             .query_one(&format!("SELECT current_setting('{CONTENT_BYTES}')"), &[])

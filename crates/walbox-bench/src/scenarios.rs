@@ -80,6 +80,39 @@ pub struct SlotDrain {
 }
 
 impl Bench {
+    /// The slot contenders of the backlog (and big-txn) scenario: all, and with
+    /// `--baseline` the baseline build's beside them.
+    pub fn slot_contenders(&self) -> Vec<Contender> {
+        let mut all = Contender::ALL.to_vec();
+        if self.a.baseline.is_some() {
+            all.extend(Contender::BASELINE);
+        }
+        all
+    }
+
+    /// The contenders of the messages scenario, likewise.
+    pub fn messages_contenders(&self) -> Vec<Contender> {
+        let mut all = Contender::MESSAGES.to_vec();
+        if self.a.baseline.is_some() {
+            all.extend(Contender::BASELINE_MESSAGES);
+        }
+        all
+    }
+
+    /// The walbox build contender `c` runs: the counting build when counting,
+    /// the baseline build for a baseline contender, else `--walbox`.
+    fn build<'a>(&'a self, c: Contender, counting: Option<&'a Path>) -> Result<&'a Path, Error> {
+        Ok(match counting {
+            Some(counting) => counting,
+            None if c.is_baseline() => self
+                .a
+                .baseline
+                .as_deref()
+                .ok_or("a baseline contender without --baseline")?,
+            None => &self.a.walbox,
+        })
+    }
+
     /// Creates a slot per contender of `all` and round, runs `load` (`events`
     /// events) once, then lets each contender drain its slot, `--repeat` rounds
     /// in rotating order. A contender whose destination can be counted must have
@@ -144,7 +177,7 @@ impl Bench {
             let mut this_round = vec![None; all.len()];
             for c in order(all, round) {
                 let slot = c.slot(round);
-                if c == Contender::WalboxNats {
+                if c.base() == Contender::WalboxNats {
                     reset_stream(&self.nats).await?;
                 }
                 let destination = c.destination(&slot);
@@ -155,7 +188,7 @@ impl Bench {
                     &self.nats,
                     &self.redis,
                     &self.rabbitmq,
-                    counting.unwrap_or(&self.a.walbox),
+                    self.build(c, counting)?,
                     &slot,
                     destination.as_ref().and_then(Destination::topic),
                     &target,
@@ -194,7 +227,7 @@ impl Bench {
                 // Done: the slot goes, so it holds no WAL for what follows.
                 drop_slot(db, &slot).await?;
                 let _ = std::fs::remove_file(checkpoint_file(&self.pg, &slot));
-                if c == Contender::WalboxNats {
+                if c.base() == Contender::WalboxNats {
                     // Its messages go, so they take no memory from what follows.
                     reset_stream(&self.nats).await?;
                 }
