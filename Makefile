@@ -5,7 +5,7 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 60
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all build release deps demo test test-vendor test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay fuzz clean
+.PHONY: all build release deps demo test test-vendor test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay flamegraphs fuzz clean
 
 # PostgreSQL majors the end-to-end tests run on: `make test` runs the whole suite on
 # the first and the end-to-end tests again on the others; `make test-matrix` runs
@@ -85,6 +85,12 @@ bench-relay: deps
 	cp target/release/walbox target/release/walbox-count-allocations
 	$(CARGO) build --release -p walbox -p walbox-bench
 	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --repeat $(BENCH_REPEAT) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
+
+## Flame graphs of rows and messages to the broker and of rows to JetStream
+## (docs/flame-*.svg), with perf and inferno.
+flamegraphs: deps
+	$(CARGO) build --release -p walbox -p walbox-bench
+	scripts/flamegraphs.sh docs
 
 bench-decoder:
 	$(CARGO) bench -p walbox-pgoutput --bench decode

@@ -16,7 +16,7 @@ mod compile;
 mod dead_letter;
 mod error;
 mod map;
-mod value;
+pub(crate) mod value;
 
 use crate::format::{ExtraKind, Formatter};
 use crate::template::TopicTemplate;

@@ -148,6 +148,23 @@ pub(super) fn json_headers(
     raw: &Bytes,
     out: &mut Vec<(HeaderName, Bytes)>,
 ) -> Result<(), serde_json::Error> {
+    headers_of(raw, out, false)
+}
+
+/// As [`json_headers`], but a member (the last of its name) whose value is not a
+/// string is an error instead of skipped: a message's `headers` field.
+pub(crate) fn json_string_headers(
+    raw: &Bytes,
+    out: &mut Vec<(HeaderName, Bytes)>,
+) -> Result<(), serde_json::Error> {
+    headers_of(raw, out, true)
+}
+
+fn headers_of(
+    raw: &Bytes,
+    out: &mut Vec<(HeaderName, Bytes)>,
+    strings_only: bool,
+) -> Result<(), serde_json::Error> {
     let Members(mut members) = serde_json::from_slice(raw)?;
     members.sort_by(|a, b| a.0.cmp(&b.0));
     let mut members = members.into_iter().peekable();
@@ -155,7 +172,14 @@ pub(super) fn json_headers(
         if members.peek().is_some_and(|(next, _)| *next == name) {
             continue; // a later duplicate wins
         }
-        let Some(value) = value else { continue };
+        let Some(value) = value else {
+            if strings_only {
+                return Err(serde::de::Error::custom(
+                    "a header value that is not a string",
+                ));
+            }
+            continue;
+        };
         let value = match value {
             Cow::Borrowed(v) => raw.slice_ref(v.as_bytes()),
             Cow::Owned(v) => Bytes::from(v),

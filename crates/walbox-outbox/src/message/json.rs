@@ -2,17 +2,19 @@
 //! each top-level member's value (so a payload is embedded exactly as written,
 //! numbers of any size included), and base64 for content that is not UTF-8.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// The top-level members of `json` (already checked to be valid JSON): name and
-/// the byte range of the value. `None` when the document is not an object.
-pub(super) fn members(json: &[u8]) -> Option<Vec<(String, Range<usize>)>> {
+/// the byte range of the value; a name borrows `json` unless it holds an
+/// escape. `None` when the document is not an object.
+pub(super) fn members(json: &[u8]) -> Option<Vec<(Cow<'_, str>, Range<usize>)>> {
     let mut i = skip_ws(json, 0);
     if json.get(i) != Some(&b'{') {
         return None;
     }
     i += 1;
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(8);
     loop {
         i = skip_ws(json, i);
         match json.get(i) {
@@ -24,7 +26,12 @@ pub(super) fn members(json: &[u8]) -> Option<Vec<(String, Range<usize>)>> {
             _ => {}
         }
         let key_end = skip_string(json, i)?;
-        let name: String = serde_json::from_slice(json.get(i..key_end)?).ok()?;
+        let quoted = json.get(i..key_end)?;
+        let name = if quoted.contains(&b'\\') {
+            Cow::Owned(serde_json::from_slice::<String>(quoted).ok()?)
+        } else {
+            Cow::Borrowed(std::str::from_utf8(quoted.get(1..quoted.len() - 1)?).ok()?)
+        };
         i = skip_ws(json, key_end);
         if json.get(i) != Some(&b':') {
             return None;
@@ -128,7 +135,7 @@ mod tests {
         members(json.as_bytes())
             .unwrap()
             .into_iter()
-            .map(|(k, r)| (k, &json[r]))
+            .map(|(k, r)| (k.into_owned(), &json[r]))
             .collect()
     }
 

@@ -15,6 +15,7 @@
 mod config;
 mod json;
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use bytes::Bytes;
@@ -174,7 +175,8 @@ pub struct MessageMapper {
 /// A message's content, checked to be a JSON object, with its members' spans.
 struct Content<'a> {
     raw: &'a Bytes,
-    members: Vec<(String, Range<usize>)>,
+    /// Names borrow the content unless they hold an escape.
+    members: Vec<(Cow<'a, str>, Range<usize>)>,
 }
 
 impl Content<'_> {
@@ -224,16 +226,14 @@ impl Content<'_> {
             },
         };
         match value.first() {
+            // No escapes: the string's bytes are its text (the content is
+            // valid JSON and UTF-8), shared with the message's buffer.
+            Some(b'"') if !value.contains(&b'\\') => Ok(Some(
+                Text::new(value.slice(1..value.len() - 1)).map_err(|_| wrong())?,
+            )),
             Some(b'"') => {
                 let s: String = serde_json::from_slice(&value).map_err(|_| wrong())?;
-                if s.len() + 2 == value.len() {
-                    // No escapes: share the message's buffer.
-                    Ok(Some(
-                        Text::new(value.slice(1..value.len() - 1)).map_err(|_| wrong())?,
-                    ))
-                } else {
-                    Ok(Some(Text::from(s)))
-                }
+                Ok(Some(Text::from(s)))
             }
             Some(b'-' | b'0'..=b'9') if numbers => Ok(Some(Text::new(value).map_err(|_| wrong())?)),
             _ => Err(wrong()),
@@ -519,14 +519,9 @@ impl MessageMapper {
             field: name.to_owned(),
             expected: "an object of string values",
         };
-        let map: std::collections::BTreeMap<String, serde_json::Value> =
-            serde_json::from_slice(&raw).map_err(|_| wrong())?;
-        map.into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => Ok((HeaderName::Owned(k), Bytes::from(s))),
-                _ => Err(wrong()),
-            })
-            .collect()
+        let mut headers = Vec::new();
+        crate::mapper::value::json_string_headers(&raw, &mut headers).map_err(|_| wrong())?;
+        Ok(headers)
     }
 
     /// A dead-letter record for a message that cannot be published because of

@@ -365,3 +365,61 @@ fn debezium_keys_take_the_json_encoding_as_the_content_writes_them() {
     let e = map(&plain, &content("\"42\"")).unwrap();
     assert_eq!(e.key.as_deref(), Some(&b"42"[..]));
 }
+
+#[test]
+fn escaped_names_and_strings_are_decoded_and_plain_ones_read_as_written() {
+    let m = mapper(r#"prefix = "walbox""#);
+    // An escaped member name, and escaped texts beside plain ones.
+    let e = map(
+        &m,
+        r#"{"i\u0064":"e-\"1\"","aggregate_type":"order","aggregate_id":"a\\b\u00e9",
+            "event_type":"Order\/Placed","payload":{}}"#,
+    )
+    .unwrap();
+    assert_eq!(e.event_id, "e-\"1\"");
+    assert_eq!(e.key.as_deref(), Some("a\\bé".as_bytes()));
+    assert_eq!(header(&e, "event_type"), Some("Order/Placed"));
+    assert_eq!(header(&e, "aggregate_type"), Some("order"));
+    let plain = map(&m, FULL).unwrap();
+    assert_eq!(plain.event_id, "e-1");
+    assert_eq!(plain.key.as_deref(), Some(&b"42"[..]));
+    assert_eq!(header(&plain, "event_type"), Some("OrderPlaced"));
+}
+
+#[test]
+fn message_headers_are_ordered_by_name_the_last_duplicate_wins_and_only_strings_pass() {
+    let m = mapper(r#"prefix = "walbox""#);
+    let with = |headers: &str| {
+        map(
+            &m,
+            &format!(
+                r#"{{"id":"e-1","aggregate_type":"order","aggregate_id":"42","event_type":"T","payload":{{}},"headers":{headers}}}"#
+            ),
+        )
+    };
+    let e = with(r#"{"b":"2","a":"1","a":"3\n","c":"x\u0041"}"#).unwrap();
+    assert_eq!(header(&e, "a"), Some("3\n"));
+    assert_eq!(header(&e, "b"), Some("2"));
+    assert_eq!(header(&e, "c"), Some("xA"));
+    let names: Vec<&str> = e
+        .headers
+        .iter()
+        .map(|(k, _)| k.as_ref())
+        .filter(|k| ["a", "b", "c"].contains(k))
+        .collect();
+    assert_eq!(names, ["a", "b", "c"]);
+    for bad in [r#"{"n":1}"#, r#"{"o":{"x":"y"}}"#, r#"["a"]"#, r#""a""#] {
+        assert!(
+            matches!(
+                with(bad),
+                Err(MessageError::WrongType {
+                    role: "headers",
+                    ..
+                })
+            ),
+            "{bad}"
+        );
+    }
+    // A later string replaces an earlier value of another type.
+    assert_eq!(header(&with(r#"{"a":1,"a":"s"}"#).unwrap(), "a"), Some("s"));
+}

@@ -27,6 +27,7 @@ use super::headers::KEY_HEADER;
 use crate::DeliveryClass;
 
 /// What walbox published, to compare with what the stream holds.
+#[derive(Debug)]
 pub(super) struct Sent {
     /// The subject it went to.
     pub(super) subject: String,
@@ -39,7 +40,45 @@ pub(super) struct Sent {
 }
 
 impl Sent {
+    /// What is published to `subject` under `msg_id`, with the key header
+    /// `key` and the event's headers `event_headers` (as read from the
+    /// message's headers by [`Sent::of`], without looking them up there).
+    pub(super) fn of_event(
+        subject: &str,
+        msg_id: &str,
+        key: Option<String>,
+        event_headers: &[(walbox_outbox::HeaderName, bytes::Bytes)],
+    ) -> Sent {
+        // The first value of a name that NATS carries, as `HeaderMap::get`
+        // reads the sent headers: the event's headers are appended in order,
+        // the key after them (headers_of).
+        let text = |name: &str| {
+            event_headers
+                .iter()
+                .filter(|(k, _)| k.as_ref() == name)
+                .find_map(|(_, v)| {
+                    std::str::from_utf8(v)
+                        .ok()
+                        .filter(|t| !t.contains(['\r', '\n']))
+                        .map(str::to_owned)
+                })
+        };
+        let position = match text(header::XID) {
+            Some(xid) if xid.trim() != "0" => text(header::COMMIT_LSN)
+                .zip(text(header::INDEX))
+                .map(|(commit_lsn, index)| SourcePosition { commit_lsn, index }),
+            _ => None,
+        };
+        Sent {
+            subject: subject.to_owned(),
+            msg_id: msg_id.to_owned(),
+            key: text(KEY_HEADER).or(key),
+            position,
+        }
+    }
+
     /// What is published to `subject` under `msg_id` with `headers`.
+    #[cfg(test)]
     pub(super) fn of(subject: &str, msg_id: &str, headers: &HeaderMap) -> Sent {
         Sent {
             subject: subject.to_owned(),

@@ -70,14 +70,43 @@ fn server_header(name: &str) -> bool {
         .is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
 }
 
+/// A name NATS takes as it is: letters, digits, `_`, `-` and `.`.
+fn plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+}
+
+/// A header name as NATS carries it: walbox's own names (static) without a
+/// copy, the row's own checked and copied.
+fn nats_name(name: &walbox_outbox::HeaderName) -> Result<HeaderName, String> {
+    match name {
+        std::borrow::Cow::Borrowed(s) if plain_name(s) => Ok(HeaderName::from_static(s)),
+        _ => HeaderName::from_str(name).map_err(|_| {
+            format!(
+                "header name {name:?} is not a NATS header name (it holds white space, ':' or a \
+                 control character); rename it in the row's headers"
+            )
+        }),
+    }
+}
+
 /// One header as NATS carries it; `Err` says why it cannot (never its value).
-fn nats_header(name: &str, value: &[u8]) -> Result<(HeaderName, HeaderValue), String> {
-    let n = HeaderName::from_str(name).map_err(|_| {
-        format!(
-            "header name {name:?} is not a NATS header name (it holds white space, ':' or a \
-             control character); rename it in the row's headers"
-        )
-    })?;
+fn nats_header(
+    name: &walbox_outbox::HeaderName,
+    value: &[u8],
+) -> Result<(HeaderName, HeaderValue), String> {
+    let n = nats_name(name)?;
+    nats_value(name, n, value)
+}
+
+/// `value` as the value of header `n` (named `name` in messages).
+fn nats_value(
+    name: &str,
+    n: HeaderName,
+    value: &[u8],
+) -> Result<(HeaderName, HeaderValue), String> {
     let text = std::str::from_utf8(value).map_err(|_| {
         format!("header {name:?} is not UTF-8 text, which a NATS header needs; store it as text")
     })?;
@@ -96,6 +125,8 @@ pub(super) struct Headers {
     pub(super) map: HeaderMap,
     /// The names of the event's headers a dead letter leaves out.
     pub(super) dropped: Vec<String>,
+    /// The text of [`KEY_HEADER`], when the event has a key.
+    pub(super) key: Option<String>,
 }
 
 /// The event's headers, its key and its id as NATS headers. An event's header
@@ -115,7 +146,7 @@ pub(super) fn headers_of(event: &Event, expected_last: Option<&str>) -> Result<H
                  server would act on; rename it in the row's headers"
             ))
         } else {
-            nats_header(name, v)
+            nats_header(k, v)
         };
         match header {
             Ok((n, v)) => map.append(n, v),
@@ -123,15 +154,22 @@ pub(super) fn headers_of(event: &Event, expected_last: Option<&str>) -> Result<H
             Err(reason) => return Err(reason),
         }
     }
+    let mut key_text = None;
     if let Some(key) = &event.key {
+        let key_name = HeaderName::from_static(KEY_HEADER);
         match std::str::from_utf8(key)
             .ok()
-            .and_then(|t| HeaderValue::from_str(t).ok())
+            .and_then(|t| Some((t, HeaderValue::from_str(t).ok()?)))
         {
-            Some(v) => map.append(KEY_HEADER, v),
+            Some((t, v)) => {
+                key_text = Some(t.to_owned());
+                map.append(key_name, v);
+            }
             None => {
-                map.append(KEY_HEADER, base64_encode(key).as_str());
-                map.append(KEY_ENCODING_HEADER, "base64");
+                let encoded = base64_encode(key);
+                map.append(key_name, encoded.as_str());
+                map.append(HeaderName::from_static(KEY_ENCODING_HEADER), "base64");
+                key_text = Some(encoded);
             }
         }
     }
@@ -143,14 +181,21 @@ pub(super) fn headers_of(event: &Event, expected_last: Option<&str>) -> Result<H
         );
     }
     let id = msg_id(event);
-    let (n, v) = nats_header("Nats-Msg-Id", id.as_bytes()).map_err(|_| {
-        "the event id holds a line break, which Nats-Msg-Id cannot carry".to_owned()
-    })?;
+    let (n, v) = nats_value(
+        "Nats-Msg-Id",
+        HeaderName::from_static("Nats-Msg-Id"),
+        id.as_bytes(),
+    )
+    .map_err(|_| "the event id holds a line break, which Nats-Msg-Id cannot carry".to_owned())?;
     map.append(n, v);
     if let Some(last) = expected_last {
         map.append("Nats-Expected-Last-Msg-Id", last);
     }
-    Ok(Headers { map, dropped })
+    Ok(Headers {
+        map,
+        dropped,
+        key: key_text,
+    })
 }
 
 /// `name` with every byte but `A-Z a-z 0-9 - _ .` as `%XX`.
@@ -244,6 +289,100 @@ pub(super) fn wire_len(h: &HeaderMap) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn event(
+        key: Option<&[u8]>,
+        headers: &[(&'static str, &str)],
+        owned: &[(&str, &str)],
+    ) -> Event {
+        let mut h: Vec<(walbox_outbox::HeaderName, bytes::Bytes)> = headers
+            .iter()
+            .map(|(k, v)| {
+                (
+                    std::borrow::Cow::Borrowed(*k),
+                    bytes::Bytes::from(v.to_string()),
+                )
+            })
+            .collect();
+        h.extend(owned.iter().map(|(k, v)| {
+            (
+                std::borrow::Cow::Owned((*k).to_owned()),
+                bytes::Bytes::from(v.to_string()),
+            )
+        }));
+        Event {
+            event_id: "e-1".into(),
+            topic: "outbox.order".into(),
+            key: key.map(bytes::Bytes::copy_from_slice),
+            value: bytes::Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: h,
+            position: walbox_outbox::Position {
+                commit_lsn: walbox_pgoutput::Lsn(0x16_B374_D848),
+                index: 3,
+                xid: 991,
+            },
+        }
+    }
+
+    /// What walbox keeps of a sent message to compare a duplicate with is
+    /// what the message's own headers say.
+    #[test]
+    fn what_is_kept_of_a_publication_is_what_its_headers_say() {
+        use walbox_outbox::header::{COMMIT_LSN, EVENT_ID, INDEX, XID};
+        let streamed = [
+            (EVENT_ID, "e-1"),
+            (COMMIT_LSN, "16/B374D848"),
+            (INDEX, "3"),
+            (XID, "991"),
+        ];
+        let cases = [
+            event(Some(b"order-17"), &streamed, &[]),
+            event(Some(b"\xff\x00"), &streamed, &[]),
+            event(None, &streamed, &[("tenant", "acme")]),
+            // A snapshot row: xid 0, no position that stays the same.
+            event(Some(b"k"), &[(EVENT_ID, "e-1"), (XID, "0")], &[]),
+            // The row's own headers named like walbox's come first.
+            event(
+                Some(b"k"),
+                &streamed,
+                &[(KEY_HEADER, "mine"), ("walbox_index", "9")],
+            ),
+            // A value NATS cannot carry is not what is read.
+            event(
+                Some(b"k"),
+                &[
+                    (EVENT_ID, "e-1"),
+                    (COMMIT_LSN, "1/0"),
+                    (INDEX, "0"),
+                    (XID, "7"),
+                ],
+                &[],
+            ),
+        ];
+        for e in cases {
+            let Ok(h) = headers_of(&e, Some("prev")) else {
+                continue;
+            };
+            let from_map = super::super::duplicate::Sent::of("s", "id", &h.map);
+            let kept = super::super::duplicate::Sent::of_event("s", "id", h.key, &e.headers);
+            assert_eq!(
+                format!("{kept:?}"),
+                format!("{from_map:?}"),
+                "{:?}",
+                e.headers
+            );
+        }
+    }
+
+    #[test]
+    fn walbox_names_are_taken_as_they_are_and_the_rows_names_are_checked() {
+        let (n, _) = nats_header(&std::borrow::Cow::Borrowed("walbox_commit_lsn"), b"1/0").unwrap();
+        assert_eq!(n, HeaderName::from_str("walbox_commit_lsn").unwrap());
+        assert!(nats_header(&std::borrow::Cow::Owned("a b".into()), b"v").is_err());
+        assert!(nats_header(&std::borrow::Cow::Borrowed("a:b"), b"v").is_err());
+        assert!(nats_header(&std::borrow::Cow::Borrowed("ok"), b"a\nb").is_err());
+    }
 
     #[test]
     fn the_header_size_is_what_nats_sends() {

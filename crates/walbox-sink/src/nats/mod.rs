@@ -303,6 +303,7 @@ impl Sink for NatsSink {
         }
         let stream = self.stream_of(&subject).await?;
         let id = publication_id(&msg_id(&event), self.replay.as_deref());
+        let key_text;
         let headers = match headers_of(&event, self.last_id.get(&stream).map(String::as_str)) {
             Ok(mut h) => {
                 if self.replay.is_some() {
@@ -318,6 +319,7 @@ impl Sink for NatsSink {
                          walbox_dropped_headers)"
                     );
                 }
+                key_text = h.key;
                 h.map
             }
             Err(reason) => {
@@ -344,7 +346,12 @@ impl Sink for NatsSink {
             return Ok(());
         }
         let js = self.session().await?.js.clone();
-        pending.sent = Some(duplicate::Sent::of(&subject, &id, &headers));
+        pending.sent = Some(duplicate::Sent::of_event(
+            &subject,
+            &id,
+            key_text,
+            &event.headers,
+        ));
         let publish = jetstream::message::PublishMessage::build()
             .payload(event.value.clone())
             .headers(headers);

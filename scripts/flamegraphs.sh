@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Flame graphs of walbox on its three busiest paths, as committed in docs/:
+# rows to the broker, [[messages]] to the broker, and rows to JetStream.
+#
+#   scripts/flamegraphs.sh [OUT_DIR] [EVENTS]     (default: docs 300000)
+#
+# Runs walbox-bench (--only backlog,messages, one round) and attaches
+# `perf record` (DWARF call graphs, 1999 Hz) to the walbox process of each path,
+# found by its slot; `inferno` folds and renders the samples as SVG. Needs the
+# release build of walbox and walbox-bench (`make bench` builds them), Linux
+# perf (Debian's linux-perf, installed here if missing) and inferno (installed
+# with cargo if missing). Root, or kernel.perf_event_paranoid <= 1.
+set -euo pipefail
+
+out=${1:-docs}
+events=${2:-300000}
+here=$(cd "$(dirname "$0")/.." && pwd)
+bench="$here/target/release/walbox-bench"
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+
+if ! command -v perf >/dev/null 2>&1; then
+  apt-get install -y --no-install-recommends linux-perf >/dev/null
+fi
+if ! command -v inferno-flamegraph >/dev/null 2>&1; then
+  cargo install inferno --locked --version 0.12.8
+fi
+[ -x "$bench" ] || cargo build --release -p walbox -p walbox-bench
+
+# Attaches perf to the `walbox run` whose WALBOX_SLOT is $1, once it starts.
+attach() {
+  local slot=$1 data=$2
+  while true; do
+    for pid in $(pgrep -f "release/walbox run" || true); do
+      if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "WALBOX_SLOT=$slot"; then
+        exec perf record -F 1999 --call-graph dwarf,16384 -o "$data" -p "$pid" >/dev/null 2>&1
+      fi
+    done
+    sleep 0.01
+  done
+}
+
+# name, slot (round 1 of the bench's contenders), title
+paths=(
+  "flame-rows-kafka walbox_kafka_r1 walbox: outbox rows to the broker"
+  "flame-messages-kafka walbox_kafka_messages_r1 walbox: [[messages]] to the broker"
+  "flame-jetstream walbox_nats_r1 walbox: outbox rows to JetStream"
+)
+for p in "${paths[@]}"; do
+  read -r name slot _ <<<"$p"
+  attach "$slot" "$work/$name.data" &
+done
+
+"$bench" --only backlog,messages --events "$events" --repeat 1 >"$work/bench.txt"
+
+mkdir -p "$out"
+for p in "${paths[@]}"; do
+  read -r name slot title <<<"$p"
+  [ -s "$work/$name.data" ] || { echo "no samples for $slot" >&2; exit 1; }
+  perf script -i "$work/$name.data" 2>/dev/null | inferno-collapse-perf >"$work/$name.folded"
+  inferno-flamegraph --title "$title ($events events)" --width 1600 \
+    <"$work/$name.folded" >"$out/$name.svg"
+  echo "$out/$name.svg"
+done
