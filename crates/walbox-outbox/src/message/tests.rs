@@ -423,3 +423,17 @@ fn message_headers_are_ordered_by_name_the_last_duplicate_wins_and_only_strings_
     // A later string replaces an earlier value of another type.
     assert_eq!(header(&with(r#"{"a":1,"a":"s"}"#).unwrap(), "a"), Some("s"));
 }
+
+#[test]
+fn a_header_member_replaced_by_a_later_string_is_not_read_further() {
+    // Valid JSON whose replaced value serde_json's Value would refuse (a number
+    // beyond f64): the later string is the header, as for a row's headers.
+    let m = mapper(r#"prefix = "walbox""#);
+    let e = map(
+        &m,
+        r#"{"id":"e-1","aggregate_type":"order","aggregate_id":"42","event_type":"T",
+            "payload":{},"headers":{"a":[1e400],"a":"s"}}"#,
+    )
+    .unwrap();
+    assert_eq!(header(&e, "a"), Some("s"));
+}
