@@ -68,24 +68,47 @@ impl RabbitMq {
             dir,
             user,
             amqp_port: 0,
-            stream_port: process::free_port()?,
-            amqps_port: process::free_port()?,
-            stream_tls_port: process::free_port()?,
+            stream_port: 0,
+            amqps_port: 0,
+            stream_tls_port: 0,
             tls,
-            dist_port: process::free_port()?,
-            epmd_port: process::free_port()?,
+            dist_port: 0,
+            epmd_port: 0,
             child: None,
         };
         for sub in ["home", "mnesia", "log"] {
             let p = node.dir.path().join(sub);
             std::fs::create_dir_all(&p).map_err(TestkitError::io("creating", &p))?;
         }
+        // Every port anew on each try: any of them can be taken between
+        // being found free and the node binding it.
         process::launch_on_free_port(|port| {
             node.amqp_port = port;
+            node.other_ports()?;
             node.write_config()?;
             node.launch()
         })?;
         Ok(node)
+    }
+
+    /// Free ports for the node's listeners besides AMQP, all different.
+    fn other_ports(&mut self) -> Result<()> {
+        let mut taken = vec![self.amqp_port];
+        let mut next = || -> Result<u16> {
+            loop {
+                let p = process::free_port()?;
+                if !taken.contains(&p) {
+                    taken.push(p);
+                    return Ok(p);
+                }
+            }
+        };
+        self.stream_port = next()?;
+        self.amqps_port = next()?;
+        self.stream_tls_port = next()?;
+        self.dist_port = next()?;
+        self.epmd_port = next()?;
+        Ok(())
     }
 
     /// Makes sure the node, its epmd and its directory go when this process
