@@ -31,8 +31,8 @@ fi
 attach() {
   local slot=$1 data=$2
   while true; do
-    for pid in $(pgrep -f "release/walbox run" || true); do
-      if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "WALBOX_SLOT=$slot"; then
+    for pid in $(pgrep -f "^[^ ]*/release/walbox run" || true); do
+      if { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qx "WALBOX_SLOT=$slot"; then
         exec perf record -F 1999 --call-graph dwarf,16384 -o "$data" -p "$pid" >/dev/null 2>&1
       fi
     done

@@ -40,11 +40,13 @@ mod snapshot;
 mod usage_error;
 mod verify;
 
-/// jemalloc instead of glibc's malloc. The sinks' clients allocate and free
-/// several small buffers per event, some on other threads than the ones that
-/// allocated them; with glibc that cost a fifth to a third of the CPU (arena
-/// locks, consolidation), jemalloc's thread caches take most of it away
-/// (docs/benchmarks.md, "Where the time goes"). Settings: [`MALLOC_CONF`].
+/// jemalloc instead of glibc's malloc, for Rust and for the C libraries in the
+/// process alike (librdkafka copies every record and header with `malloc`). The
+/// sinks' clients allocate and free several small buffers per event, some on
+/// other threads than the ones that allocated them; with glibc that cost a
+/// fifth to a third of the CPU (arena locks, consolidation), jemalloc's thread
+/// caches take most of it away (docs/benchmarks.md, "Cost per event").
+/// Settings: [`MALLOC_CONF`].
 #[cfg(not(feature = "count-allocations"))]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
@@ -56,15 +58,15 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 static ALLOCATOR: alloc_count::Counting<tikv_jemallocator::Jemalloc> =
     alloc_count::Counting(tikv_jemallocator::Jemalloc);
 
-/// jemalloc's settings, read when it starts (`_RJEM_MALLOC_CONF` in the
-/// environment still overrides them): one arena, as walbox's work runs on one
+/// jemalloc's settings, read when it starts (`MALLOC_CONF` in the environment
+/// still overrides them): one arena, as walbox's work runs on one
 /// runtime thread and the sinks' few threads, where the default (four per core)
 /// only spreads memory over more arenas; freed pages returned after half a
 /// second instead of ten, so that memory a burst took goes back soon after
 /// (peak RSS stays under 64 MB in every benchmark scenario).
 // jemalloc finds the setting by this symbol's name.
 #[allow(unsafe_code)]
-#[unsafe(export_name = "_rjem_malloc_conf")]
+#[unsafe(export_name = "malloc_conf")]
 pub static MALLOC_CONF: &[u8; 46] = b"narenas:1,dirty_decay_ms:500,muzzy_decay_ms:0\0";
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
