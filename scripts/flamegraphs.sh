@@ -9,7 +9,8 @@
 # found by its slot; `inferno` folds and renders the samples as SVG. Needs the
 # release build of walbox and walbox-bench (`make bench` builds them), Linux
 # perf (Debian's linux-perf, installed here if missing) and inferno (installed
-# with cargo if missing). Root, or kernel.perf_event_paranoid <= 1.
+# with cargo if missing). Root, or kernel.perf_event_paranoid <= 1. Functions
+# narrower than a pixel are left out (--minwidth 1).
 set -euo pipefail
 
 out=${1:-docs}
@@ -58,7 +59,9 @@ for p in "${paths[@]}"; do
   read -r name slot title <<<"$p"
   [ -s "$work/$name.data" ] || { echo "no samples for $slot" >&2; exit 1; }
   perf script -i "$work/$name.data" 2>/dev/null | inferno-collapse-perf >"$work/$name.folded"
-  inferno-flamegraph --title "$title ($events events)" --width 1600 \
+  # FOLDED_DIR keeps the folded stacks, for reading the figures behind a graph.
+  [ -n "${FOLDED_DIR:-}" ] && cp "$work/$name.folded" "$FOLDED_DIR/"
+  inferno-flamegraph --title "$title ($events events)" --width 1600 --minwidth 1 \
     <"$work/$name.folded" >"$out/$name.svg"
   echo "$out/$name.svg"
 done
