@@ -687,6 +687,7 @@ fn stream_event(stream: &str, id: &str, lsn: u64, index: u32) -> walbox_outbox::
             index,
             xid: 7,
         },
+        origin: walbox_outbox::Origin::Stream,
     }
 }
 

@@ -40,13 +40,22 @@ impl Entry {
         let v: serde_json::Value = serde_json::from_str(self.field("value")).unwrap();
         v["payload"]["seq"].as_i64().unwrap()
     }
-    /// The position the entry's headers name, as its natural entry id.
+    /// The position the entry's headers name, as its natural entry id (the
+    /// tests' rows with transaction id 0 are snapshot rows).
     fn natural_id(&self) -> String {
-        walbox_sink::event_entry_id(&walbox_outbox::Position {
+        let position = walbox_outbox::Position {
             commit_lsn: self.header("walbox_commit_lsn").parse().unwrap(),
             index: self.header("walbox_index").parse().unwrap(),
             xid: self.header("walbox_xid").parse().unwrap(),
-        })
+        };
+        let origin = if position.xid == 0 {
+            walbox_outbox::Origin::Snapshot {
+                point: position.commit_lsn,
+            }
+        } else {
+            walbox_outbox::Origin::Stream
+        };
+        walbox_sink::event_entry_id(&position, &origin)
     }
 }
 

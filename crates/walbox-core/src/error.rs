@@ -139,6 +139,7 @@ impl Failure {
             json_value: true,
             headers,
             position,
+            origin: walbox_outbox::Origin::Stream,
         })
     }
 }
@@ -178,6 +179,7 @@ impl Failure {
             json_value: true,
             headers,
             position,
+            origin: walbox_outbox::Origin::Stream,
         }
     }
 }

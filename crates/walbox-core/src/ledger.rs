@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use walbox_outbox::Origin;
+
 use crate::ack::Ticket;
 
 /// One event in flight.
@@ -16,6 +18,9 @@ struct Entry {
     committed: i64,
     /// The outbox table of its row.
     table: Arc<str>,
+    /// Which read of the source it comes from (a dead letter that takes its
+    /// place keeps it).
+    origin: Origin,
 }
 
 /// Sink tokens of in-flight events, reusing freed slots.
@@ -35,6 +40,7 @@ impl Ledger {
         size: usize,
         committed: i64,
         table: Arc<str>,
+        origin: Origin,
     ) -> usize {
         self.bytes += size;
         self.count += 1;
@@ -43,6 +49,7 @@ impl Ledger {
             size,
             committed,
             table,
+            origin,
         });
         if let Some(token) = self.free.pop()
             && let Some(slot) = self.entries.get_mut(token)
@@ -54,13 +61,13 @@ impl Ledger {
         self.entries.len() - 1
     }
 
-    /// Settles the event of `token`: its ticket, commit time and table.
-    pub(crate) fn remove(&mut self, token: usize) -> Option<(Ticket, i64, Arc<str>)> {
+    /// Settles the event of `token`: its ticket, commit time, table and origin.
+    pub(crate) fn remove(&mut self, token: usize) -> Option<(Ticket, i64, Arc<str>, Origin)> {
         let entry = self.entries.get_mut(token)?.take()?;
         self.free.push(token);
         self.bytes -= entry.size;
         self.count -= 1;
-        Some((entry.ticket, entry.committed, entry.table))
+        Some((entry.ticket, entry.committed, entry.table, entry.origin))
     }
 
     /// Bytes in flight.

@@ -42,10 +42,96 @@ pub struct Position {
     pub xid: Xid,
 }
 
+/// Which read of the source an event comes from. The position says where in
+/// the WAL; the origin says how walbox came to it, which is what a sink needs
+/// to name a copy (a snapshot's rows and a replay's events must not take the
+/// ids of the stream's). A sink reads it from here, never from a transaction
+/// id or from the record's headers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum Origin {
+    /// Read from the slot in commit order (`walbox run`): the event's position
+    /// is its transaction's commit LSN and its index there, the same on every
+    /// read of the WAL.
+    #[default]
+    Stream,
+    /// A row of the snapshot taken at `point` (its consistent point): every row
+    /// of it sits at `point`, index = the row's place in the snapshot. A
+    /// snapshot taken again has another point.
+    Snapshot {
+        /// The snapshot's consistent point.
+        point: Lsn,
+    },
+    /// A logical decoding message written outside any transaction: no commit
+    /// order, its own unit at its record's LSN (index 0). It only ever
+    /// reaches a sink as a dead letter.
+    Message,
+    /// `walbox replay` of the range that starts at `from`: read from the WAL
+    /// again, positions as the stream gave them.
+    Replay {
+        /// Where the replay starts (its name).
+        from: Lsn,
+    },
+    /// `walbox dlq replay` of one dead letter, named by where the letter is
+    /// (`dlq.<letters>.<offset>`); its position is the original event's.
+    DeadLetterReplay {
+        /// The letter's place.
+        letter: std::sync::Arc<str>,
+    },
+}
+
+impl Origin {
+    /// The name of `walbox replay`'s run this event belongs to (its start
+    /// position), if it is one: a destination that deduplicates stores it
+    /// under an id of that replay's own (the crate `walbox-sink`'s rules). A
+    /// dead-letter replay is not one: its event is published under its own
+    /// id, so a run of it again after a kill is dropped.
+    #[must_use]
+    pub fn replay_name(&self) -> Option<String> {
+        match self {
+            Origin::Replay { from } => Some(from.to_string()),
+            _ => None,
+        }
+    }
+
+    /// Whether the position is outside commit order: a snapshot row (at its
+    /// snapshot's point) or a non-transactional message (at its own LSN).
+    /// Such a position can share its LSN with a transaction's commit, so a
+    /// sink that derives ids from positions keeps them apart.
+    #[must_use]
+    pub fn outside_commit_order(&self) -> bool {
+        matches!(self, Origin::Snapshot { .. } | Origin::Message)
+    }
+
+    /// Whether every read of the WAL gives this event the same position (a
+    /// streamed or replayed event, or a dead letter replayed), so two copies
+    /// of one event can be compared by position. A snapshot row's position
+    /// is its snapshot's, another for a snapshot taken again.
+    #[must_use]
+    pub fn position_is_stable(&self) -> bool {
+        !matches!(self, Origin::Snapshot { .. } | Origin::Message)
+    }
+
+    /// A short stable text form (logs, a sink's own origin field).
+    #[must_use]
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Origin::Stream => "stream",
+            Origin::Snapshot { .. } => "snapshot",
+            Origin::Message => "message",
+            Origin::Replay { .. } => "replay",
+            Origin::DeadLetterReplay { .. } => "dlq_replay",
+        }
+    }
+}
+
 /// An event ready for a sink.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
-    /// The event id (stable across re-publication).
+    /// The event id (stable across re-publication). A sink writes it into a
+    /// field of its own (a message id, an entry field, a property) and reads
+    /// it back from there, never from a format's header: where a format puts
+    /// the id (`event_id`, `id`, `ce_id`, a structured CloudEvent's body) is
+    /// for consumers.
     pub event_id: String,
     /// Destination topic.
     pub topic: String,
@@ -60,6 +146,8 @@ pub struct Event {
     pub headers: Vec<(HeaderName, Bytes)>,
     /// Source position.
     pub position: Position,
+    /// Which read of the source the event comes from.
+    pub origin: Origin,
 }
 
 impl Event {

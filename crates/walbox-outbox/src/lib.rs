@@ -29,7 +29,7 @@ pub use config::{
     CloudEventsMode, ColumnNames, DEFAULT_CLOUDEVENTS_SOURCE, DEFAULT_CLOUDEVENTS_SUBJECT, Format,
     FormatSettings, KeyEncoding, Place, Placement, TableConfig, ValueFormat,
 };
-pub use event::{Event, HeaderName, Position, header};
+pub use event::{Event, HeaderName, Origin, Position, header};
 pub use format::{
     Binding, EventFields, Extra, ExtraKind, FieldNames, Formatter, Payload, PayloadKind, Protocol,
     Text, record_event_id,

@@ -97,24 +97,22 @@ impl ClientContext for AdminContext {
     }
 }
 
-impl ProducerContext for Reports {
-    type DeliveryOpaque = usize;
+/// What a record's delivery report gives back: the relay's token and the
+/// event's id, as the sink was handed them (never read from the record's
+/// headers, where each format puts the id somewhere else).
+struct Sent {
+    token: usize,
+    event_id: String,
+}
 
-    fn delivery(&self, result: &DeliveryResult<'_>, token: usize) {
+impl ProducerContext for Reports {
+    type DeliveryOpaque = Box<Sent>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, sent: Box<Sent>) {
+        let Sent { token, event_id } = *sent;
         let result = match result {
             Ok(_) => Ok(()),
             Err((err, msg)) => {
-                // Whatever the record's format.
-                let event_id = walbox_outbox::record_event_id(
-                    |name| {
-                        msg.headers()?
-                            .iter()
-                            .find(|h| h.key == name)
-                            .and_then(|h| std::str::from_utf8(h.value?).ok())
-                    },
-                    msg.payload(),
-                )
-                .unwrap_or_default();
                 let mut class = classify(err);
                 // Undelivered because no broker would take the credentials.
                 if matches!(class, DeliveryClass::Timeout | DeliveryClass::BrokerError)
@@ -349,8 +347,12 @@ impl KafkaSink {
 }
 
 impl Sink for KafkaSink {
-    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+    async fn send(&mut self, mut event: Event, token: usize) -> Result<(), SinkError> {
         self.ensure_topic(&event.topic).await?;
+        let sent = Box::new(Sent {
+            token,
+            event_id: std::mem::take(&mut event.event_id),
+        });
         let mut headers = OwnedHeaders::new_with_capacity(event.headers.len());
         for (k, v) in &event.headers {
             headers = headers.insert(Header {
@@ -358,7 +360,7 @@ impl Sink for KafkaSink {
                 value: Some(v.as_ref()),
             });
         }
-        let mut record = BaseRecord::with_opaque_to(&event.topic, token)
+        let mut record = BaseRecord::with_opaque_to(&event.topic, sent)
             .payload(event.value.as_ref())
             .headers(headers);
         if let Some(key) = &event.key {
@@ -376,8 +378,9 @@ impl Sink for KafkaSink {
                 Err((e, r)) => {
                     // Refused before it was queued (e.g. larger than message.max.bytes):
                     // report it as this event's delivery failure.
+                    let Sent { token, event_id } = *r.delivery_opaque;
                     let mut failure = DeliveryError {
-                        event_id: event.event_id.clone(),
+                        event_id,
                         topic: event.topic.clone(),
                         class: classify(&e),
                         reason: e.to_string(),
@@ -398,7 +401,7 @@ impl Sink for KafkaSink {
                         .context()
                         .tx
                         .send(Delivery {
-                            token: r.delivery_opaque,
+                            token,
                             result: Err(failure),
                         })
                         .ok();

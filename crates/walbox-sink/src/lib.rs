@@ -36,7 +36,8 @@
 //! 1. Streaming (`walbox run`) and a dead-letter replay publish each event
 //!    under an id derived from the event id alone, so a resend after a crash,
 //!    or a dead-letter replay run again after a kill, is dropped.
-//! 2. A replay of a range ([`Sink::replay_as`], `walbox replay`) publishes each
+//! 2. A replay of a range (`walbox replay`: events of origin
+//!    [`walbox_outbox::Origin::Replay`]) publishes each
 //!    event under an id of its own, derived from the event id and the
 //!    replay's name (its start position): the destination stores it again,
 //!    and drops only what an earlier run of the same replay stored. The
@@ -257,14 +258,6 @@ pub trait Sink {
 
     /// Waits up to `timeout` for everything sent to be delivered or failed.
     async fn flush(&mut self, timeout: std::time::Duration) -> Result<(), SinkError>;
-
-    /// The events sent from now on are a replay named `name` (`walbox replay`:
-    /// its start position). A destination that deduplicates stores them under
-    /// ids of this replay's own (see the crate's rules); one that does not
-    /// stores every record sent anyway, and ignores this.
-    fn replay_as(&mut self, name: &str) {
-        let _ = name;
-    }
 
     /// How many of the deliveries reported so far were records the
     /// destination dropped as duplicates of a copy it already held (checked

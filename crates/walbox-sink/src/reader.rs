@@ -58,6 +58,8 @@ pub struct OwnedRecord {
     pub value: Vec<u8>,
     /// Its headers, as text where they are.
     pub headers: Vec<(String, Vec<u8>)>,
+    /// Its AMQP `message-id`: the event id walbox wrote there.
+    pub message_id: Option<String>,
 }
 
 impl<'a> RecordView<'a> {
@@ -143,6 +145,24 @@ impl<'a> RecordView<'a> {
             Inner::Redis(e) => e.field(crate::redis_streams::entry::VALUE_FIELD),
             Inner::Owned(r) => Some(&r.value),
         }
+    }
+
+    /// The event id the record carries: from the sink's own id field where
+    /// the sink writes one (a Redis entry's `event_id` field, a RabbitMQ
+    /// message's `message-id`), else where the record's format puts it
+    /// ([`walbox_outbox::record_event_id`]: a header or a structured
+    /// CloudEvent's body).
+    #[must_use]
+    pub fn event_id(&self) -> Option<String> {
+        let own = match &self.inner {
+            Inner::Redis(e) => e
+                .field(crate::redis_streams::entry::EVENT_ID_FIELD)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .map(str::to_owned),
+            Inner::Owned(r) => r.message_id.clone(),
+            Inner::Kafka(_) | Inner::Nats { .. } | Inner::Letter { .. } => None,
+        };
+        own.or_else(|| walbox_outbox::record_event_id(|n| self.header(n), self.value()))
     }
 
     /// The first header called `name`, as UTF-8 text.

@@ -198,6 +198,7 @@ mod tests {
                 index: 0,
                 xid: 7,
             },
+            origin: walbox_outbox::Origin::Stream,
         }
     }
 

@@ -53,6 +53,7 @@ fn event(id: &str, topic: &str) -> Event {
             index: 0,
             xid: 7,
         },
+        origin: walbox_outbox::Origin::Stream,
     }
 }
 

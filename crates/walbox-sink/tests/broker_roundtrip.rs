@@ -127,6 +127,7 @@ async fn an_aborted_sink_writes_nothing_it_still_held() {
             index: n,
             xid: 1,
         },
+        origin: walbox_outbox::Origin::Stream,
     };
     let (mut sink, mut deliveries) = KafkaSink::new(KafkaSinkConfig {
         properties: vec![

@@ -34,6 +34,7 @@ fn event(n: u32, payload: &Bytes) -> Event {
             index: n,
             xid: 1,
         },
+        origin: walbox_outbox::Origin::Stream,
     }
 }
 

@@ -26,6 +26,7 @@ fn event(id: &str, stream: &str, lsn: u64, index: u32) -> Event {
             index,
             xid: 7,
         },
+        origin: walbox_outbox::Origin::Stream,
     }
 }
 
@@ -44,11 +45,13 @@ async fn send_all(
     events: Vec<Event>,
 ) -> (Vec<Result<(), (DeliveryClass, String)>>, u64) {
     let (mut sink, mut deliveries) = RedisSink::new(cfg.clone()).unwrap();
-    if let Some(r) = replay {
-        sink.replay_as(r);
-    }
     let n = events.len();
-    for (i, e) in events.into_iter().enumerate() {
+    for (i, mut e) in events.into_iter().enumerate() {
+        if let Some(from) = replay {
+            e.origin = walbox_outbox::Origin::Replay {
+                from: from.parse().unwrap(),
+            };
+        }
         sink.send(e, i).await.unwrap();
     }
     sink.flush(Duration::from_secs(30)).await.unwrap();

@@ -24,6 +24,7 @@ fn event(key: &str, n: u32) -> Event {
             index: 0,
             xid: 1,
         },
+        origin: walbox_outbox::Origin::Stream,
     }
 }
 

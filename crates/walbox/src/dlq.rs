@@ -367,7 +367,7 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 let mut letters = Vec::new();
                 read.each(|r| letters.push(parse(&r)));
                 let published = run
-                    .publish_named(&mut sink, &mut deliveries, dlq, &letters, true)
+                    .publish(&mut sink, &mut deliveries, dlq, &letters)
                     .await;
                 let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
                 read.settle(done)
@@ -503,29 +503,17 @@ struct Run<'a> {
 impl Run<'_> {
     /// Rebuilds and publishes the letters of `dlq` (prints them on a dry run)
     /// and waits until the broker acknowledged every publication. Returns the
-    /// (partition, offset) of the letters that still fail.
+    /// (partition, offset) of the letters that still fail. Each event goes
+    /// with the origin [`walbox_outbox::Origin::DeadLetterReplay`] naming its
+    /// letter (`dlq.{dlq}.{offset}`): a destination whose ids come from the
+    /// position (RabbitMQ streams) stores it under ids apart from the
+    /// stream's, and drops only a copy an earlier run stored.
     async fn publish<S: Sink>(
         &mut self,
         sink: &mut S,
         deliveries: &mut walbox_sink::Deliveries,
         dlq: &str,
         letters: &[DeadLetter],
-    ) -> Result<HashSet<(i32, i64)>> {
-        self.publish_named(sink, deliveries, dlq, letters, false)
-            .await
-    }
-
-    /// [`Run::publish`]; with `name_each`, each letter's event is published as
-    /// a replay of its own (`dlq.{dlq}.{offset}`): a destination whose ids
-    /// come from the position (RabbitMQ streams) then stores it under ids
-    /// apart from the stream's, and drops only a copy an earlier run stored.
-    async fn publish_named<S: Sink>(
-        &mut self,
-        sink: &mut S,
-        deliveries: &mut walbox_sink::Deliveries,
-        dlq: &str,
-        letters: &[DeadLetter],
-        name_each: bool,
     ) -> Result<HashSet<(i32, i64)>> {
         let mut failed = HashSet::new();
         let mut sent = 0usize;
@@ -548,7 +536,12 @@ impl Run<'_> {
             )
             .await
             {
-                Ok(event) => {
+                Ok(mut event) => {
+                    // A copy of the letter's event: a sink whose ids come
+                    // from the position (RabbitMQ streams) names it apart.
+                    event.origin = walbox_outbox::Origin::DeadLetterReplay {
+                        letter: format!("dlq.{dlq}.{}", letter.offset).into(),
+                    };
                     println_out(&format!(
                         "{} event {} to {} (from {dlq} offset {}:{})",
                         if self.args.dry_run {
@@ -562,9 +555,6 @@ impl Run<'_> {
                         letter.offset
                     ));
                     if !self.args.dry_run {
-                        if name_each {
-                            sink.replay_as(&format!("dlq.{dlq}.{}", letter.offset));
-                        }
                         sink.send(event, sent).await?;
                         sent += 1;
                     }

@@ -266,7 +266,7 @@ pub async fn run(args: Args) -> Result<()> {
     let mut dead_letter_topics: Vec<String> = Vec::new();
     for topic in &topics {
         let read = read_records(&config, &properties, topic, timeout, |r| {
-            let id = walbox_outbox::record_event_id(|n| r.header(n), r.value()).unwrap_or_default();
+            let id = r.event_id().unwrap_or_default();
             let pos = r
                 .header(header::COMMIT_LSN)
                 .and_then(|l| l.parse::<Lsn>().ok())

@@ -13,7 +13,7 @@ use walbox_outbox::{Event, MessageConfig, MessageError, MessageMapper, Position}
 use walbox_pgoutput::{DecodingMessage, LogicalMessage, Lsn};
 
 use super::poison::Refused;
-use super::{Core, CoreConfig, Origin};
+use super::{Core, CoreConfig, Provenance};
 use crate::error::CoreError;
 
 type Compiled = Arc<(MessageMapper, Arc<str>)>;
@@ -133,12 +133,12 @@ impl Core {
                 &self.cfg,
                 &mut self.stats.dead_lettered,
             )?;
-            let origin = Origin {
+            let origin = Provenance {
                 table: Arc::clone(source),
                 dead_letter,
                 replaces: false,
             };
-            self.queue(event, id, committed, origin);
+            self.queue(event, id, committed, origin, self.streamed.clone());
             return Ok(());
         }
         if self.txn.is_some() {
@@ -170,12 +170,12 @@ impl Core {
             &mut self.stats.dead_lettered,
         )?;
         let unit = self.tracker.begin(m.lsn);
-        let origin = Origin {
+        let origin = Provenance {
             table: Arc::clone(source),
             dead_letter: true,
             replaces: false,
         };
-        self.queue(dead, unit, 0, origin);
+        self.queue(dead, unit, 0, origin, walbox_outbox::Origin::Message);
         self.tracker.commit(unit, m.lsn);
         Ok(())
     }

@@ -125,7 +125,7 @@ pub enum Outcome {
 
 /// Where an event handed to the sink comes from, for counts by table.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Origin {
+pub struct Provenance {
     /// The outbox table (`schema.name`) of its row, or `message:<prefix>` for
     /// a logical decoding message.
     pub table: Arc<str>,
@@ -187,7 +187,7 @@ pub struct Core {
     tables: Vec<String>,
     tracker: AckTracker,
     decoder: Decoder,
-    /// Outbox relations by oid, with their names for [`Origin`].
+    /// Outbox relations by oid, with their names for [`Provenance`].
     mappers: HashMap<Oid, (Mapper, Arc<str>)>,
     /// Published relations that are not outboxes, by oid: their names, and
     /// whether a change of theirs was logged.
@@ -200,7 +200,7 @@ pub struct Core {
     unknown_prefixes: std::collections::HashSet<String>,
     txn: Option<OpenTxn>,
     ledger: Ledger,
-    sends: VecDeque<(Event, usize, Origin)>,
+    sends: VecDeque<(Event, usize, Provenance)>,
     stats: Stats,
     /// The newest checkpoint state (`None` until the cluster's identity is known).
     checkpoint: Option<Checkpoint>,
@@ -214,6 +214,9 @@ pub struct Core {
     snapshot: Option<(TxnId, Lsn, u32)>,
     /// Replay: stop before the first transaction that commits at or after it.
     stop_at: Option<Lsn>,
+    /// The origin of the events read from the slot: the stream's, or a
+    /// replay's (see [`Core::replay_from`]).
+    streamed: walbox_outbox::Origin,
     reached_end: bool,
     /// Positions above this are not saved or reported (the publication was last
     /// verified there).
@@ -276,6 +279,7 @@ impl Core {
             snapshot_table: None,
             snapshot: None,
             stop_at: None,
+            streamed: walbox_outbox::Origin::Stream,
             reached_end: false,
             limit: None,
             resume_partial: None,
@@ -345,6 +349,13 @@ impl Core {
     /// save a position past it.
     pub fn stop_at(&mut self, end: Lsn) {
         self.stop_at = Some(end);
+    }
+
+    /// The events read from now on are `walbox replay`'s of the range that
+    /// starts at `from`: each carries [`walbox_outbox::Origin::Replay`], so
+    /// a sink names them apart from the stream's copies.
+    pub fn replay_from(&mut self, from: Lsn) {
+        self.streamed = walbox_outbox::Origin::Replay { from };
     }
 
     /// Positions above `limit` are neither saved nor reported.
@@ -454,7 +465,7 @@ impl Core {
     }
 
     /// The next event to hand to the sink, with its token and where it comes from.
-    pub fn next_send_with_origin(&mut self) -> Option<(Event, usize, Origin)> {
+    pub fn next_send_with_origin(&mut self) -> Option<(Event, usize, Provenance)> {
         self.sends.pop_front()
     }
 
@@ -618,12 +629,12 @@ impl Core {
                     &self.cfg,
                     &mut self.stats.dead_lettered,
                 )?;
-                let origin = Origin {
+                let origin = Provenance {
                     table: Arc::clone(table),
                     dead_letter,
                     replaces: false,
                 };
-                self.queue(event, id, committed, origin);
+                self.queue(event, id, committed, origin, self.streamed.clone());
             }
             LogicalMessage::Update(u) => {
                 if self.mappers.contains_key(&u.relation_oid) {
@@ -690,11 +701,20 @@ impl Core {
         }
     }
 
-    fn queue(&mut self, event: Event, txn: TxnId, committed: i64, origin: Origin) {
+    /// Hands `event` (of transaction `txn`, read as `read`) to the sink.
+    fn queue(
+        &mut self,
+        mut event: Event,
+        txn: TxnId,
+        committed: i64,
+        origin: Provenance,
+        read: walbox_outbox::Origin,
+    ) {
         let ticket = self.tracker.event(txn);
-        let token = self
-            .ledger
-            .insert(ticket, event.size(), committed, Arc::clone(&origin.table));
+        event.origin = read.clone();
+        let token =
+            self.ledger
+                .insert(ticket, event.size(), committed, Arc::clone(&origin.table), read);
         self.stats.events += 1;
         tracing::debug!(
             event_id = %event.event_id,
@@ -718,7 +738,7 @@ impl Core {
         token: usize,
         outcome: Outcome,
     ) -> Result<Option<i64>, CoreError> {
-        let (ticket, committed, table) = self
+        let (ticket, committed, table, read) = self
             .ledger
             .remove(token)
             .ok_or(CoreError::UnknownToken(token))?;
@@ -730,8 +750,10 @@ impl Core {
             Outcome::Failed(f) => {
                 if f.about_message
                     && !self.cfg.stop_on_poison
-                    && let Some(dead) = f.dead_letter(&self.cfg.dead_letter_topic, &table)
+                    && let Some(mut dead) = f.dead_letter(&self.cfg.dead_letter_topic, &table)
                 {
+                    // The letter stands where the event stood, read the same way.
+                    dead.origin = read.clone();
                     // Refused for what it is (too large): its dead letter takes its
                     // place; the position passes it once that is acknowledged.
                     tracing::warn!(
@@ -746,10 +768,14 @@ impl Core {
                         // A dead letter sent again smaller was counted already.
                         self.stats.dead_lettered += 1;
                     }
-                    let token =
-                        self.ledger
-                            .insert(ticket, dead.size(), committed, Arc::clone(&table));
-                    let origin = Origin {
+                    let token = self.ledger.insert(
+                        ticket,
+                        dead.size(),
+                        committed,
+                        Arc::clone(&table),
+                        read,
+                    );
+                    let origin = Provenance {
                         table,
                         dead_letter: true,
                         replaces: true,

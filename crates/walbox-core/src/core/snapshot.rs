@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::poison::map_row;
-use super::{Core, Origin};
+use super::{Core, Provenance};
 use crate::ack::AckTracker;
 use crate::checkpoint::TableIdentity;
 use crate::error::CoreError;
@@ -40,6 +40,7 @@ impl Core {
         };
         *index = index.saturating_add(1);
         let txn = *txn;
+        let point = position.commit_lsn;
         let (event, dead_letter) = map_row(
             mapper,
             row,
@@ -56,12 +57,12 @@ impl Core {
                 t
             }
         };
-        let origin = Origin {
+        let origin = Provenance {
             table,
             dead_letter,
             replaces: false,
         };
-        self.queue(event, txn, 0, origin);
+        self.queue(event, txn, 0, origin, walbox_outbox::Origin::Snapshot { point });
         Ok(())
     }
 

@@ -181,6 +181,7 @@ impl Formatter {
             json_value: true,
             headers,
             position: f.position,
+            origin: crate::Origin::Stream,
         })
     }
 

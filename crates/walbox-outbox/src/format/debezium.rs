@@ -103,6 +103,7 @@ impl Formatter {
             json_value,
             headers,
             position: f.position,
+            origin: crate::Origin::Stream,
         })
     }
 }

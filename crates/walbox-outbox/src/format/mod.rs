@@ -314,6 +314,8 @@ impl Formatter {
             || name == cloudevents::SPEC_VERSION_HEADER
             || name == cloudevents::DASH_ID_HEADER
             || name == cloudevents::DASH_SPEC_VERSION_HEADER
+            || name == AMQP_ID_HEADER
+            || name == AMQP_SPEC_VERSION_HEADER
             || (name == cloudevents::CONTENT_TYPE_HEADER
                 && value == cloudevents::STRUCTURED_CONTENT_TYPE.as_bytes());
         everywhere
@@ -402,8 +404,9 @@ fn classify(e: &serde_json::Error) -> &'static str {
 /// use the names looked at here for another meaning ([`Formatter::render`]
 /// refuses them), so the first that applies is the record's: walbox's
 /// `event_id` header (also on every dead letter), a binary CloudEvent's `ce_id`
-/// (Kafka, marked by `ce_specversion`) or `ce-id` (NATS, marked by
-/// `ce-specversion`, percent-decoded), a structured CloudEvent's `id` in the
+/// (Kafka, marked by `ce_specversion`), `ce-id` (NATS, marked by
+/// `ce-specversion`, percent-decoded) or `cloudEvents_id` (AMQP, marked by
+/// `cloudEvents_specversion`), a structured CloudEvent's `id` in the
 /// value (`content-type` on Kafka, `Content-Type` on NATS), Debezium's `id`
 /// header.
 pub fn record_event_id<'a>(
@@ -421,6 +424,10 @@ pub fn record_event_id<'a>(
             .and_then(percent_decode)
             .map(std::borrow::Cow::into_owned);
     }
+    let amqp = Protocol::Amqp.cloudevents();
+    if header(&amqp.attribute("specversion")).is_some() {
+        return header(&amqp.attribute("id")).map(str::to_owned);
+    }
     let structured = [
         Protocol::Kafka.cloudevents().structured_content_type,
         Protocol::Nats.cloudevents().structured_content_type,
@@ -436,6 +443,11 @@ pub fn record_event_id<'a>(
     }
     header(debezium::ID_HEADER).map(str::to_owned)
 }
+
+/// The AMQP binding's id and specversion attributes, lower-cased as
+/// [`Formatter::reserved_header`] compares names.
+const AMQP_ID_HEADER: &str = "cloudevents_id";
+const AMQP_SPEC_VERSION_HEADER: &str = "cloudevents_specversion";
 
 /// Appends the event id header under `name`.
 fn push_id(headers: &mut Vec<(HeaderName, Bytes)>, name: &'static str, id: &Text) {

@@ -50,6 +50,7 @@ impl Formatter {
             json_value,
             headers,
             position: f.position,
+            origin: crate::Origin::Stream,
         })
     }
 }

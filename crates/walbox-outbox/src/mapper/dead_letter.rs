@@ -136,6 +136,7 @@ impl Letter {
             json_value: true,
             headers,
             position: self.position,
+            origin: crate::Origin::Stream,
         }
     }
 }

@@ -23,7 +23,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{self, publish::PublishAck, stream::RawMessageErrorKind};
 use walbox_outbox::header;
 
-use super::headers::KEY_HEADER;
+use super::headers::{KEY_HEADER, ORIGIN_HEADER, stable_origin};
 use crate::DeliveryClass;
 
 /// What walbox published, to compare with what the stream holds.
@@ -40,39 +40,26 @@ pub(super) struct Sent {
 }
 
 impl Sent {
-    /// What is published to `subject` under `msg_id`, with the key header
-    /// `key` and the event's headers `event_headers` (as read from the
-    /// message's headers by [`Sent::of`], without looking them up there).
+    /// What is published to `subject` under `msg_id` for `event`, with the
+    /// key header `key`: its position only when every read of the WAL gives
+    /// it the same one ([`walbox_outbox::Origin::position_is_stable`]).
     pub(super) fn of_event(
         subject: &str,
         msg_id: &str,
         key: Option<String>,
-        event_headers: &[(walbox_outbox::HeaderName, bytes::Bytes)],
+        event: &walbox_outbox::Event,
     ) -> Sent {
-        // The first value of a name that NATS carries, as `HeaderMap::get`
-        // reads the sent headers: the event's headers are appended in order,
-        // the key after them (headers_of).
-        let text = |name: &str| {
-            event_headers
-                .iter()
-                .filter(|(k, _)| k.as_ref() == name)
-                .find_map(|(_, v)| {
-                    std::str::from_utf8(v)
-                        .ok()
-                        .filter(|t| !t.contains(['\r', '\n']))
-                        .map(str::to_owned)
-                })
-        };
-        let position = match text(header::XID) {
-            Some(xid) if xid.trim() != "0" => text(header::COMMIT_LSN)
-                .zip(text(header::INDEX))
-                .map(|(commit_lsn, index)| SourcePosition { commit_lsn, index }),
-            _ => None,
-        };
+        let position = event
+            .origin
+            .position_is_stable()
+            .then(|| SourcePosition {
+                commit_lsn: event.position.commit_lsn.to_string(),
+                index: event.position.index.to_string(),
+            });
         Sent {
             subject: subject.to_owned(),
             msg_id: msg_id.to_owned(),
-            key: text(KEY_HEADER).or(key),
+            key,
             position,
         }
     }
@@ -99,13 +86,18 @@ pub(super) struct SourcePosition {
 }
 
 impl SourcePosition {
-    /// The position in `headers`, when they are a streamed event's: a
-    /// snapshot row or a non-transactional message (`walbox_xid` 0) has none
-    /// that stays the same on every copy.
+    /// The position in `headers`, when the message is a copy whose position
+    /// stays the same on every read: its [`ORIGIN_HEADER`] (walbox's own,
+    /// written for every event not streamed) says so. A message stored
+    /// before walbox wrote that header counts as streamed unless its
+    /// `walbox_xid` is 0 (a snapshot row, a non-transactional message).
     fn of(headers: &HeaderMap) -> Option<SourcePosition> {
         let text = |name: &str| headers.get(name).map(|v| v.as_str().to_owned());
-        if text(header::XID)?.trim() == "0" {
-            return None;
+        match text(ORIGIN_HEADER) {
+            Some(origin) if !stable_origin(&origin) => return None,
+            Some(_) => {}
+            None if text(header::XID).is_some_and(|x| x.trim() == "0") => return None,
+            None => {}
         }
         Some(SourcePosition {
             commit_lsn: text(header::COMMIT_LSN)?,

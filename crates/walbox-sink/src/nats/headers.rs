@@ -20,6 +20,17 @@ pub const KEY_ENCODING_HEADER: &str = "walbox_key_encoding";
 /// separated by `,` (`2 note,Nats-Msg-Id`).
 pub const DROPPED_HEADERS_HEADER: &str = "walbox_dropped_headers";
 
+/// The origin of an event that was not streamed ([`walbox_outbox::Origin::kind`]:
+/// `snapshot`, `message`, `replay`, `dlq_replay`); a streamed event has none.
+/// The duplicate check reads it back, never a transaction id.
+pub const ORIGIN_HEADER: &str = "walbox_origin";
+
+/// Whether a message of origin `kind` (the text of [`ORIGIN_HEADER`]) has a
+/// position that every read of the WAL gives it.
+pub(super) fn stable_origin(kind: &str) -> bool {
+    !matches!(kind, "snapshot" | "message")
+}
+
 /// Whether `subject` is a subject one can publish to: non-empty tokens
 /// separated by `.`, without wildcards or white space.
 pub(super) fn valid_subject(subject: &str) -> bool {
@@ -173,6 +184,12 @@ pub(super) fn headers_of(event: &Event, expected_last: Option<&str>) -> Result<H
             }
         }
     }
+    if event.origin != walbox_outbox::Origin::Stream {
+        map.append(
+            HeaderName::from_static(ORIGIN_HEADER),
+            event.origin.kind(),
+        );
+    }
     if !dropped.is_empty() {
         let names: Vec<String> = dropped.iter().map(|n| percent_encode(n)).collect();
         map.append(
@@ -322,13 +339,17 @@ mod tests {
                 index: 3,
                 xid: 991,
             },
+            origin: walbox_outbox::Origin::Stream,
         }
     }
 
-    /// What walbox keeps of a sent message to compare a duplicate with is
-    /// what the message's own headers say.
+    /// What walbox keeps of a sent message to compare a duplicate with
+    /// (taken from the event: its position, and whether its origin makes that
+    /// position the same on every copy) is what the message's own headers say
+    /// when the stream hands it back.
     #[test]
     fn what_is_kept_of_a_publication_is_what_its_headers_say() {
+        use walbox_outbox::Origin;
         use walbox_outbox::header::{COMMIT_LSN, EVENT_ID, INDEX, XID};
         let streamed = [
             (EVENT_ID, "e-1"),
@@ -336,28 +357,30 @@ mod tests {
             (INDEX, "3"),
             (XID, "991"),
         ];
+        let with = |mut e: Event, origin: Origin| {
+            e.origin = origin;
+            e
+        };
         let cases = [
             event(Some(b"order-17"), &streamed, &[]),
             event(Some(b"\xff\x00"), &streamed, &[]),
             event(None, &streamed, &[("tenant", "acme")]),
-            // A snapshot row: xid 0, no position that stays the same.
-            event(Some(b"k"), &[(EVENT_ID, "e-1"), (XID, "0")], &[]),
-            // The row's own headers named like walbox's come first.
-            event(
-                Some(b"k"),
-                &streamed,
-                &[(KEY_HEADER, "mine"), ("walbox_index", "9")],
+            // A snapshot row: no position that stays the same, whatever its
+            // transaction id says.
+            with(
+                event(Some(b"k"), &streamed, &[]),
+                Origin::Snapshot {
+                    point: walbox_pgoutput::Lsn(0x16_B374_D848),
+                },
             ),
-            // A value NATS cannot carry is not what is read.
-            event(
-                Some(b"k"),
-                &[
-                    (EVENT_ID, "e-1"),
-                    (COMMIT_LSN, "1/0"),
-                    (INDEX, "0"),
-                    (XID, "7"),
-                ],
-                &[],
+            // A non-transactional message's dead letter: neither.
+            with(event(Some(b"k"), &streamed, &[]), Origin::Message),
+            // A replay's copy keeps the position it had.
+            with(
+                event(Some(b"k"), &streamed, &[]),
+                Origin::Replay {
+                    from: walbox_pgoutput::Lsn(0x16_0000_0000),
+                },
             ),
         ];
         for e in cases {
@@ -365,11 +388,12 @@ mod tests {
                 continue;
             };
             let from_map = super::super::duplicate::Sent::of("s", "id", &h.map);
-            let kept = super::super::duplicate::Sent::of_event("s", "id", h.key, &e.headers);
+            let kept = super::super::duplicate::Sent::of_event("s", "id", h.key, &e);
             assert_eq!(
                 format!("{kept:?}"),
                 format!("{from_map:?}"),
-                "{:?}",
+                "{:?} {:?}",
+                e.origin,
                 e.headers
             );
         }

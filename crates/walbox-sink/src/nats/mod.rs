@@ -43,7 +43,7 @@
 //! unsent, with the same class, since one sent after it would be chained to
 //! the one before it and could be stored before it.
 //!
-//! A replay (`walbox replay`, named by [`Sink::replay_as`]) publishes each
+//! A replay (`walbox replay`, whose events carry [`walbox_outbox::Origin::Replay`]) publishes each
 //! event under an id of its own, `{id}.replay.{name}` (the event id, or a dead
 //! letter's, then the replay's name): the stream stores it again beside the
 //! first copy, and drops only what an earlier run of the same replay stored
@@ -108,8 +108,6 @@ pub struct NatsSink {
     /// A publication of this session failed before it was sent: the class
     /// and reason every later event fails with, unsent.
     unsent: Option<(DeliveryClass, String)>,
-    /// The name of the replay the events sent belong to, if any.
-    replay: Option<String>,
     /// Deliveries acknowledged as duplicates of a copy the stream held.
     duplicates: Arc<AtomicU64>,
     /// The streams a publication of this session was stored in (not dropped
@@ -143,7 +141,6 @@ impl NatsSink {
                 in_flight: Arc::new(AtomicUsize::new(0)),
                 aborted: false,
                 unsent: None,
-                replay: None,
                 duplicates: Arc::new(AtomicU64::new(0)),
                 probed: HashSet::new(),
             },
@@ -250,10 +247,6 @@ fn publication_id(id: &str, replay: Option<&str>) -> String {
 }
 
 impl Sink for NatsSink {
-    fn replay_as(&mut self, replay: &str) {
-        self.replay = Some(replay.to_owned());
-    }
-
     fn duplicates(&self) -> u64 {
         self.duplicates.load(Ordering::SeqCst)
     }
@@ -302,11 +295,12 @@ impl Sink for NatsSink {
             return Ok(());
         }
         let stream = self.stream_of(&subject).await?;
-        let id = publication_id(&msg_id(&event), self.replay.as_deref());
+        let replay = event.origin.replay_name();
+        let id = publication_id(&msg_id(&event), replay.as_deref());
         let key_text;
         let headers = match headers_of(&event, self.last_id.get(&stream).map(String::as_str)) {
             Ok(mut h) => {
-                if self.replay.is_some() {
+                if replay.is_some() {
                     h.map.insert("Nats-Msg-Id", id.as_str());
                 }
                 if !h.dropped.is_empty() {
@@ -346,12 +340,7 @@ impl Sink for NatsSink {
             return Ok(());
         }
         let js = self.session().await?.js.clone();
-        pending.sent = Some(duplicate::Sent::of_event(
-            &subject,
-            &id,
-            key_text,
-            &event.headers,
-        ));
+        pending.sent = Some(duplicate::Sent::of_event(&subject, &id, key_text, &event));
         let publish = jetstream::message::PublishMessage::build()
             .payload(event.value.clone())
             .headers(headers);

@@ -95,13 +95,6 @@ impl Sink for RabbitMqSink {
         }
     }
 
-    fn replay_as(&mut self, name: &str) {
-        match &mut self.inner {
-            Inner::Exchange(s) => s.replay_as(name),
-            Inner::Stream(s) => s.replay_as(name),
-        }
-    }
-
     fn duplicates(&self) -> u64 {
         match &self.inner {
             Inner::Exchange(s) => s.duplicates(),

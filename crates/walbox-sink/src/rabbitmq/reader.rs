@@ -75,6 +75,7 @@ pub async fn read_queue(
             key,
             value: message.delivery.data.clone(),
             headers,
+            message_id: queue_message_id(&message.delivery.properties),
         };
         each(RecordView::owned(&record));
         read += 1;
@@ -134,6 +135,7 @@ pub async fn read_stream(
             offset: i64::try_from(delivery.offset()).unwrap_or(i64::MAX),
             key,
             value: m.data().map(<[u8]>::to_vec).unwrap_or_default(),
+            message_id: super::stream::stored_event_id(m),
             headers,
         };
         each(RecordView::owned(&record));
@@ -198,6 +200,7 @@ impl QueueLetters {
                     offset: i64::try_from(records.len()).unwrap_or(i64::MAX),
                     key,
                     value: message.delivery.data.clone(),
+                    message_id: queue_message_id(&message.delivery.properties),
                     headers,
                 },
             ));
@@ -325,6 +328,7 @@ impl StreamLetters {
                 offset: i64::try_from(delivery.offset()).unwrap_or(i64::MAX),
                 key,
                 value: m.data().map(<[u8]>::to_vec).unwrap_or_default(),
+            message_id: super::stream::stored_event_id(m),
                 headers,
             });
         }
@@ -366,4 +370,10 @@ impl StreamLetters {
         let _ = self.client.close().await;
         Ok(())
     }
+}
+
+/// The `message_id` property of a message read from a queue: the event id
+/// walbox wrote there, whatever the record's format.
+fn queue_message_id(properties: &lapin::BasicProperties) -> Option<String> {
+    properties.message_id().as_ref().map(|id| id.as_str().to_owned())
 }

@@ -36,7 +36,7 @@ use rabbitmq_stream_client::error::{ProducerCreateError, StreamCreateError};
 use rabbitmq_stream_client::types::{Message, OffsetSpecification, ResponseCode, SimpleValue};
 use rabbitmq_stream_client::{Client, ClientOptions, Dedup, Environment, Producer};
 use tokio::sync::{mpsc, watch};
-use walbox_outbox::{Event, header};
+use walbox_outbox::{Event, Origin};
 
 use super::RabbitMqSinkConfig;
 use super::confirms::{Answer, Confirms, Outcome};
@@ -108,7 +108,6 @@ pub(super) struct StreamSink {
     in_flight: Arc<AtomicUsize>,
     duplicates: Arc<AtomicU64>,
     aborted: bool,
-    replay: Option<String>,
     next_seq: u64,
     /// A failure of this session that every later event shares, unsent.
     unsent: Option<(DeliveryClass, String)>,
@@ -206,6 +205,21 @@ pub(super) fn property(m: &Message, name: &str) -> Option<String> {
     }
 }
 
+/// The event id walbox wrote into `m`: the AMQP `message-id` property, which
+/// walbox sets to the event id whatever the record's format. A message
+/// published before walbox set it holds the id only where the walbox format
+/// put it (the `event_id` application property), which is read then.
+pub(super) fn stored_event_id(m: &Message) -> Option<String> {
+    match m.properties().and_then(|p| p.message_id.clone()) {
+        Some(id) => String::try_from(id).ok(),
+        None => property(m, LEGACY_EVENT_ID_PROPERTY),
+    }
+}
+
+/// Where messages published before walbox set `message-id` hold the event
+/// id (the walbox format's header).
+const LEGACY_EVENT_ID_PROPERTY: &str = "event_id";
+
 /// What walbox stored in `stream` under `name` with publishing ids from
 /// `from` to `to`: each id's event id. Reads the tail (the last chunk on),
 /// then from further back each time (a thousand messages before the lowest
@@ -247,7 +261,7 @@ async fn stored_under(
             };
             reached |= id <= from;
             if (from..=to).contains(&id)
-                && let Some(event) = property(m, header::EVENT_ID)
+                && let Some(event) = stored_event_id(m)
             {
                 found.insert(id, event);
             }
@@ -275,7 +289,6 @@ impl StreamSink {
                 in_flight: Arc::new(AtomicUsize::new(0)),
                 duplicates: Arc::new(AtomicU64::new(0)),
                 aborted: false,
-                replay: None,
                 next_seq: 0,
                 unsent: None,
             },
@@ -502,16 +515,16 @@ impl StreamSink {
         seq
     }
 
-    /// The producer name's base: the configured one, or a replay's own.
-    fn base(&self) -> String {
-        let base = self
-            .config
-            .producer
-            .clone()
-            .unwrap_or_else(|| "walbox".into());
-        match &self.replay {
-            Some(r) => format!("{base}.replay.{r}"),
-            None => base,
+    /// The producer name's base for an event read as `origin`: the
+    /// configured one, or a replay's own (`walbox replay`'s start position,
+    /// a dead-letter replay's letter), so that a copy never takes the ids the
+    /// stream's events took.
+    fn base(&self, origin: &Origin) -> String {
+        let base = self.config.producer.as_deref().unwrap_or("walbox");
+        match origin {
+            Origin::Replay { from } => format!("{base}.replay.{from}"),
+            Origin::DeadLetterReplay { letter } => format!("{base}.replay.{letter}"),
+            Origin::Stream | Origin::Snapshot { .. } | Origin::Message => base.to_owned(),
         }
     }
 }
@@ -529,6 +542,9 @@ fn message_of(event: &Event, slot: &Slot) -> Message {
     let mut props = Message::builder()
         .body(event.value.to_vec())
         .publising_id(slot.id)
+        .properties()
+        .message_id(event.event_id.clone())
+        .message_builder()
         .application_properties();
     for (name, value) in &event.headers {
         let v = match std::str::from_utf8(value) {
@@ -552,10 +568,6 @@ fn message_of(event: &Event, slot: &Slot) -> Message {
 }
 
 impl Sink for StreamSink {
-    fn replay_as(&mut self, name: &str) {
-        self.replay = Some(name.to_owned());
-    }
-
     fn duplicates(&self) -> u64 {
         self.duplicates.load(Ordering::SeqCst)
     }
@@ -570,10 +582,10 @@ impl Sink for StreamSink {
             return Ok(());
         }
         let slot = slot(
-            &self.base(),
+            &self.base(&event.origin),
             event.position.commit_lsn.0,
             event.position.index,
-            event.position.xid == 0,
+            matches!(event.origin, Origin::Snapshot { .. }),
         );
         let stream = event.topic.clone();
         match self.producer(&stream, &slot.name, slot.id).await {

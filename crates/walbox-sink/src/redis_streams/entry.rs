@@ -4,7 +4,7 @@
 //! fields (`value`, `key`, `event_id`, `walbox_writer`, `header:<name>` per
 //! header, `walbox_replay` in a replay).
 
-use walbox_outbox::{Event, Position};
+use walbox_outbox::{Event, Origin, Position};
 
 /// The field holding the event id.
 pub const EVENT_ID_FIELD: &str = "event_id";
@@ -27,19 +27,20 @@ pub fn entry_id(commit_lsn: u64, index: u32) -> String {
     format!("{commit_lsn}-{index}")
 }
 
-/// The entry id of an event at `position`: [`entry_id`] for an event of a
-/// transaction. An event with no transaction (xid 0: a snapshot row, at the
-/// snapshot's consistent point; a non-transactional message, at its LSN)
-/// takes the milliseconds part 2 below its LSN. Positions are WAL record
+/// The entry id of an event at `position`, read as `origin` says: [`entry_id`]
+/// for an event in commit order. An event outside it
+/// ([`Origin::outside_commit_order`]: a snapshot row, at the snapshot's
+/// consistent point; a non-transactional message, at its LSN) takes the
+/// milliseconds part 2 below its LSN. Positions are WAL record
 /// LSNs, multiples of 4 at least (8 on 64-bit builds), and the commit record
 /// of a transaction the snapshot does not show can start right at the
 /// consistent point: at `<point>-<index>` its events would meet the rows'
 /// ids. 2 below keeps them apart, still before every later position and
 /// after every earlier one, and even (odd ones are for appended entries).
 #[must_use]
-pub fn event_entry_id(position: &Position) -> String {
+pub fn event_entry_id(position: &Position, origin: &Origin) -> String {
     let lsn = position.commit_lsn.0;
-    if position.xid == 0 && lsn > 2 {
+    if origin.outside_commit_order() && lsn > 2 {
         entry_id(lsn - 2, position.index)
     } else {
         entry_id(lsn, position.index)
@@ -110,6 +111,7 @@ mod tests {
                 index: 0,
                 xid: 3,
             },
+            origin: Origin::Stream,
         };
         for replay in [None, Some("0/8")] {
             assert_eq!(
@@ -124,11 +126,23 @@ mod tests {
     #[test]
     fn rows_of_a_snapshot_and_a_transaction_committed_at_its_point_never_share_an_id() {
         let at = |lsn: u64, index: u32, xid: u32| {
-            event_entry_id(&Position {
-                commit_lsn: walbox_pgoutput::Lsn(lsn),
-                index,
-                xid,
-            })
+            // xid 0 stands for a snapshot row here; the id follows the
+            // origin, never the transaction id.
+            let origin = if xid == 0 {
+                Origin::Snapshot {
+                    point: walbox_pgoutput::Lsn(lsn),
+                }
+            } else {
+                Origin::Stream
+            };
+            event_entry_id(
+                &Position {
+                    commit_lsn: walbox_pgoutput::Lsn(lsn),
+                    index,
+                    xid,
+                },
+                &origin,
+            )
         };
         // Rows at the consistent point 4096, a transaction committed at it,
         // one committed before it (at least 8 bytes of WAL earlier).

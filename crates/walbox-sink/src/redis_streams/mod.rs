@@ -16,7 +16,7 @@
 //! at its own id (the rest of the transaction at the top) finds its id taken
 //! by an appended one. Stored, at least once for those events (a resend of
 //! one after a crash is appended again). A replay always appends
-//! ([`Sink::replay_as`]): its point is to store the events again; a run of
+//! (events of origin [`walbox_outbox::Origin::Replay`]): its point is to store the events again; a run of
 //! the same replay again after a kill counts what the first run appended as
 //! duplicates (its progress per stream is kept in a hash of its own).
 //!
@@ -64,7 +64,8 @@ const MAX_XADD_ARGS: usize = 7_900;
 struct Item {
     event: Event,
     token: usize,
-    /// The replay it belongs to, if any.
+    /// The replay it belongs to, if any (its event's origin's
+    /// [`walbox_outbox::Origin::replay_name`]).
     replay: Option<String>,
 }
 
@@ -87,7 +88,6 @@ pub struct RedisSink {
     session: Option<Session>,
     in_flight: Arc<AtomicUsize>,
     duplicates: Arc<AtomicU64>,
-    replay: Option<String>,
     aborted: bool,
     durability_checked: bool,
 }
@@ -159,7 +159,6 @@ impl RedisSink {
                 session: None,
                 in_flight: Arc::new(AtomicUsize::new(0)),
                 duplicates: Arc::new(AtomicU64::new(0)),
-                replay: None,
                 aborted: false,
                 durability_checked: false,
             },
@@ -370,7 +369,7 @@ impl Writer {
         );
         for item in &batch {
             let e = &item.event;
-            let id = entry::event_entry_id(&e.position);
+            let id = entry::event_entry_id(&e.position, &e.origin);
             let trim = self.config.trim_args(e.position.commit_lsn.0);
             let fields = entry::fields_of(e, &writer, item.replay.as_deref());
             call.key(e.topic.as_str());
@@ -567,10 +566,6 @@ pub(crate) fn classify(text: &str) -> DeliveryClass {
 }
 
 impl Sink for RedisSink {
-    fn replay_as(&mut self, name: &str) {
-        self.replay = Some(name.to_owned());
-    }
-
     fn duplicates(&self) -> u64 {
         self.duplicates.load(Ordering::SeqCst)
     }
@@ -579,7 +574,7 @@ impl Sink for RedisSink {
         if self.aborted {
             return Ok(());
         }
-        let replay = self.replay.clone();
+        let replay = event.origin.replay_name();
         let in_flight = self.in_flight.clone();
         let session = self.session().await?;
         let item = Item {

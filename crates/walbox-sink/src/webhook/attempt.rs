@@ -36,8 +36,6 @@ pub(super) struct Shared {
     pub connections: Arc<Semaphore>,
     /// Attempts that failed and were tried again.
     pub retries: Arc<AtomicU64>,
-    /// The name of the replay the events belong to, if any.
-    pub replay: std::sync::OnceLock<String>,
 }
 
 /// Retries so far in this process, by topic (for `walbox_sink_retries_total`).
@@ -271,7 +269,7 @@ fn error(event: &Event, class: DeliveryClass, reason: String) -> DeliveryError {
 /// Delivers `event`: `Ok` on a 2xx, else the failure (a refusal or retries
 /// run out: about the event; a gone or moved endpoint: final).
 pub(super) async fn deliver(shared: &Shared, event: &Event) -> Result<(), DeliveryError> {
-    let id = webhook_id(event, shared.replay.get().map(String::as_str));
+    let id = webhook_id(event, event.origin.replay_name().as_deref());
     let prepared = prepare(event, id, &shared.template)
         .map_err(|why| error(event, DeliveryClass::InvalidRecord, why))?;
     let started = Instant::now();

@@ -261,6 +261,7 @@ mod tests {
                 index: 0,
                 xid: 1,
             },
+            origin: walbox_outbox::Origin::Stream,
         };
         f.append(&event).unwrap();
         event.key = Some(Bytes::from_static(b"k2"));
@@ -295,6 +296,7 @@ mod tests {
                 index: 0,
                 xid: 1,
             },
+            origin: walbox_outbox::Origin::Stream,
         };
         LetterFile::open(&path).unwrap().append(&event).unwrap();
         // kill -9 while the second letter was written: never reported.

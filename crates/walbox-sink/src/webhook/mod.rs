@@ -107,7 +107,6 @@ impl WebhookSink {
             max_retry: config.max_retry_duration(),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             retries: Arc::new(AtomicU64::new(0)),
-            replay: std::sync::OnceLock::new(),
         };
         let (tx, rx) = mpsc::unbounded_channel();
         let (events, queue) = mpsc::unbounded_channel();
@@ -158,11 +157,6 @@ impl Sink for WebhookSink {
         self.events
             .send((event, token))
             .map_err(|_| SinkError::Config("the webhook dispatcher stopped".into()))
-    }
-
-    fn replay_as(&mut self, name: &str) {
-        // Set before the replay's first event; one sink serves one replay.
-        let _ = self.shared.replay.set(name.to_owned());
     }
 
     fn abort(&mut self) {
@@ -456,6 +450,7 @@ mod tests {
                 index: 0,
                 xid: 1,
             },
+            origin: walbox_outbox::Origin::Stream,
         }
     }
 

@@ -17,7 +17,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use walbox_core::{Core, Origin};
+use walbox_core::{Core, Provenance};
 use walbox_outbox::Event;
 
 pub use health::{Health, State};
@@ -395,7 +395,7 @@ impl SendCounters {
     }
 
     /// `event` from `origin` was handed to the sink with `token`.
-    pub fn sent(&mut self, token: usize, event: &Event, origin: &Origin) {
+    pub fn sent(&mut self, token: usize, event: &Event, origin: &Provenance) {
         let hit = matches!(&self.last, Some((t, topic, dead, ..))
             if Arc::ptr_eq(t, &origin.table) && *topic == event.topic && *dead == origin.dead_letter);
         if !hit {
@@ -413,7 +413,7 @@ impl SendCounters {
         self.by_token[token] = Some((*index, event.size() as u64));
     }
 
-    fn look_up(&mut self, event: &Event, origin: &Origin) {
+    fn look_up(&mut self, event: &Event, origin: &Provenance) {
         let m = &self.metrics;
         let key = (
             Arc::clone(&origin.table),
@@ -479,6 +479,7 @@ mod tests {
                 index: 0,
                 xid: 1,
             },
+            origin: walbox_outbox::Origin::Stream,
         }
     }
 
@@ -487,7 +488,7 @@ mod tests {
         let m = Metrics::new();
         let mut c = SendCounters::new(Arc::clone(&m));
         let table: Arc<str> = Arc::from("public.outbox");
-        let origin = |dead_letter, replaces| Origin {
+        let origin = |dead_letter, replaces| Provenance {
             table: Arc::clone(&table),
             dead_letter,
             replaces,
@@ -514,7 +515,7 @@ mod tests {
         let m = Metrics::new();
         m.session_ended("stopped");
         let mut c = SendCounters::new(Arc::clone(&m));
-        let origin = Origin {
+        let origin = Provenance {
             table: Arc::from("public.outbox"),
             dead_letter: false,
             replaces: false,
@@ -523,7 +524,7 @@ mod tests {
         c.sent(
             1,
             &event("orders.dlq"),
-            &Origin {
+            &Provenance {
                 dead_letter: true,
                 ..origin.clone()
             },

@@ -95,9 +95,9 @@ pub async fn replay(config: &Config, from: Lsn, to: Option<Lsn>) -> Result<()> {
         }
     }
     drop(sql);
-    let (mut sink, mut deliveries) = make_sink(config)?;
-    sink.replay_as(&from.to_string());
+    let (sink, mut deliveries) = make_sink(config)?;
     let mut relay = Relay::new(ctx, sink)?;
+    relay.core.replay_from(from);
     relay.adopt_checkpoint(saved);
     relay.core.resume_at(from, server_confirmed, None);
     let spec = StreamSpec {

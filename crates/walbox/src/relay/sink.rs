@@ -53,10 +53,6 @@ impl Sink for AnySink {
         each_sink!(self, s => s.flush(timeout).await)
     }
 
-    fn replay_as(&mut self, name: &str) {
-        each_sink!(self, s => s.replay_as(name));
-    }
-
     fn duplicates(&self) -> u64 {
         each_sink!(self, s => s.duplicates())
     }

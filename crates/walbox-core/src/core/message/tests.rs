@@ -113,7 +113,7 @@ fn core(stop_on_poison: bool) -> Core {
     c
 }
 
-fn drain(c: &mut Core) -> Vec<(walbox_outbox::Event, usize, crate::core::Origin)> {
+fn drain(c: &mut Core) -> Vec<(walbox_outbox::Event, usize, crate::core::Provenance)> {
     std::iter::from_fn(|| c.next_send_with_origin()).collect()
 }
 

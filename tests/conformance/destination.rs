@@ -1,0 +1,506 @@
+//! The destinations of the suite: for each sink, its server, the part of
+//! walbox's configuration that names it, what a broker restart is, and every
+//! copy the destination holds read back in its own stored order.
+
+use std::time::Duration;
+
+use walbox_testkit::kafka::Record;
+use walbox_testkit::{Broker, BrokerOptions, BrokerStorage, NatsServer, Receiver, RedisServer};
+
+use crate::common::{SECRET, dead_letter_path, node};
+
+/// A sink type (and mode) the suite runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sink {
+    Kafka,
+    Nats,
+    RabbitExchange,
+    RabbitStream,
+    Redis,
+    Webhook,
+    Stdout,
+}
+
+/// What a destination promises for the events of a session that ended by a
+/// kill: each stored once, or each at least once with the same id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Promise {
+    /// The destination drops what it already holds under the id walbox
+    /// derives from the position or the event id.
+    ExactlyOnce,
+    /// Every event at least once, every copy with the same event id.
+    AtLeastOnce,
+}
+
+impl Sink {
+    /// What `docs/guarantees.md` says of this sink after a crash.
+    pub fn promise(self) -> Promise {
+        match self {
+            Sink::Nats | Sink::RabbitStream | Sink::Redis => Promise::ExactlyOnce,
+            Sink::Kafka | Sink::RabbitExchange | Sink::Webhook | Sink::Stdout => {
+                Promise::AtLeastOnce
+            }
+        }
+    }
+
+    /// Whether the destination keeps what it held across a restart of its
+    /// server (a stdout file has no server; a webhook receiver's outage is
+    /// played by refusing every request for a while).
+    pub fn has_server(self) -> bool {
+        !matches!(self, Sink::Stdout)
+    }
+
+    /// Whether `walbox dlq replay` can read this sink's dead letters back.
+    pub fn dead_letters_replayable(self) -> bool {
+        !matches!(self, Sink::Stdout)
+    }
+}
+
+/// A server a cell has to itself, or the binary's RabbitMQ node.
+enum Server {
+    Kafka(Broker),
+    Nats(NatsServer),
+    Rabbit,
+    Redis(RedisServer),
+    Webhook(Receiver),
+    Stdout,
+}
+
+/// One cell's destination: its server and the names the cell uses there.
+pub struct Destination {
+    pub sink: Sink,
+    /// The cell's name: every topic, stream, exchange, queue and path the
+    /// cell uses starts with it, so cells can share a server.
+    pub name: String,
+    server: Server,
+    /// What the stdout sink printed, run by run.
+    printed: std::sync::Mutex<Vec<String>>,
+}
+
+impl Destination {
+    /// Starts the destination's server for the cell `name` (the RabbitMQ node
+    /// is the binary's, started once).
+    pub async fn start(sink: Sink, name: &str) -> Destination {
+        let server = match sink {
+            Sink::Kafka => Server::Kafka(
+                // SQLite storage: a broker killed keeps what it acknowledged.
+                Broker::start_with(BrokerOptions {
+                    storage: BrokerStorage::Sqlite,
+                    ..Default::default()
+                })
+                .expect("starting the broker"),
+            ),
+            Sink::Nats => Server::Nats(NatsServer::start().expect("starting nats-server")),
+            Sink::RabbitExchange | Sink::RabbitStream => {
+                let node = node().read().await;
+                if sink == Sink::RabbitExchange {
+                    node.declare_exchange(name, "topic").await.unwrap();
+                    node.bind_queue(&format!("{name}.events"), name, &format!("{name}.order"))
+                        .await
+                        .unwrap();
+                    node.bind_queue(&format!("{name}.letters"), name, &format!("{name}.dlq"))
+                        .await
+                        .unwrap();
+                }
+                Server::Rabbit
+            }
+            Sink::Redis => Server::Redis(RedisServer::start().expect("starting redis-server")),
+            Sink::Webhook => Server::Webhook(Receiver::start().expect("starting the receiver")),
+            Sink::Stdout => Server::Stdout,
+        };
+        Destination {
+            sink,
+            name: name.to_owned(),
+            server,
+            printed: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The topic the cell's events go to.
+    pub fn topic(&self) -> String {
+        format!("{}.order", self.name)
+    }
+
+    /// The topic the cell's dead letters go to.
+    pub fn dead_letter_topic(&self) -> String {
+        format!("{}.dlq", self.name)
+    }
+
+    /// The `[sink]` part of walbox's configuration, and environment
+    /// variables it needs besides.
+    pub async fn config(&self, pg: &walbox_testkit::PgCluster) -> (String, Vec<(&'static str, String)>) {
+        let name = &self.name;
+        match &self.server {
+            Server::Kafka(broker) => (
+                "[sink]\ntype = \"kafka\"\n".to_owned(),
+                vec![
+                    ("WALBOX_BOOTSTRAP_SERVERS", broker.bootstrap()),
+                    ("WALBOX_CREATE_TOPICS", "true".into()),
+                ],
+            ),
+            Server::Nats(nats) => (
+                format!(
+                    "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{}\"]\n\
+                     stream = \"{}\"\ncreate_stream = true\nsubjects = [\"{name}.>\"]\n\
+                     duplicate_window_s = 600\n",
+                    nats.url(),
+                    name.to_uppercase()
+                ),
+                Vec::new(),
+            ),
+            Server::Rabbit => {
+                let node = node().read().await;
+                let mode = if self.sink == Sink::RabbitStream {
+                    format!("mode = \"stream\"\ndeclare = true\nproducer = \"{name}\"\n")
+                } else {
+                    format!(
+                        "mode = \"exchange\"\nexchange = \"{name}\"\n\
+                         dead_letter_queue = \"{name}.letters\"\n"
+                    )
+                };
+                (
+                    format!(
+                        "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nhost = \"127.0.0.1\"\n\
+                         port = {}\nstream_port = {}\n{mode}",
+                        node.amqp_port(),
+                        node.stream_port()
+                    ),
+                    Vec::new(),
+                )
+            }
+            Server::Redis(redis) => (
+                format!("[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{}\"\n", redis.url()),
+                Vec::new(),
+            ),
+            Server::Webhook(receiver) => (
+                format!(
+                    "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\n\
+                     url = \"{}/{name}/{{aggregate_type}}\"\nsecrets = [\"{SECRET}\"]\n\
+                     retry_initial_ms = 50\nretry_max_ms = 1000\nrequest_timeout_ms = 3000\n\
+                     dead_letter_file = \"{}\"\n",
+                    receiver.base_url(),
+                    dead_letter_path(pg).display()
+                ),
+                Vec::new(),
+            ),
+            Server::Stdout => ("[sink]\ntype = \"stdout\"\n".to_owned(), Vec::new()),
+        }
+    }
+
+    /// Keeps what a walbox run printed (the stdout sink's destination).
+    pub fn printed(&self, log: String) {
+        if self.sink == Sink::Stdout {
+            self.printed.lock().unwrap().push(log);
+        }
+    }
+
+    /// The server dies (kill -9) and comes back on the same storage; for a
+    /// webhook receiver, every request is dropped for `down`, then answered.
+    /// Runs `while_down` while it is away.
+    pub async fn restart_server<F: std::future::Future<Output = ()>>(
+        &mut self,
+        down: Duration,
+        while_down: impl FnOnce() -> F,
+    ) {
+        match &mut self.server {
+            Server::Kafka(broker) => {
+                broker.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                broker.start_again().unwrap();
+            }
+            Server::Nats(nats) => {
+                nats.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                nats.start_again().unwrap();
+            }
+            Server::Rabbit => {
+                let mut node = node().write().await;
+                node.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                node.start_again().unwrap();
+            }
+            Server::Redis(redis) => {
+                redis.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                redis.start_again().unwrap();
+            }
+            Server::Webhook(receiver) => {
+                receiver.set_script(|_| walbox_testkit::webhook::Reply::Reset);
+                while_down().await;
+                tokio::time::sleep(down).await;
+                receiver.set_script(|_| walbox_testkit::webhook::Reply::Ok);
+            }
+            Server::Stdout => panic!("the stdout sink has no server to restart"),
+        }
+    }
+
+    /// Every copy `topic` holds, in the destination's stored order.
+    pub async fn read(&self, topic: &str) -> Vec<Copy> {
+        let timeout = Duration::from_secs(30);
+        match &self.server {
+            Server::Kafka(broker) => {
+                let bootstrap = broker.bootstrap();
+                let topic = topic.to_owned();
+                let records = tokio::task::spawn_blocking(move || {
+                    walbox_testkit::kafka::read_all(&bootstrap, &topic, timeout)
+                })
+                .await
+                .unwrap()
+                .unwrap_or_default();
+                records.iter().map(|r| Copy::of_record(r, None)).collect()
+            }
+            Server::Nats(nats) => {
+                let config = walbox_sink::NatsSinkConfig {
+                    servers: vec![nats.url()],
+                    stream: self.name.to_uppercase(),
+                    ..Default::default()
+                };
+                let mut out = Vec::new();
+                let read = walbox_sink::read_subject(&config, topic, timeout, |r| {
+                    let own = r.header("Nats-Msg-Id").map(str::to_owned);
+                    out.push(Copy::of_view(topic, &r, own));
+                })
+                .await;
+                if let Err(e) = read {
+                    assert!(out.is_empty(), "reading {topic}: {e}");
+                }
+                out
+            }
+            Server::Rabbit if self.sink == Sink::RabbitExchange => {
+                let node = node().read().await;
+                let queue = if topic.ends_with(".dlq") {
+                    format!("{}.letters", self.name)
+                } else {
+                    format!("{}.events", self.name)
+                };
+                let records = node.read_queue(&queue).await.unwrap();
+                records
+                    .iter()
+                    .map(|r| Copy::of_record(r, r.header("message_id").map(str::to_owned)))
+                    .collect()
+            }
+            Server::Rabbit => {
+                let node = node().read().await;
+                let config = walbox_sink::RabbitMqSinkConfig {
+                    mode: walbox_sink::RabbitMqMode::Stream,
+                    port: Some(node.amqp_port()),
+                    stream_port: Some(node.stream_port()),
+                    ..Default::default()
+                };
+                let mut out = Vec::new();
+                let read = walbox_sink::read_rabbit_stream(&config, topic, timeout, |r| {
+                    out.push(Copy::of_view(topic, &r, r.event_id()));
+                })
+                .await;
+                if let Err(e) = read {
+                    assert!(out.is_empty(), "reading {topic}: {e}");
+                }
+                out
+            }
+            Server::Redis(redis) => {
+                let config = walbox_sink::RedisSinkConfig {
+                    url: redis.url(),
+                    ..Default::default()
+                };
+                let mut out = Vec::new();
+                walbox_sink::read_stream(&config, topic, timeout, |r| {
+                    out.push(Copy::of_view(topic, &r, r.event_id()));
+                })
+                .await
+                .unwrap();
+                out
+            }
+            Server::Webhook(receiver) => {
+                let path = format!("/{}", topic.replacen('.', "/", 1));
+                receiver
+                    .delivered()
+                    .iter()
+                    .filter(|a| a.path == path)
+                    .enumerate()
+                    .map(|(i, a)| Copy::of_arrival(topic, i, a))
+                    .collect()
+            }
+            Server::Stdout => {
+                let printed = self.printed.lock().unwrap();
+                let mut out = Vec::new();
+                for log in printed.iter() {
+                    // A line cut short by a kill is no copy: its event was
+                    // not acknowledged.
+                    for line in log
+                        .lines()
+                        .filter(|l| l.starts_with("{\"topic\""))
+                        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    {
+                        if line["topic"] == topic {
+                            let offset = out.len() as i64;
+                            out.push(Copy::of_line(topic, offset, &line));
+                        }
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// The dead letters the cell's letters topic holds (for the webhook
+    /// sink, its letters file).
+    pub async fn letters(&self, pg: &walbox_testkit::PgCluster) -> Vec<Copy> {
+        if self.sink == Sink::Webhook {
+            let path = dead_letter_path(pg);
+            if !path.exists() {
+                return Vec::new();
+            }
+            return walbox_sink::read_letters(&path)
+                .unwrap()
+                .iter()
+                .map(|(n, line)| {
+                    let r = walbox_sink::RecordView::letter(line, *n);
+                    Copy::of_view(&line.topic, &r, r.event_id())
+                })
+                .collect();
+        }
+        self.read(&self.dead_letter_topic()).await
+    }
+}
+
+/// One copy of an event as the destination holds it.
+#[derive(Debug, Clone)]
+pub struct Copy {
+    pub topic: String,
+    /// The partition (Kafka); 0 elsewhere.
+    pub lane: i64,
+    /// Its place in its lane.
+    pub offset: i64,
+    pub key: Option<String>,
+    /// The event id where the record's format puts it for consumers.
+    pub id: Option<String>,
+    /// The id in the sink's own field, where it writes one (`Nats-Msg-Id`,
+    /// a Redis entry's `event_id`, RabbitMQ's `message-id`, `webhook-id`).
+    pub sink_id: Option<String>,
+    /// The value, parsed.
+    pub value: serde_json::Value,
+    /// Its source position headers (`walbox_commit_lsn`, `walbox_index`).
+    pub position: (Option<String>, Option<String>),
+    /// Every header, as text.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Copy {
+    fn of_record(r: &Record, sink_id: Option<String>) -> Copy {
+        let headers: Vec<(String, String)> = r
+            .headers
+            .iter()
+            .filter_map(|(k, v)| {
+                Some((k.clone(), String::from_utf8(v.clone()?).ok()?))
+            })
+            .collect();
+        Copy {
+            topic: r.topic.clone(),
+            lane: i64::from(r.partition),
+            offset: r.offset,
+            key: r.key_str().map(str::to_owned),
+            id: walbox_outbox::record_event_id(|n| r.header(n), r.value.as_deref()),
+            sink_id,
+            value: parse(r.value.as_deref()),
+            position: (
+                r.header("walbox_commit_lsn").map(str::to_owned),
+                r.header("walbox_index").map(str::to_owned),
+            ),
+            headers,
+        }
+    }
+
+    fn of_view(topic: &str, r: &walbox_sink::RecordView<'_>, sink_id: Option<String>) -> Copy {
+        let names = [
+            "walbox_commit_lsn",
+            "walbox_index",
+            "walbox_xid",
+            "walbox_origin",
+            "walbox_replay",
+            "walbox_producer",
+            "walbox_error_class",
+            "walbox_attempts",
+        ];
+        Copy {
+            topic: topic.to_owned(),
+            lane: i64::from(r.partition()),
+            offset: r.offset(),
+            key: r.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            id: walbox_outbox::record_event_id(|n| r.header(n), r.value()),
+            sink_id,
+            value: parse(r.value()),
+            position: (
+                r.header("walbox_commit_lsn").map(str::to_owned),
+                r.header("walbox_index").map(str::to_owned),
+            ),
+            headers: names
+                .iter()
+                .filter_map(|n| Some(((*n).to_owned(), r.header(n)?.to_owned())))
+                .collect(),
+        }
+    }
+
+    fn of_arrival(topic: &str, place: usize, a: &walbox_testkit::webhook::Arrival) -> Copy {
+        let header = |n: &str| a.header(n);
+        let value = parse(Some(&a.body));
+        Copy {
+            topic: topic.to_owned(),
+            lane: 0,
+            offset: place as i64,
+            key: a.key.clone(),
+            id: walbox_outbox::record_event_id(header, Some(&a.body)),
+            sink_id: Some(a.id.clone()),
+            value,
+            position: (
+                header("walbox_commit_lsn").map(str::to_owned),
+                header("walbox_index").map(str::to_owned),
+            ),
+            headers: a.headers.clone(),
+        }
+    }
+
+    fn of_line(topic: &str, offset: i64, line: &serde_json::Value) -> Copy {
+        let header = |n: &str| line["headers"][n].as_str();
+        let value = line["value"].clone();
+        let raw = value.to_string();
+        Copy {
+            topic: topic.to_owned(),
+            lane: 0,
+            offset,
+            key: line["key"].as_str().map(str::to_owned),
+            id: walbox_outbox::record_event_id(header, Some(raw.as_bytes())),
+            sink_id: None,
+            value,
+            position: (
+                header("walbox_commit_lsn").map(str::to_owned),
+                header("walbox_index").map(str::to_owned),
+            ),
+            headers: line["headers"]
+                .as_object()
+                .map(|o| {
+                    o.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
+    /// A header's text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn parse(value: Option<&[u8]>) -> serde_json::Value {
+    value
+        .and_then(|v| serde_json::from_slice(v).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
