@@ -1,7 +1,8 @@
 //! Credentials in the Kafka client's settings and errors: which properties hold
 //! a secret, settings that print without them, and the record of an
 //! authentication failure the client reported, so that it stops walbox instead
-//! of being retried.
+//! of being retried. Also where a URL holds its user information, for the
+//! sinks whose URLs may carry a password.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -45,6 +46,28 @@ impl fmt::Debug for Hidden {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("<hidden>")
     }
+}
+
+/// Where `url` holds its user information (`scheme://user:password@host`):
+/// from after `://` to the URL's last `@`. A password may be written with `/`,
+/// `?`, `#` or `@` unencoded, which ends the authority early for a URL parser
+/// (and leaves the rest of the password in the path or the query): taken to
+/// the last `@`, the user information holds the whole password, whatever it
+/// holds. An `@` in a path or query makes more of the URL hidden, never less.
+#[must_use]
+pub(crate) fn url_userinfo(url: &str) -> Option<std::ops::Range<usize>> {
+    let start = url.find("://")? + 3;
+    let at = url[start..].rfind('@')?;
+    Some(start..start + at)
+}
+
+/// Where `url` holds its password: in its user information
+/// ([`url_userinfo`]), after the first `:` (a user name holds none).
+#[must_use]
+pub(crate) fn url_password(url: &str) -> Option<std::ops::Range<usize>> {
+    let info = url_userinfo(url)?;
+    let colon = url[info.clone()].find(':')?;
+    Some(info.start + colon + 1..info.end)
 }
 
 /// A client configuration error without the value it was about: librdkafka
@@ -153,6 +176,17 @@ mod tests {
             "{shown}"
         );
         assert!(!shown.contains("hunter2-xyz"), "{shown}");
+    }
+
+    #[test]
+    fn a_url_s_user_information_runs_to_its_last_at() {
+        let pw = |url: &'static str| url_password(url).map(|r| &url[r]);
+        assert_eq!(pw("https://u:Ab1/Cd2?x#y@h.example/p"), Some("Ab1/Cd2?x#y"));
+        assert_eq!(pw("redis://:p@w@h:6379"), Some("p@w"));
+        assert_eq!(pw("nats://token@h"), None);
+        assert_eq!(pw("https://h.example/p"), None);
+        let url = "nats://token@h";
+        assert_eq!(url_userinfo(url).map(|r| &url[r]), Some("token"));
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub(super) fn sanitized_subject(subject: &str) -> String {
 }
 
 /// Whether `event` is a dead letter (it carries the error class).
-pub(super) fn is_dead_letter(event: &Event) -> bool {
+pub(crate) fn is_dead_letter(event: &Event) -> bool {
     event
         .headers
         .iter()
@@ -216,7 +216,7 @@ pub(super) fn headers_of(event: &Event, expected_last: Option<&str>) -> Result<H
 }
 
 /// `name` with every byte but `A-Z a-z 0-9 - _ .` as `%XX`.
-pub(super) fn percent_encode(name: &str) -> String {
+pub(crate) fn percent_encode(name: &str) -> String {
     let mut out = String::with_capacity(name.len());
     for b in name.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.') {

@@ -73,11 +73,9 @@ use walbox_outbox::Event;
 
 pub use config::{NatsSinkConfig, NatsStorage};
 pub use headers::KEY_HEADER;
-pub(crate) use headers::base64_decode;
 pub use headers::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER};
-use headers::{
-    headers_of, is_dead_letter, msg_id, percent_encode, sanitized_subject, valid_subject, wire_len,
-};
+pub(crate) use headers::{base64_decode, is_dead_letter, percent_encode};
+use headers::{headers_of, msg_id, sanitized_subject, valid_subject, wire_len};
 use publish::{Outcome, Pending, classify, failure, report};
 use stream::{check_window, ensure_stream};
 

@@ -3,11 +3,13 @@
 //! exchange with routing key = its topic (a dead letter's topic is already
 //! `{topic}.dlq`), `mandatory`, persistent (delivery mode 2), `message_id` =
 //! the event id, the record's headers as AMQP headers and the key in
-//! `walbox_key`. The publisher confirm is the acknowledgement, reported in
-//! publish order ([`super::confirms`]); a message the broker sends back
-//! (no queue took it) or nacks fails its event, which is retried, never
-//! dead-lettered. After a failure nothing more of the session is published:
-//! later events fail unsent, and [`Sink::abort`] closes the channel.
+//! `walbox_key` (a header name past AMQP 0-9-1's 255 bytes is never dropped
+//! without a word: see [`headers_of`]). The publisher confirm is the
+//! acknowledgement, reported in publish order ([`super::confirms`]); a message
+//! the broker sends back (no queue took it) or nacks fails its event, which is
+//! retried, never dead-lettered. After a failure nothing more of the session
+//! is published: later events fail unsent, and [`Sink::abort`] closes the
+//! channel.
 //!
 //! A resend after a crash is stored again (AMQP 0-9-1 has no deduplication):
 //! at least once, every copy with the same `message_id`.
@@ -31,7 +33,7 @@ use walbox_outbox::Event;
 
 use super::RabbitMqSinkConfig;
 use super::confirms::{Answer, Confirms, Outcome, Returned};
-use crate::nats::KEY_HEADER;
+use crate::nats::{DROPPED_HEADERS_HEADER, KEY_HEADER, is_dead_letter, percent_encode};
 use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
 
 /// One publication on its way to the reporter.
@@ -251,15 +253,37 @@ impl ExchangeSink {
 }
 
 /// The event's headers as an AMQP table: the record's headers (bytes, as
-/// long strings) and the key.
-fn headers_of(event: &Event) -> FieldTable {
+/// long strings) and the key; and the byte lengths of the names left out.
+///
+/// An AMQP 0-9-1 header name is a short string: at most 255 bytes. As the
+/// NATS sink does with a header it cannot carry, an event with a longer name
+/// is refused (`Err` says why, with the name's length; the event goes to a
+/// dead letter, whose reason tells the row's author what to shorten), rather
+/// than published without it: a consumer would not know it is missing. A
+/// dead letter must go out, so it leaves such headers out instead and names
+/// them in [`DROPPED_HEADERS_HEADER`]: their number, then their names
+/// percent-encoded and separated by `,` (`1 very-long-name`); the caller
+/// warns.
+fn headers_of(event: &Event) -> Result<(FieldTable, Vec<usize>), String> {
+    let dead_letter = is_dead_letter(event);
     let mut table = FieldTable::default();
+    let mut dropped = Vec::new();
     for (name, value) in &event.headers {
-        if let Ok(name) = ShortString::try_new(name.as_ref()) {
-            table.insert(
-                name,
-                AMQPValue::LongString(LongString::from(value.to_vec())),
-            );
+        match ShortString::try_new(name.as_ref()) {
+            Ok(name) => {
+                table.insert(
+                    name,
+                    AMQPValue::LongString(LongString::from(value.to_vec())),
+                );
+            }
+            Err(_) if dead_letter => dropped.push(name.as_ref()),
+            Err(_) => {
+                return Err(format!(
+                    "a header name of {} bytes: an AMQP header name holds at most 255; shorten \
+                     it in the row's headers",
+                    name.len()
+                ));
+            }
         }
     }
     if let Some(key) = &event.key {
@@ -268,7 +292,16 @@ fn headers_of(event: &Event) -> FieldTable {
             AMQPValue::LongString(LongString::from(key.to_vec())),
         );
     }
-    table
+    if !dropped.is_empty() {
+        let names: Vec<String> = dropped.iter().map(|n| percent_encode(n)).collect();
+        table.insert(
+            ShortString::from(DROPPED_HEADERS_HEADER),
+            AMQPValue::LongString(LongString::from(
+                format!("{} {}", dropped.len(), names.join(",")).into_bytes(),
+            )),
+        );
+    }
+    Ok((table, dropped.iter().map(|n| n.len()).collect()))
 }
 
 impl Sink for ExchangeSink {
@@ -321,10 +354,29 @@ impl Sink for ExchangeSink {
             self.queue(p);
             return Ok(());
         };
+        let headers = match headers_of(&event) {
+            Ok((headers, dropped)) => {
+                if !dropped.is_empty() {
+                    tracing::warn!(
+                        event_id = event.event_id,
+                        topic = event.topic,
+                        name_bytes = ?dropped,
+                        "dead letter published without the headers whose names pass AMQP's 255 \
+                         bytes (named in walbox_dropped_headers)"
+                    );
+                }
+                headers
+            }
+            Err(reason) => {
+                p.answer = Some(Answer::Failed(DeliveryClass::InvalidRecord, reason));
+                self.queue(p);
+                return Ok(());
+            }
+        };
         let mut properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_message_id(message_id)
-            .with_headers(headers_of(&event));
+            .with_headers(headers);
         let content_type = event
             .headers
             .iter()
@@ -545,5 +597,67 @@ async fn report(
             });
             in_flight.fetch_sub(1, Ordering::SeqCst);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use walbox_outbox::Position;
+
+    fn event(headers: Vec<(&str, &str)>) -> Event {
+        Event {
+            event_id: "e1".into(),
+            topic: "outbox.Order".into(),
+            key: Some(Bytes::from_static(b"order-1")),
+            value: Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: headers
+                .into_iter()
+                .map(|(k, v)| (k.to_owned().into(), Bytes::from(v.to_owned())))
+                .collect(),
+            position: Position {
+                commit_lsn: walbox_pgoutput::Lsn(1),
+                index: 0,
+                xid: 7,
+            },
+        }
+    }
+
+    fn text(table: &FieldTable, name: &str) -> Option<String> {
+        match table.inner().get(name)? {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_header_name_past_255_bytes_is_never_dropped_without_a_word() {
+        let long = "n".repeat(256);
+        let fits = "f".repeat(255);
+        let class = walbox_outbox::dead_letter_header::ERROR_CLASS;
+        // A dead letter goes out without it, and names it.
+        let letter = event(vec![
+            (long.as_str(), "v"),
+            (fits.as_str(), "w"),
+            (class, "invalid_record"),
+        ]);
+        let (table, dropped) = headers_of(&letter).expect("a dead letter goes out");
+        assert_eq!(dropped, [256]);
+        assert!(!table.contains_key(&long));
+        assert_eq!(text(&table, &fits).as_deref(), Some("w"));
+        assert_eq!(text(&table, KEY_HEADER).as_deref(), Some("order-1"));
+        assert_eq!(
+            text(&table, DROPPED_HEADERS_HEADER),
+            Some(format!("1 {long}")),
+            "the dropped header is named"
+        );
+        // Any other event is refused, about itself (it is dead-lettered).
+        let e = event(vec![(long.as_str(), "v"), (fits.as_str(), "w")]);
+        let why = headers_of(&e).expect_err("a name past 255 bytes");
+        assert!(why.contains("256 bytes") && why.contains("255"), "{why}");
+        let (table, dropped) = headers_of(&event(vec![(fits.as_str(), "w")])).unwrap();
+        assert!(dropped.is_empty() && !table.contains_key(DROPPED_HEADERS_HEADER));
     }
 }

@@ -2,7 +2,9 @@
 //! the connection they describe. The password may come in the URL
 //! (`redis://user:password@host:6379/0`), in `password`, or in the
 //! environment (`WALBOX_REDIS_PASSWORD`, read by the binary), never from two
-//! of them; no `Debug` form or error shows it.
+//! of them; no `Debug` form or error shows it, whatever it holds (the URL's
+//! user information is taken to run to its last `@`, so a password written
+//! with `/`, `?`, `#` or `@` unencoded is hidden whole).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,7 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::SinkError;
-use crate::secrets::Hidden;
+use crate::secrets::{Hidden, url_password, url_userinfo};
 
 /// Settings of the Redis Streams sink (`[sink.redis]`).
 #[derive(Clone, Deserialize)]
@@ -118,24 +120,19 @@ impl std::fmt::Debug for RedisSinkConfig {
     }
 }
 
-/// `url` with whatever stands before `@` in its authority replaced, and the
-/// value of a `pass` or `password` query parameter (a Unix socket's URL
-/// gives its password there): what logs and errors may show.
+/// `url` with its user information (all between `://` and the URL's last
+/// `@`, whatever the password holds) replaced, and the value of a `pass` or
+/// `password` query parameter (a Unix socket's URL gives its password there):
+/// what logs and errors may show.
 #[must_use]
 pub fn shown_url(url: &str) -> String {
-    let (url, query) = match url.split_once('?') {
-        Some((u, q)) => (u, Some(hidden_query(q))),
-        None => (url, None),
+    let (head, rest) = match url_userinfo(url) {
+        Some(info) => (format!("{}***", &url[..info.start]), &url[info.end..]),
+        None => (String::new(), url),
     };
-    let query = query.map_or_else(String::new, |q| format!("?{q}"));
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return format!("{url}{query}");
-    };
-    let end = rest.find('/').unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(end);
-    match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{path}{query}"),
-        None => format!("{url}{query}"),
+    match rest.split_once('?') {
+        Some((before, query)) => format!("{head}{before}?{}", hidden_query(query)),
+        None => format!("{head}{rest}"),
     }
 }
 
@@ -185,8 +182,9 @@ impl RedisSinkConfig {
         Ok(())
     }
 
-    /// The secrets these settings hold (the password, one in the URL), for
-    /// the log's redaction.
+    /// The secrets these settings hold (the password, one in the URL: as
+    /// the client reads it, and as written up to the URL's last `@`), for the
+    /// log's redaction.
     #[must_use]
     pub fn secrets(&self) -> Vec<String> {
         let mut out: Vec<String> = self.password.iter().cloned().collect();
@@ -195,6 +193,18 @@ impl RedisSinkConfig {
         {
             out.push(p.to_owned());
         }
+        if let Some(range) = url_password(&self.url) {
+            let written = &self.url[range];
+            out.push(written.to_owned());
+            out.push(
+                percent_encoding::percent_decode_str(written)
+                    .decode_utf8_lossy()
+                    .into_owned(),
+            );
+        }
+        out.retain(|s| !s.is_empty());
+        out.sort();
+        out.dedup();
         out
     }
 
@@ -285,11 +295,9 @@ impl RedisSinkConfig {
     }
 }
 
+/// Whether `url` holds credentials of its own (user information).
 fn url_has_password(url: &str) -> bool {
-    url.split_once("://")
-        .map(|(_, rest)| &rest[..rest.find(['/', '?']).unwrap_or(rest.len())])
-        .and_then(|a| a.rsplit_once('@'))
-        .is_some_and(|(cred, _)| cred.contains(':') || !cred.is_empty())
+    url_userinfo(url).is_some_and(|info| !info.is_empty())
 }
 
 #[cfg(test)]
@@ -339,6 +347,48 @@ mod tests {
         let bad = parse("url = \"http://u:pw-in-bad-url@h\"").expect("parses");
         let e = bad.validate().expect_err("not redis").to_string();
         assert!(!e.contains("pw-in-bad-url"), "{e}");
+    }
+
+    #[test]
+    fn a_password_holding_slashes_question_marks_hashes_or_ats_never_shows() {
+        // Written unencoded, such a password ends the authority early for a
+        // URL parser: the user information runs to the URL's last `@`.
+        for (url, password) in [
+            ("redis://user:Ab1/Cd2@host:6379/0", "Ab1/Cd2"),
+            ("redis://:Ab1?Cd2@host", "Ab1?Cd2"),
+            ("redis://user:Ab1#Cd2@host:6379", "Ab1#Cd2"),
+            ("rediss://user:Ab1@Cd2@host:6380/1", "Ab1@Cd2"),
+            (
+                "redis://user:Ab1/Cd2?Ef3#@host/0?db=1&pass=Gh4",
+                "Ab1/Cd2?Ef3#",
+            ),
+        ] {
+            let c = RedisSinkConfig {
+                url: url.into(),
+                ..Default::default()
+            };
+            let hidden = |text: &str| {
+                for part in ["Ab1", "Cd2", "Ef3", "Gh4"] {
+                    assert!(!text.contains(part), "{url}: {text}");
+                }
+            };
+            hidden(&shown_url(url));
+            hidden(&format!("{c:?}"));
+            if let Err(e) = c.validate() {
+                hidden(&e.to_string());
+            }
+            if let Err(e) = c.client() {
+                hidden(&e.to_string());
+            }
+            assert!(
+                c.secrets().iter().any(|s| s == password),
+                "{url}: the password is kept out of the log"
+            );
+        }
+        assert_eq!(
+            shown_url("redis://user:Ab1/Cd2@host:6379/0"),
+            "redis://***@host:6379/0"
+        );
     }
 
     #[test]

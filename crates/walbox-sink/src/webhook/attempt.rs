@@ -400,4 +400,99 @@ mod tests {
             NextTry::GiveUpAfter(s(0))
         );
     }
+
+    /// A receiver on a local port that answers every request 204 and keeps
+    /// each request's path.
+    async fn receiver() -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let paths = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&paths);
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    let n = s.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        break None;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break Some(i + 4);
+                    }
+                };
+                let Some(head_end) = head_end else { continue };
+                let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("content-length")
+                            .then(|| v.trim().parse().ok())?
+                    })
+                    .unwrap_or(0);
+                while buf.len() < head_end + length {
+                    let n = s.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                let path = head.split(' ').nth(1).unwrap_or_default().to_owned();
+                seen.lock().unwrap().push(path);
+                let _ = s
+                    .write_all(b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    .await;
+            }
+        });
+        (base, paths)
+    }
+
+    #[tokio::test]
+    async fn a_value_that_is_a_dot_segment_is_dead_lettered_never_posted_to_the_parent_path() {
+        let (base, paths) = receiver().await;
+        let shared = Shared {
+            client: reqwest::Client::builder().no_proxy().build().unwrap(),
+            keys: vec![b"key".to_vec()],
+            template: TopicTemplate::parse(&format!("{base}/in/{{topic}}/{{key}}")).unwrap(),
+            retry_initial: Duration::from_millis(10),
+            retry_max: Duration::from_millis(10),
+            max_retry: Duration::from_millis(200),
+            connections: Arc::new(Semaphore::new(4)),
+            retries: Arc::new(AtomicU64::new(0)),
+            replay: std::sync::OnceLock::new(),
+        };
+        let event = |topic: &str, key: &str| Event {
+            event_id: "msg_1".into(),
+            topic: topic.into(),
+            key: Some(bytes::Bytes::from(key.to_owned())),
+            value: bytes::Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: Vec::new(),
+            position: walbox_outbox::Position {
+                commit_lsn: walbox_pgoutput::Lsn(1),
+                index: 0,
+                xid: 7,
+            },
+        };
+        for (topic, key) in [("..", "k"), (".", "k"), ("orders", ".."), ("orders", ".")] {
+            match deliver(&shared, &event(topic, key)).await {
+                Ok(()) => panic!(
+                    "{topic:?}/{key:?} was delivered, at {:?}",
+                    paths.lock().unwrap()
+                ),
+                Err(e) => {
+                    assert_eq!(e.class, DeliveryClass::InvalidRecord, "{e:?}");
+                    assert!(e.reason.contains("dot segment"), "{}", e.reason);
+                }
+            }
+        }
+        assert!(paths.lock().unwrap().is_empty());
+        // Dots that are not the whole segment, and a percent sign (encoded),
+        // arrive as they are, in their own segment.
+        deliver(&shared, &event("..x", "%2e")).await.unwrap();
+        assert_eq!(*paths.lock().unwrap(), ["/in/..x/%252e"]);
+    }
 }

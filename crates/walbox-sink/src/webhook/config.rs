@@ -1,16 +1,23 @@
 //! The settings of the webhook sink (`[sink.webhook]`), their checks, the
 //! signing secrets (from the file or the environment, never shown) and the
 //! HTTP client they describe (timeouts, redirects, TLS).
+//!
+//! A password in the URL (basic authentication) is never shown, whatever it
+//! holds: the URL's user information is taken to run to its last `@`, so a
+//! password written with `/`, `?`, `#` or `@` unencoded is hidden whole.
+//! The URL, a template, is checked with its fields filled in by a plain value
+//! (`x`, or `0` where a number is wanted): one that does not parse so is
+//! refused at start, not found out event by event.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use base64::Engine as _;
 use serde::Deserialize;
-use walbox_outbox::TopicTemplate;
+use walbox_outbox::{TemplateError, TopicTemplate};
 
 use crate::SinkError;
-use crate::secrets::Hidden;
+use crate::secrets::{Hidden, url_password};
 
 /// Settings of the webhook sink (`[sink.webhook]`). Its `Debug` form hides the
 /// secrets.
@@ -119,13 +126,7 @@ impl std::fmt::Debug for WebhookSinkConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let hidden: Vec<Hidden> = self.secrets.iter().map(|_| Hidden).collect();
         f.debug_struct("WebhookSinkConfig")
-            .field(
-                "url",
-                &match self.url_password_range() {
-                    Some(r) => format!("{}<hidden>{}", &self.url[..r.start], &self.url[r.end..]),
-                    None => self.url.clone(),
-                },
-            )
+            .field("url", &self.shown_url())
             .field("secrets", &hidden)
             .field("secret_env", &self.secret_env)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
@@ -151,13 +152,14 @@ impl WebhookSinkConfig {
     /// Checks the settings that need no receiver.
     pub fn validate(&self) -> Result<(), SinkError> {
         let bad = |m: String| Err(SinkError::Config(format!("sink.webhook.{m}")));
-        self.template()?;
+        let template = self.template()?;
         if !(self.url.starts_with("http://") || self.url.starts_with("https://")) {
             return bad(format!(
                 "url: {:?} is not an http:// or https:// URL",
-                self.url
+                self.shown_url()
             ));
         }
+        self.check_filled_in(&template)?;
         if self.keys()?.is_empty() {
             return bad(
                 "secrets: give at least one signing secret (whsec_...), in secrets or through \
@@ -180,37 +182,92 @@ impl WebhookSinkConfig {
         Ok(())
     }
 
-    /// The URL template.
+    /// The URL template. Its error does not quote the URL (the template
+    /// error would): it may hold a password.
     pub(super) fn template(&self) -> Result<TopicTemplate, SinkError> {
-        TopicTemplate::parse(&self.url)
-            .map_err(|e| SinkError::Config(format!("sink.webhook.url: {e}")))
+        TopicTemplate::parse(&self.url).map_err(|e| {
+            let why = match e {
+                TemplateError::Unclosed(_) => "a '{' without its '}'",
+                TemplateError::EmptyField(_) => "an empty '{}'",
+                TemplateError::StrayClose(_) => "a '}' without its '{'",
+                TemplateError::Empty => "empty",
+            };
+            SinkError::Config(format!("sink.webhook.url: {why}"))
+        })
+    }
+
+    /// Checks that `template` gives a URL once its fields are filled in (by
+    /// `x`, or else `0`, for a field that stands for a port). The error says
+    /// what is wrong, never the URL.
+    fn check_filled_in(&self, template: &TopicTemplate) -> Result<(), SinkError> {
+        let mut first = None;
+        for fill in ["x", "0"] {
+            let url = template
+                .render(|_, _| Ok::<_, std::convert::Infallible>(fill))
+                .unwrap_or_else(|never| match never {});
+            match reqwest::Url::parse(&url) {
+                Ok(_) => return Ok(()),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        let why = first.map_or_else(String::new, |e| format!(" ({e})"));
+        // An `@` past the authority a parser sees: a password holding `/`,
+        // `?` or `#` as it is, most likely.
+        let hint = if url_password(&self.url) != self.parsed_password_range() {
+            "; a password holding '/', '?', '#' or '@' is written percent-encoded (%2F, %3F, \
+             %23, %40)"
+        } else {
+            ""
+        };
+        Err(SinkError::Config(format!(
+            "sink.webhook.url: not a valid URL with its fields filled in{why}{hint}"
+        )))
+    }
+
+    /// The URL as logs and errors may show it: its password hidden.
+    fn shown_url(&self) -> String {
+        match url_password(&self.url) {
+            Some(r) => format!("{}<hidden>{}", &self.url[..r.start], &self.url[r.end..]),
+            None => self.url.clone(),
+        }
     }
 
     /// Every secret's text, as given (for the log's redaction): the signing
     /// secrets, and the password of the URL's user information (sent as
-    /// basic authentication).
+    /// basic authentication): as written up to the URL's last `@`, and as a
+    /// URL parser reads it (up to the last `@` before the first `/`, `?` or
+    /// `#`), each percent-decoded too and in the Authorization header's form.
     #[must_use]
     pub fn secrets(&self) -> Vec<String> {
         let mut all = self.signing_secrets();
-        if let Some(password) = self.url_password() {
-            // And as the Authorization header carries it.
+        let decode = |t: &str| {
+            percent_encoding::percent_decode_str(t)
+                .decode_utf8_lossy()
+                .into_owned()
+        };
+        let start = self.url.find("://").map_or(0, |i| i + 3);
+        for range in [url_password(&self.url), self.parsed_password_range()]
+            .into_iter()
+            .flatten()
+        {
+            let written = &self.url[range.clone()];
+            let password = decode(written);
             let user = self
-                .url_password_range()
-                .and_then(|r| {
-                    let start = self.url.find("://")? + 3;
-                    self.url.get(start..r.start - 1)
-                })
-                .map(|u| {
-                    percent_encoding::percent_decode_str(u)
-                        .decode_utf8_lossy()
-                        .into_owned()
-                })
+                .url
+                .get(start..range.start.saturating_sub(1))
+                .map(decode)
                 .unwrap_or_default();
+            // And as the Authorization header carries it.
             all.push(
                 base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}")),
             );
+            all.push(written.to_owned());
             all.push(password);
         }
+        let mut seen = std::collections::HashSet::new();
+        all.retain(|s| !s.is_empty() && seen.insert(s.clone()));
         all
     }
 
@@ -225,22 +282,9 @@ impl WebhookSinkConfig {
         all
     }
 
-    /// The password in the URL's user information (`https://user:password@host/`).
-    fn url_password(&self) -> Option<String> {
-        self.url_password_as_written().map(|p| {
-            percent_encoding::percent_decode_str(p)
-                .decode_utf8_lossy()
-                .into_owned()
-        })
-    }
-
-    /// [`Self::url_password`] as the URL writes it (percent-encoded).
-    fn url_password_as_written(&self) -> Option<&str> {
-        self.url_password_range().map(|r| &self.url[r])
-    }
-
-    /// Where the URL holds its password.
-    fn url_password_range(&self) -> Option<std::ops::Range<usize>> {
+    /// Where a URL parser finds the password (the authority ending at the
+    /// first `/`, `?` or `#`): what basic authentication sends.
+    fn parsed_password_range(&self) -> Option<std::ops::Range<usize>> {
         let start = self.url.find("://")? + 3;
         let rest = &self.url[start..];
         let authority = rest.split(['/', '?', '#']).next()?;
@@ -396,5 +440,61 @@ mod tests {
             ..Default::default()
         };
         assert!(none.validate().is_err());
+    }
+
+    #[test]
+    fn a_password_holding_slashes_question_marks_hashes_or_ats_never_shows() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        for (url, password, parses) in [
+            ("https://user:Ab1/Cd2@example.com/hook", "Ab1/Cd2", false),
+            ("https://user:Ab1?Cd2@example.com/{topic}", "Ab1?Cd2", false),
+            ("https://user:Ab1#Cd2@example.com/", "Ab1#Cd2", false),
+            ("https://user:Ab1@Cd2@example.com/{key}", "Ab1@Cd2", true),
+            ("ftp://user:Ab1/Cd2@example.com/", "Ab1/Cd2", false),
+            ("https://user:Ab1-Cd2@example.com/{", "Ab1-Cd2", false),
+        ] {
+            let c = config(url, secret);
+            let hidden = |text: &str| {
+                for part in ["Ab1", "Cd2"] {
+                    assert!(!text.contains(part), "{url}: {text}");
+                }
+            };
+            hidden(&format!("{c:?}"));
+            hidden(&c.shown_url());
+            match c.validate() {
+                Ok(()) => assert!(parses, "{url}: a URL that does not parse passed"),
+                Err(e) => {
+                    let e = e.to_string();
+                    hidden(&e);
+                    assert!(!parses, "{url}: {e}");
+                    assert!(e.contains("sink.webhook.url: "), "{url}: {e}");
+                }
+            }
+            assert!(
+                c.secrets().iter().any(|s| s == password),
+                "{url}: the password is kept out of the log"
+            );
+        }
+    }
+
+    #[test]
+    fn a_url_that_does_not_parse_once_filled_in_is_refused_by_key() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        for url in [
+            "https://exa mple.com/{topic}",
+            "https://h.example:99999/{topic}",
+            "https://[::1/{topic}",
+            "https://{tenant} x.example/",
+        ] {
+            let e = config(url, secret).validate().expect_err(url).to_string();
+            assert!(e.contains("sink.webhook.url: "), "{url}: {e}");
+        }
+        for url in [
+            "https://h.example/in/{topic}/{key}?tenant={tenant}",
+            "https://{tenant}.hooks.example/{topic}",
+            "http://127.0.0.1:8080/{aggregate_type}",
+        ] {
+            config(url, secret).validate().expect(url);
+        }
     }
 }

@@ -2,6 +2,17 @@
 //! headers made valid HTTP headers, the key, the content type, and the
 //! Standard Webhooks signature (`webhook-id`, `webhook-timestamp`,
 //! `webhook-signature`), made again for every attempt.
+//!
+//! A value put into the URL is percent-encoded as a path segment, `/` and `%`
+//! included, so it stays within its segment and `%2e` arrives as written.
+//! A value that makes a whole path segment `.` or `..` (a topic or key `..`,
+//! or `.` after a literal `.`) cannot be sent: the URL standard drops such a
+//! segment or climbs to the parent, and takes `%2e` for a dot as well, so no
+//! encoding keeps it; the POST would go to another path, where a 2xx would
+//! count as delivered. Such an event is refused as about the event (the
+//! class of a template field it lacks, `invalid_record`): it is
+//! dead-lettered with the reason. Dot segments the template itself writes
+//! are the same for every event and are left to the URL library.
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -187,8 +198,24 @@ pub(super) fn prepare(
     })
 }
 
+/// Whether `segment` is one the URL standard drops or climbs with: `.` or
+/// `..`, any of the dots written `%2e` (either case).
+fn dot_segment(segment: &str) -> bool {
+    let dots = segment.to_ascii_lowercase().replace("%2e", ".");
+    dots == "." || dots == ".."
+}
+
+/// The path segments of `url` as written: after the authority, up to `?` or
+/// `#`, split at `/` (and `\`, which http and https URLs take for it).
+fn path_segments(url: &str) -> impl Iterator<Item = &str> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let path = rest.find(['/', '\\', '?', '#']).map_or("", |i| &rest[i..]);
+    let path = &path[..path.find(['?', '#']).unwrap_or(path.len())];
+    path.split(['/', '\\'])
+}
+
 /// The URL template rendered for `event`, each field's value percent-encoded
-/// as a path segment.
+/// as a path segment; refused when a value makes a path segment `.` or `..`.
 fn render_owned(template: &TopicTemplate, event: &Event) -> Result<String, String> {
     let mut values = Vec::new();
     for field in template.fields() {
@@ -210,12 +237,29 @@ fn render_owned(template: &TopicTemplate, event: &Event) -> Result<String, Strin
         };
         values.push(utf8_percent_encode(&raw, SEGMENT).to_string());
     }
-    template.render(|i, _| {
+    let url = template.render(|i, _| {
         values
             .get(i)
             .map(String::as_str)
             .ok_or_else(|| "the URL template changed".to_owned())
-    })
+    })?;
+    // The same URL with a plain value for each field: the segments line up,
+    // as no value holds `/`, `\`, `?` or `#` (they are encoded).
+    let plain = template
+        .render(|_, _| Ok::<_, std::convert::Infallible>("x"))
+        .unwrap_or_else(|never| match never {});
+    if path_segments(&url)
+        .zip(path_segments(&plain))
+        .any(|(segment, own)| dot_segment(segment) && !dot_segment(own))
+    {
+        return Err(
+            "a value the URL template takes from the event makes a path segment '.' or '..' \
+             (a dot segment), which the URL would drop or climb out of, sending the event to \
+             another path"
+                .to_owned(),
+        );
+    }
+    Ok(url)
 }
 
 /// The `webhook-signature` value for `id`, `timestamp` and `body`: `v1,` and
@@ -346,5 +390,65 @@ mod tests {
             h.get("webhook-signature").unwrap().to_str().unwrap(),
             signature(&keys, id, 1_614_265_330, &p.body)
         );
+    }
+
+    #[test]
+    fn a_value_that_is_a_dot_segment_never_changes_the_path() {
+        // The URL standard takes `%2e` for a dot too: encoding the dots of a
+        // `..` segment would not keep it.
+        let parsed = reqwest::Url::parse("https://h.example/in/%2E%2e/k").unwrap();
+        assert_eq!(parsed.path(), "/k");
+        let t = TopicTemplate::parse("https://h.example/in/{topic}/{key}").unwrap();
+        let with = |topic: &str, key: &str| {
+            let mut e = event();
+            e.topic = topic.into();
+            e.key = Some(Bytes::from(key.to_owned()));
+            e
+        };
+        for (topic, key) in [("..", "k"), (".", "k"), ("t", ".."), ("t", ".")] {
+            let e = with(topic, key);
+            match prepare(&e, webhook_id(&e, None), &t) {
+                Ok(p) => panic!("{topic:?}/{key:?} goes to {}", p.url),
+                Err(why) => assert!(why.contains("dot segment"), "{why}"),
+            }
+        }
+        // A literal dot beside the value makes the segment `..`.
+        let dotted = TopicTemplate::parse("https://h.example/in/.{topic}/x").unwrap();
+        let e = with(".", "k");
+        assert!(prepare(&e, webhook_id(&e, None), &dotted).is_err());
+        // Part of a segment, in the query, or a percent sign (encoded): the
+        // path is as the template says.
+        for (template, topic, url) in [
+            (
+                "https://h.example/in/{topic}",
+                "..x",
+                "https://h.example/in/..x",
+            ),
+            (
+                "https://h.example/in/{topic}",
+                "%2e",
+                "https://h.example/in/%252e",
+            ),
+            (
+                "https://h.example/in/{topic}",
+                "%2E%2e",
+                "https://h.example/in/%252E%252e",
+            ),
+            (
+                "https://h.example/in?t={topic}",
+                "..",
+                "https://h.example/in?t=..",
+            ),
+            (
+                "https://h.example/a/../in/{topic}",
+                "t",
+                "https://h.example/in/t",
+            ),
+        ] {
+            let t = TopicTemplate::parse(template).unwrap();
+            let e = with(topic, "k");
+            let p = prepare(&e, webhook_id(&e, None), &t).unwrap();
+            assert_eq!(p.url.as_str(), url, "{template} {topic:?}");
+        }
     }
 }

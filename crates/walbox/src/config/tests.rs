@@ -419,3 +419,43 @@ fn a_rabbitmq_sink_parses_refuses_unknown_keys_and_hides_its_password() {
     .unwrap_err();
     assert!(format!("{e:#}").contains("exchnage"), "{e:#}");
 }
+
+#[test]
+fn a_sink_url_whose_password_holds_a_slash_is_refused_without_showing_it() {
+    let dir = std::env::temp_dir().join(format!("walbox-url-pw-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("w.toml");
+    let hidden = |text: &str| {
+        for part in ["Ab1", "Cd2"] {
+            assert!(!text.contains(part), "{text}");
+        }
+    };
+    // Webhook: the error of the whole load names the key, not the password.
+    let text = "[source]\nslot = \"s1\"\n[sink]\ntype = \"webhook\"\n[sink.webhook]\n\
+                url = \"https://user:Ab1/Cd2@example.com/{topic}\"\n\
+                secrets = [\"whsec_aGVsbG8=\"]\n";
+    std::fs::write(&path, text).unwrap();
+    let e = format!(
+        "{:#}",
+        Config::load(&Overrides {
+            config: Some(path.clone()),
+            ..Overrides::default()
+        })
+        .unwrap_err()
+    );
+    hidden(&e);
+    assert!(e.contains("sink.webhook.url"), "{e}");
+    let c = Config::parse(text, &path).unwrap();
+    hidden(&format!("{c:?}"));
+    // Redis: the same for its URL.
+    let c = Config::parse(
+        "[sink]\ntype = \"redis\"\n[sink.redis]\nurl = \"redis://user:Ab1/Cd2@cache:6379/0\"\n",
+        &path,
+    )
+    .unwrap();
+    hidden(&format!("{c:?}"));
+    let e = format!("{:#}", c.sink.redis_sink("s").unwrap_err());
+    hidden(&e);
+    assert!(e.contains("sink.redis.url"), "{e}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
