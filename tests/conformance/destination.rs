@@ -56,11 +56,13 @@ impl Sink {
     }
 }
 
-/// A server a cell has to itself, or the binary's RabbitMQ node.
+/// A server a cell has to itself, or the binary's RabbitMQ node (shared,
+/// held for reading for the cell's whole life, so that a cell restarting the
+/// node waits for the others and they for it).
 enum Server {
     Kafka(Broker),
     Nats(NatsServer),
-    Rabbit,
+    Rabbit(Option<tokio::sync::RwLockReadGuard<'static, walbox_testkit::RabbitMq>>),
     Redis(RedisServer),
     Webhook(Receiver),
     Stdout,
@@ -102,7 +104,7 @@ impl Destination {
                         .await
                         .unwrap();
                 }
-                Server::Rabbit
+                Server::Rabbit(Some(node))
             }
             Sink::Redis => Server::Redis(RedisServer::start().expect("starting redis-server")),
             Sink::Webhook => Server::Webhook(Receiver::start().expect("starting the receiver")),
@@ -128,7 +130,10 @@ impl Destination {
 
     /// The `[sink]` part of walbox's configuration, and environment
     /// variables it needs besides.
-    pub async fn config(&self, pg: &walbox_testkit::PgCluster) -> (String, Vec<(&'static str, String)>) {
+    pub async fn config(
+        &self,
+        pg: &walbox_testkit::PgCluster,
+    ) -> (String, Vec<(&'static str, String)>) {
         let name = &self.name;
         match &self.server {
             Server::Kafka(broker) => (
@@ -148,8 +153,8 @@ impl Destination {
                 ),
                 Vec::new(),
             ),
-            Server::Rabbit => {
-                let node = node().read().await;
+            Server::Rabbit(node) => {
+                let node = node.as_ref().expect("the node");
                 let mode = if self.sink == Sink::RabbitStream {
                     format!("mode = \"stream\"\ndeclare = true\nproducer = \"{name}\"\n")
                 } else {
@@ -169,13 +174,16 @@ impl Destination {
                 )
             }
             Server::Redis(redis) => (
-                format!("[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{}\"\n", redis.url()),
+                format!(
+                    "[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{}\"\n",
+                    redis.url()
+                ),
                 Vec::new(),
             ),
             Server::Webhook(receiver) => (
                 format!(
                     "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\n\
-                     url = \"{}/{name}/{{aggregate_type}}\"\nsecrets = [\"{SECRET}\"]\n\
+                     url = \"{}/hooks/{{topic}}\"\nsecrets = [\"{SECRET}\"]\n\
                      retry_initial_ms = 50\nretry_max_ms = 1000\nrequest_timeout_ms = 3000\n\
                      dead_letter_file = \"{}\"\n",
                     receiver.base_url(),
@@ -215,12 +223,16 @@ impl Destination {
                 tokio::time::sleep(down).await;
                 nats.start_again().unwrap();
             }
-            Server::Rabbit => {
+            Server::Rabbit(guard) => {
+                // Alone on the node while it restarts.
+                drop(guard.take());
                 let mut node = node().write().await;
                 node.kill9().unwrap();
                 while_down().await;
                 tokio::time::sleep(down).await;
                 node.start_again().unwrap();
+                drop(node);
+                *guard = Some(crate::common::node().read().await);
             }
             Server::Redis(redis) => {
                 redis.kill9().unwrap();
@@ -270,8 +282,8 @@ impl Destination {
                 }
                 out
             }
-            Server::Rabbit if self.sink == Sink::RabbitExchange => {
-                let node = node().read().await;
+            Server::Rabbit(node) if self.sink == Sink::RabbitExchange => {
+                let node = node.as_ref().expect("the node");
                 let queue = if topic.ends_with(".dlq") {
                     format!("{}.letters", self.name)
                 } else {
@@ -283,8 +295,8 @@ impl Destination {
                     .map(|r| Copy::of_record(r, r.header("message_id").map(str::to_owned)))
                     .collect()
             }
-            Server::Rabbit => {
-                let node = node().read().await;
+            Server::Rabbit(node) => {
+                let node = node.as_ref().expect("the node");
                 let config = walbox_sink::RabbitMqSinkConfig {
                     mode: walbox_sink::RabbitMqMode::Stream,
                     port: Some(node.amqp_port()),
@@ -315,7 +327,7 @@ impl Destination {
                 out
             }
             Server::Webhook(receiver) => {
-                let path = format!("/{}", topic.replacen('.', "/", 1));
+                let path = format!("/hooks/{topic}");
                 receiver
                     .delivered()
                     .iter()
@@ -383,8 +395,9 @@ pub struct Copy {
     pub sink_id: Option<String>,
     /// The value, parsed.
     pub value: serde_json::Value,
-    /// Its source position headers (`walbox_commit_lsn`, `walbox_index`).
-    pub position: (Option<String>, Option<String>),
+    /// Its source position headers (`walbox_commit_lsn`, `walbox_index`,
+    /// `walbox_xid`).
+    pub position: (Option<String>, Option<String>, Option<String>),
     /// Every header, as text.
     pub headers: Vec<(String, String)>,
 }
@@ -394,9 +407,7 @@ impl Copy {
         let headers: Vec<(String, String)> = r
             .headers
             .iter()
-            .filter_map(|(k, v)| {
-                Some((k.clone(), String::from_utf8(v.clone()?).ok()?))
-            })
+            .filter_map(|(k, v)| Some((k.clone(), String::from_utf8(v.clone()?).ok()?)))
             .collect();
         Copy {
             topic: r.topic.clone(),
@@ -409,6 +420,7 @@ impl Copy {
             position: (
                 r.header("walbox_commit_lsn").map(str::to_owned),
                 r.header("walbox_index").map(str::to_owned),
+                r.header("walbox_xid").map(str::to_owned),
             ),
             headers,
         }
@@ -436,6 +448,7 @@ impl Copy {
             position: (
                 r.header("walbox_commit_lsn").map(str::to_owned),
                 r.header("walbox_index").map(str::to_owned),
+                r.header("walbox_xid").map(str::to_owned),
             ),
             headers: names
                 .iter()
@@ -458,6 +471,7 @@ impl Copy {
             position: (
                 header("walbox_commit_lsn").map(str::to_owned),
                 header("walbox_index").map(str::to_owned),
+                header("walbox_xid").map(str::to_owned),
             ),
             headers: a.headers.clone(),
         }
@@ -478,6 +492,7 @@ impl Copy {
             position: (
                 header("walbox_commit_lsn").map(str::to_owned),
                 header("walbox_index").map(str::to_owned),
+                header("walbox_xid").map(str::to_owned),
             ),
             headers: line["headers"]
                 .as_object()

@@ -24,7 +24,9 @@ impl Format {
         match self {
             Format::Walbox => "format = \"walbox\"\n",
             Format::Debezium => "format = \"debezium-outbox\"\n",
-            Format::CloudEventsBinary => "format = \"cloudevents\"\ncloudevents_mode = \"binary\"\n",
+            Format::CloudEventsBinary => {
+                "format = \"cloudevents\"\ncloudevents_mode = \"binary\"\n"
+            }
             Format::CloudEventsStructured => {
                 "format = \"cloudevents\"\ncloudevents_mode = \"structured\"\n"
             }

@@ -39,7 +39,7 @@ pub use checkpoint::{
     CHECKPOINT_VERSION, Checkpoint, CheckpointError, CheckpointFile, Partial, SnapshotState,
     TableIdentity,
 };
-pub use core::{Core, CoreConfig, Provenance, Outcome, Stats, WalMessage};
+pub use core::{Core, CoreConfig, Outcome, Provenance, Stats, WalMessage};
 pub use error::{CoreError, Failure, Rejected, TOO_LARGE};
 pub use holdback::{Holdback, MAX_SAMPLES, ReplayWindow};
 pub use takeover::{SlotOnServer, Takeover, TakeoverProblem, check_takeover};

@@ -366,9 +366,7 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 };
                 let mut letters = Vec::new();
                 read.each(|r| letters.push(parse(&r)));
-                let published = run
-                    .publish(&mut sink, &mut deliveries, dlq, &letters)
-                    .await;
+                let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
                 let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
                 read.settle(done)
                     .await

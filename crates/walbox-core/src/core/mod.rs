@@ -712,9 +712,13 @@ impl Core {
     ) {
         let ticket = self.tracker.event(txn);
         event.origin = read.clone();
-        let token =
-            self.ledger
-                .insert(ticket, event.size(), committed, Arc::clone(&origin.table), read);
+        let token = self.ledger.insert(
+            ticket,
+            event.size(),
+            committed,
+            Arc::clone(&origin.table),
+            read,
+        );
         self.stats.events += 1;
         tracing::debug!(
             event_id = %event.event_id,

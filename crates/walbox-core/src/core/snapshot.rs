@@ -62,7 +62,13 @@ impl Core {
             dead_letter,
             replaces: false,
         };
-        self.queue(event, txn, 0, origin, walbox_outbox::Origin::Snapshot { point });
+        self.queue(
+            event,
+            txn,
+            0,
+            origin,
+            walbox_outbox::Origin::Snapshot { point },
+        );
         Ok(())
     }
 

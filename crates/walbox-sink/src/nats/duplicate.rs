@@ -49,13 +49,10 @@ impl Sent {
         key: Option<String>,
         event: &walbox_outbox::Event,
     ) -> Sent {
-        let position = event
-            .origin
-            .position_is_stable()
-            .then(|| SourcePosition {
-                commit_lsn: event.position.commit_lsn.to_string(),
-                index: event.position.index.to_string(),
-            });
+        let position = event.origin.position_is_stable().then(|| SourcePosition {
+            commit_lsn: event.position.commit_lsn.to_string(),
+            index: event.position.index.to_string(),
+        });
         Sent {
             subject: subject.to_owned(),
             msg_id: msg_id.to_owned(),

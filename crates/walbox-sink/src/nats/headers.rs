@@ -185,10 +185,7 @@ pub(super) fn headers_of(event: &Event, expected_last: Option<&str>) -> Result<H
         }
     }
     if event.origin != walbox_outbox::Origin::Stream {
-        map.append(
-            HeaderName::from_static(ORIGIN_HEADER),
-            event.origin.kind(),
-        );
+        map.append(HeaderName::from_static(ORIGIN_HEADER), event.origin.kind());
     }
     if !dropped.is_empty() {
         let names: Vec<String> = dropped.iter().map(|n| percent_encode(n)).collect();

@@ -328,7 +328,7 @@ impl StreamLetters {
                 offset: i64::try_from(delivery.offset()).unwrap_or(i64::MAX),
                 key,
                 value: m.data().map(<[u8]>::to_vec).unwrap_or_default(),
-            message_id: super::stream::stored_event_id(m),
+                message_id: super::stream::stored_event_id(m),
                 headers,
             });
         }
@@ -375,5 +375,8 @@ impl StreamLetters {
 /// The `message_id` property of a message read from a queue: the event id
 /// walbox wrote there, whatever the record's format.
 fn queue_message_id(properties: &lapin::BasicProperties) -> Option<String> {
-    properties.message_id().as_ref().map(|id| id.as_str().to_owned())
+    properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.as_str().to_owned())
 }
