@@ -5,7 +5,7 @@ CARGO ?= cargo
 FUZZ_SECONDS ?= 60
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: all build release deps demo test test-vendor test-e2e test-matrix fmt-check clippy bench bench-decoder bench-relay flamegraphs fuzz clean
+.PHONY: all build release deps demo test test-vendor test-e2e test-matrix test-conformance fmt-check clippy bench bench-decoder bench-relay flamegraphs fuzz clean
 
 # PostgreSQL majors the end-to-end tests run on: `make test` runs the whole suite on
 # the first and the end-to-end tests again on the others; `make test-matrix` runs
@@ -31,9 +31,16 @@ demo: deps
 	$(CARGO) build --release -p walbox -p walbox-testkit --bins
 	./target/release/walbox-demo --walbox ./target/release/walbox --sink $(or $(SINK),kafka)
 
-## Everything CI checks: formatting, lints, unit, property and end-to-end tests.
+# Test binaries run side by side (scripts/run-tests.py): each starts its own
+# servers on free ports and spends most of its time waiting on them. Within a
+# binary, tests run as threads of one process and may share a server.
+TEST_JOBS ?= 3
+RUN_TESTS = scripts/run-tests.py -j $(TEST_JOBS)
+
+## Everything CI checks: formatting, lints, unit, property and end-to-end tests
+## (the conformance suite in its short profile among them).
 test: deps fmt-check clippy
-	WALBOX_PG_VERSION=$(firstword $(PG_VERSIONS)) $(CARGO) test --workspace --all-targets --no-fail-fast
+	WALBOX_PG_VERSION=$(firstword $(PG_VERSIONS)) $(RUN_TESTS) -- --workspace --all-targets
 	$(CARGO) test --workspace --doc
 	$(MAKE) --no-print-directory test-vendor
 	@for v in $(wordlist 2,99,$(PG_VERSIONS)); do \
@@ -51,18 +58,23 @@ test-vendor:
 ## major only.
 PG_VERSION ?= 15
 E2E_SKIP ?=
-DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook
+DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook conformance
 E2E_TESTS = $(filter-out $(E2E_SKIP),$(basename $(notdir $(wildcard tests/*.rs crates/walbox-pgoutput/tests/*.rs))))
 test-e2e:
 	@echo "== end-to-end tests on PostgreSQL $(PG_VERSION)$(if $(E2E_SKIP), (not: $(E2E_SKIP)))"
-	WALBOX_PG_VERSION=$(PG_VERSION) $(CARGO) test -p walbox -p walbox-pgoutput $(foreach t,$(E2E_TESTS),--test $(t)) --no-fail-fast
+	WALBOX_PG_VERSION=$(PG_VERSION) $(RUN_TESTS) -- -p walbox -p walbox-pgoutput $(foreach t,$(E2E_TESTS),--test $(t))
+
+## The conformance suite in full: every history in every envelope format, with
+## more kill rounds (`make test` runs its short profile).
+test-conformance: deps
+	WALBOX_CONFORMANCE=full $(CARGO) test -p walbox --test conformance --no-fail-fast
 
 ## The whole suite on every supported major.
 test-matrix: fmt-check clippy
 	@scripts/deps.sh $(PG_MATRIX)
 	@for v in $(PG_MATRIX); do \
 	  echo "== whole suite on PostgreSQL $$v"; \
-	  WALBOX_PG_VERSION=$$v $(CARGO) test --workspace --all-targets --no-fail-fast || exit 1; \
+	  WALBOX_PG_VERSION=$$v $(RUN_TESTS) -- --workspace --all-targets || exit 1; \
 	done
 
 fmt-check:

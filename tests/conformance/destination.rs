@@ -88,7 +88,6 @@ impl Destination {
                 // SQLite storage: a broker killed keeps what it acknowledged.
                 Broker::start_with(BrokerOptions {
                     storage: BrokerStorage::Sqlite,
-                    ..Default::default()
                 })
                 .expect("starting the broker"),
             ),

@@ -45,7 +45,7 @@ impl Format {
 
     /// The payload the writer wrote (`{"seq": n, ...}`), where this format
     /// puts it in a record's value.
-    pub fn payload<'a>(self, value: &'a serde_json::Value) -> &'a serde_json::Value {
+    pub fn payload(self, value: &serde_json::Value) -> &serde_json::Value {
         match self {
             Format::Walbox => &value["payload"],
             // Debezium's outbox router and a binary CloudEvent carry the

@@ -249,6 +249,7 @@ pub fn row_sql(kind: &str, key: &str, seq: i64) -> String {
 }
 
 /// The checks of one topic's copies. `once`: no event stored twice.
+#[allow(clippy::print_stderr)] // prints what the cell held
 pub fn check_copies(
     sink: Sink,
     format: Format,
@@ -332,7 +333,7 @@ pub fn check_copies(
             &twice[..twice.len().min(5)]
         );
     }
-    println!(
+    eprintln!(
         "{cell}: {} events, {} copies, {} stored more than once",
         expected.len(),
         copies.len(),

@@ -622,6 +622,7 @@ mod tests {
                 index: 0,
                 xid: 7,
             },
+            origin: walbox_outbox::Origin::Stream,
         }
     }
 

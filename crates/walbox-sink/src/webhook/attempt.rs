@@ -462,7 +462,6 @@ mod tests {
             max_retry: Duration::from_millis(200),
             connections: Arc::new(Semaphore::new(4)),
             retries: Arc::new(AtomicU64::new(0)),
-            replay: std::sync::OnceLock::new(),
         };
         let event = |topic: &str, key: &str| Event {
             event_id: "msg_1".into(),
@@ -476,6 +475,7 @@ mod tests {
                 index: 0,
                 xid: 7,
             },
+            origin: walbox_outbox::Origin::Stream,
         };
         for (topic, key) in [("..", "k"), (".", "k"), ("orders", ".."), ("orders", ".")] {
             match deliver(&shared, &event(topic, key)).await {
