@@ -17,13 +17,18 @@
 //!   goes under a name of its transaction's own, `{base}.{epoch:x}.x{lsn:x}`,
 //!   with id = index + 1, so its ids still grow in publish order (the stream
 //!   keeps a name per such transaction; see [`Slot`]).
-//! - A snapshot row (transaction id 0: the rows of an initial snapshot, all
-//!   at its consistent point) goes under the snapshot's own name,
+//! - A snapshot row (origin [`walbox_outbox::Origin::Snapshot`]: the rows of
+//!   a snapshot, all at its consistent point) goes under the snapshot's own
+//!   name,
 //!   `{base}.s{lsn:x}`, with id = index + 1. A snapshot taken again while the
 //!   slot resumes from an earlier position publishes its rows at its new
 //!   consistent point P2, then the stream's events from before P2: under one
 //!   name those would sit below the rows' ids and be dropped (lost); under
-//!   names of their own neither touches the other's sequence.
+//!   names of their own neither touches the other's sequence. A
+//!   non-transactional message's dead letter (transaction id 0 too, but in
+//!   WAL order with the commits around it, at an LSN no commit has) goes
+//!   under the epoch's name like a streamed event: the sink reads which one
+//!   an event is from its origin, never from its transaction id.
 //!
 //! Limits: 2^24 epochs (the whole 64-bit LSN range); 255 names kept per
 //! stream by the broker, oldest dropped, so an epoch's name stays as long as

@@ -5,7 +5,9 @@
 //! publishing id taken from its position ([`super::publishing_id`]), with
 //! the record's headers, the key (`walbox_key`), and the producer name and
 //! publishing id it went under (`walbox_producer`, `walbox_publishing_id`)
-//! as application properties.
+//! as application properties, and its event id as the AMQP `message-id`
+//! property whatever the record's format (the first-use check below reads it
+//! back from there).
 //!
 //! On its first event for a (stream, name) a session asks the broker for
 //! the name's sequence (the highest id stored under it). A sequence above 0
@@ -515,18 +517,35 @@ impl StreamSink {
         seq
     }
 
-    /// The producer name's base for an event read as `origin`: the
-    /// configured one, or a replay's own (`walbox replay`'s start position,
-    /// a dead-letter replay's letter), so that a copy never takes the ids the
-    /// stream's events took.
-    fn base(&self, origin: &Origin) -> String {
-        let base = self.config.producer.as_deref().unwrap_or("walbox");
-        match origin {
-            Origin::Replay { from } => format!("{base}.replay.{from}"),
-            Origin::DeadLetterReplay { letter } => format!("{base}.replay.{letter}"),
-            Origin::Stream | Origin::Snapshot { .. } | Origin::Message => base.to_owned(),
-        }
+    /// The producer name and publishing id of `event`.
+    fn slot_of(&self, event: &Event) -> Slot {
+        slot_of(self.config.producer.as_deref().unwrap_or("walbox"), event)
     }
+}
+
+/// The producer name and publishing id of `event` for producers named from
+/// `base`, by its position and origin: a copy (`walbox replay`'s, a
+/// dead-letter replay's) under a base of its own (`{base}.replay.{name}`),
+/// so it never takes the ids the stream's events took; a snapshot row under
+/// its snapshot's name; a streamed event, and a non-transactional message's
+/// dead letter (at its own LSN, in WAL order with the commits around it),
+/// under the epoch's name.
+fn slot_of(base: &str, event: &Event) -> Slot {
+    let base = match &event.origin {
+        Origin::Replay { from } => std::borrow::Cow::Owned(format!("{base}.replay.{from}")),
+        Origin::DeadLetterReplay { letter } => {
+            std::borrow::Cow::Owned(format!("{base}.replay.{letter}"))
+        }
+        Origin::Stream | Origin::Snapshot { .. } | Origin::Message => {
+            std::borrow::Cow::Borrowed(base)
+        }
+    };
+    slot(
+        &base,
+        event.position.commit_lsn.0,
+        event.position.index,
+        matches!(event.origin, Origin::Snapshot { .. }),
+    )
 }
 
 /// Why a producer could not be had.
@@ -581,12 +600,7 @@ impl Sink for StreamSink {
             self.queue(token, &event, false, Some(Answer::Failed(class, reason)));
             return Ok(());
         }
-        let slot = slot(
-            &self.base(&event.origin),
-            event.position.commit_lsn.0,
-            event.position.index,
-            matches!(event.origin, Origin::Snapshot { .. }),
-        );
+        let slot = self.slot_of(&event);
         let stream = event.topic.clone();
         match self.producer(&stream, &slot.name, slot.id).await {
             Ok(()) => {}
@@ -817,5 +831,72 @@ async fn report(
             });
             in_flight.fetch_sub(1, Ordering::SeqCst);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use walbox_outbox::{Event, Origin, Position};
+    use walbox_pgoutput::Lsn;
+
+    use super::slot_of;
+
+    fn at(lsn: u64, index: u32, xid: u32, origin: Origin) -> Event {
+        Event {
+            event_id: format!("e-{lsn}-{index}"),
+            topic: "s".into(),
+            key: Some(Bytes::from_static(b"k")),
+            value: Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: Vec::new(),
+            position: Position {
+                commit_lsn: Lsn(lsn),
+                index,
+                xid,
+            },
+            origin,
+        }
+    }
+
+    /// Dead letters of non-transactional messages (transaction id 0) go
+    /// under the epoch's one name, in WAL order with the commits around
+    /// them: a name of their own each would hold a connection per message
+    /// and push older names out of the broker's 255 per stream.
+    #[test]
+    fn message_dead_letters_share_the_epochs_name_and_only_snapshot_rows_get_one_of_their_own() {
+        let before = slot_of("w", &at(0x1000, 0, 7, Origin::Stream));
+        let messages: Vec<_> = (1..=300u64)
+            .map(|i| slot_of("w", &at(0x1000 + i * 8, 0, 0, Origin::Message)))
+            .collect();
+        let after = slot_of("w", &at(0x1000 + 301 * 8, 0, 9, Origin::Stream));
+        assert!(
+            messages.iter().all(|s| s.name == "w.0"),
+            "{:?}",
+            &messages[..2]
+        );
+        assert!(before.id < messages[0].id);
+        assert!(messages.windows(2).all(|w| w[0].id < w[1].id));
+        assert!(messages[299].id < after.id);
+        let row = slot_of(
+            "w",
+            &at(0x1000, 3, 0, Origin::Snapshot { point: Lsn(0x1000) }),
+        );
+        assert_eq!((row.name.as_str(), row.id), ("w.s1000", 4));
+        // Copies go under names of their own, whatever their transaction.
+        let replayed = slot_of("w", &at(0x1000, 0, 7, Origin::Replay { from: Lsn(0x800) }));
+        assert_eq!(replayed.name, "w.replay.0/800.0");
+        let letter = slot_of(
+            "w",
+            &at(
+                0x1000,
+                0,
+                7,
+                Origin::DeadLetterReplay {
+                    letter: "dlq.s.dlq.4".into(),
+                },
+            ),
+        );
+        assert_eq!(letter.name, "w.replay.dlq.s.dlq.4.0");
     }
 }
