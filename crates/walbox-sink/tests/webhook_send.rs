@@ -241,3 +241,62 @@ async fn a_key_s_next_event_waits_until_the_refused_one_s_dead_letter_is_on_disk
         1
     );
 }
+
+/// "One request per key in flight" holds at walbox, not at the receiver: an
+/// attempt that times out may still be processed while its retry arrives.
+/// Both carry the same `webhook-id` and the source position, which is what
+/// docs/guarantees.md tells a concurrent receiver to order by.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_timeout_overlaps_the_first_attempt_and_both_carry_the_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start().unwrap();
+    // The first attempt is answered only after 1.5 s; walbox gives up on it
+    // after 300 ms and tries again at once.
+    // The script sees each request as it begins (the receiver records an
+    // arrival only once it has answered, and the first is never answered:
+    // walbox hangs up on it).
+    let begun = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = std::sync::Arc::clone(&begun);
+    receiver.set_script(move |s| {
+        let mut begun = seen.lock().unwrap();
+        begun.push((s.id.to_owned(), std::time::Instant::now()));
+        if begun.len() == 1 {
+            Reply::Slow(Duration::from_millis(1_500))
+        } else {
+            Reply::Ok
+        }
+    });
+    let (mut sink, mut deliveries) = WebhookSink::new(WebhookSinkConfig {
+        url: format!("{}/{{topic}}", receiver.base_url()),
+        secrets: vec!["whsec_aGVsbG8gd29ybGQ=".into()],
+        retry_initial_ms: 20,
+        retry_max_ms: 100,
+        request_timeout_ms: 300,
+        dead_letter_file: Some(dir.path().join("dl.jsonl")),
+        ..WebhookSinkConfig::default()
+    })
+    .unwrap();
+    let mut e = event("k", 0);
+    e.headers
+        .push(("walbox_commit_lsn".into(), Bytes::from_static(b"0/1")));
+    e.headers
+        .push(("walbox_index".into(), Bytes::from_static(b"0")));
+    sink.send(e, 0).await.unwrap();
+    sink.end_batch();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(d.result.is_ok(), "{:?}", d.result);
+    let begun = begun.lock().unwrap().clone();
+    assert_eq!(begun.len(), 2, "{begun:?}");
+    assert_eq!(begun[0].0, begun[1].0, "the same webhook-id");
+    assert!(
+        begun[1].1 < begun[0].1 + Duration::from_millis(1_500),
+        "the retry began while the first attempt was still being processed"
+    );
+    let retry = &receiver.delivered()[0];
+    assert_eq!(retry.id, begun[0].0);
+    assert_eq!(retry.header("walbox_commit_lsn"), Some("0/1"));
+    assert_eq!(retry.header("walbox_index"), Some("0"));
+}
