@@ -379,24 +379,8 @@ impl Sink for KafkaSink {
                     // Refused before it was queued (e.g. larger than message.max.bytes):
                     // report it as this event's delivery failure.
                     let Sent { token, event_id } = *r.delivery_opaque;
-                    let mut failure = DeliveryError {
-                        event_id,
-                        topic: event.topic.clone(),
-                        class: classify(&e),
-                        reason: e.to_string(),
-                        rejected: None,
-                    };
-                    if failure.is_about_the_message() {
-                        failure.rejected = Some(RejectedRecord {
-                            key: event.key.as_ref().map(|k| k.to_vec()),
-                            headers: event
-                                .headers
-                                .iter()
-                                .map(|(k, v)| (k.to_string(), v.to_vec()))
-                                .collect(),
-                            value_len: event.value.len(),
-                        });
-                    }
+                    let mut failure = crate::kit::failure(&event, classify(&e), e.to_string());
+                    failure.event_id = event_id;
                     self.producer
                         .context()
                         .tx

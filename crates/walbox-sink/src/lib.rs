@@ -65,6 +65,7 @@
 mod crypto;
 mod delivery;
 mod kafka;
+mod kit;
 mod nats;
 mod nats_reader;
 mod rabbitmq;
@@ -211,6 +212,11 @@ pub enum SinkError {
          [sink.rabbitmq])"
     )]
     MissingRabbitStream(String),
+    /// A task of the sink's session (a writer, a confirm reporter) died: the
+    /// session ends, and the next one sends again whatever was not
+    /// acknowledged.
+    #[error("{0}; the session ends, and the next one sends again what was not acknowledged")]
+    TaskDied(String),
     /// Writing to standard output failed.
     #[error("writing to stdout: {0}")]
     Io(#[from] std::io::Error),

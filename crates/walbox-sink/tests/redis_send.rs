@@ -464,6 +464,9 @@ async fn a_transaction_committed_at_the_snapshots_point_does_not_meet_its_rows_i
     let row = |id: &str, index: u32| {
         let mut e = event(id, s, 4096, index);
         e.position.xid = 0;
+        e.origin = walbox_outbox::Origin::Snapshot {
+            point: walbox_pgoutput::Lsn(4096),
+        };
         e
     };
     let events = vec![

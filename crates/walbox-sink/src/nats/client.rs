@@ -32,7 +32,7 @@ impl ClientThread {
         })
     }
 
-    fn handle(&self) -> &Handle {
+    pub(super) fn handle(&self) -> &Handle {
         self.runtime
             .as_ref()
             .expect("running until dropped")
@@ -50,14 +50,6 @@ impl ClientThread {
             .spawn(work)
             .await
             .map_err(|e| SinkError::Nats(format!("the client's thread failed: {e}")))
-    }
-
-    /// Starts `task` on this thread.
-    pub(super) fn spawn<F>(&self, task: F)
-    where
-        F: Future<Output = ()> + Send + 'static,
-    {
-        drop(self.handle().spawn(task));
     }
 
     /// Calls `make` inside this runtime, so that the tasks it spawns live here.

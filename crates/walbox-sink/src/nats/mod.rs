@@ -64,8 +64,8 @@ mod stream;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use async_nats::jetstream;
 use tokio::sync::mpsc;
@@ -79,33 +79,42 @@ use headers::{headers_of, msg_id, sanitized_subject, valid_subject, wire_len};
 use publish::{Outcome, Pending, classify, failure, report};
 use stream::{check_window, ensure_stream};
 
-use crate::{Deliveries, Delivery, DeliveryClass, Sink, SinkError};
+use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
+use crate::{Deliveries, DeliveryClass, Sink, SinkError};
 
 /// A connected session.
 struct Session {
     js: jetstream::Context,
     acks: mpsc::UnboundedSender<Pending>,
+    /// The task reporting PubAcks in publishing order.
+    _reporter: SessionTask,
     /// Runs the client and the reporter; dropped last, it ends them.
     _thread: client::ClientThread,
+}
+
+impl Close for Session {
+    fn close(self) -> impl std::future::Future<Output = ()> + Send {
+        // At once, not in a task: the client stops with its queue and the
+        // PubAcks it awaited, so nothing more of the session goes out.
+        drop(self);
+        std::future::ready(())
+    }
 }
 
 /// Publishes events to JetStream, one subject per topic.
 pub struct NatsSink {
     config: NatsSinkConfig,
-    session: Option<Session>,
-    deliveries: mpsc::UnboundedSender<Delivery>,
+    session: Lifecycle<Session>,
+    reports: Reports,
     /// The stream of each subject checked so far.
     subjects: HashMap<String, String>,
     /// The largest message each stream takes (negative: no limit).
     max_size: HashMap<String, i32>,
     /// Per stream, the id of the last event published to it in this session.
     last_id: HashMap<String, String>,
-    /// Sent, not yet reported.
-    in_flight: Arc<AtomicUsize>,
-    aborted: bool,
     /// A publication of this session failed before it was sent: the class
     /// and reason every later event fails with, unsent.
-    unsent: Option<(DeliveryClass, String)>,
+    unsent: FailRest,
     /// Deliveries acknowledged as duplicates of a copy the stream held.
     duplicates: Arc<AtomicU64>,
     /// The streams a publication of this session was stored in (not dropped
@@ -127,18 +136,16 @@ impl NatsSink {
     /// sink and the receiver of its deliveries.
     pub fn new(config: NatsSinkConfig) -> Result<(Self, Deliveries), SinkError> {
         config.validate()?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (reports, rx) = Reports::new();
         Ok((
             NatsSink {
                 config,
-                session: None,
-                deliveries: tx,
+                session: Lifecycle::default(),
+                reports,
                 subjects: HashMap::new(),
                 max_size: HashMap::new(),
                 last_id: HashMap::new(),
-                in_flight: Arc::new(AtomicUsize::new(0)),
-                aborted: false,
-                unsent: None,
+                unsent: FailRest::default(),
                 duplicates: Arc::new(AtomicU64::new(0)),
                 probed: HashSet::new(),
             },
@@ -147,32 +154,40 @@ impl NatsSink {
     }
 
     async fn session(&mut self) -> Result<&Session, SinkError> {
-        if self.session.is_none() {
-            let thread = client::ClientThread::start()?;
-            let config = self.config.clone();
-            let client = thread.run(async move { config.connect().await }).await??;
-            let js = thread.within(|| {
-                jetstream::ContextBuilder::new()
-                    .timeout(Duration::from_millis(self.config.ack_timeout_ms))
-                    .max_ack_inflight(self.config.max_in_flight.max(1))
-                    .build(client)
-            });
-            ensure_stream(&js, &self.config).await?;
-            let (acks, rx) = mpsc::unbounded_channel();
-            thread.spawn(report(
-                js.clone(),
-                rx,
-                self.deliveries.clone(),
-                self.in_flight.clone(),
-                self.duplicates.clone(),
-            ));
-            self.session = Some(Session {
-                js,
-                acks,
-                _thread: thread,
-            });
-        }
-        Ok(self.session.as_ref().expect("connected above"))
+        self.reports.check()?;
+        let config = &self.config;
+        let reports = &self.reports;
+        let duplicates = &self.duplicates;
+        let session = self
+            .session
+            .open_with(|| async {
+                let thread = client::ClientThread::start()?;
+                let settings = config.clone();
+                let client = thread
+                    .run(async move { settings.connect().await })
+                    .await??;
+                let js = thread.within(|| {
+                    jetstream::ContextBuilder::new()
+                        .timeout(Duration::from_millis(config.ack_timeout_ms))
+                        .max_ack_inflight(config.max_in_flight.max(1))
+                        .build(client)
+                });
+                ensure_stream(&js, config).await?;
+                let (acks, rx) = mpsc::unbounded_channel();
+                let reporter = reports.spawn_on(
+                    thread.handle(),
+                    "PubAck reporter",
+                    report(js.clone(), rx, reports.clone(), Arc::clone(duplicates)),
+                );
+                Ok(Session {
+                    js,
+                    acks,
+                    _reporter: reporter,
+                    _thread: thread,
+                })
+            })
+            .await?;
+        Ok(session)
     }
 
     /// The stream that holds `subject`, checked once.
@@ -225,13 +240,13 @@ impl NatsSink {
     }
 
     fn queue(&self, p: Pending) {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if let Some(s) = &self.session
+        self.reports.sent();
+        if let Some(s) = self.session.get()
             && s.acks.send(p).is_ok()
         {
             return;
         }
-        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.reports.withdrawn();
     }
 }
 
@@ -250,7 +265,7 @@ impl Sink for NatsSink {
     }
 
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
         let dead_letter = is_dead_letter(&event);
@@ -264,16 +279,10 @@ impl Sink for NatsSink {
             event_id: event.event_id.clone(),
             subject: subject.clone(),
             outcome: Outcome::Failed(DeliveryClass::BrokerError, String::new()),
-            key: event.key.clone(),
-            headers: event
-                .headers
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_vec()))
-                .collect(),
-            value_len: event.value.len(),
+            rejected: kit::rejected(&event),
             sent: None,
         };
-        if let Some((class, reason)) = self.unsent.clone() {
+        if let Some((class, reason)) = self.unsent.get() {
             self.session().await?;
             pending.outcome = Outcome::Failed(class, reason);
             self.queue(pending);
@@ -348,19 +357,15 @@ impl Sink for NatsSink {
                 match self.probe(&js, fut, &event.event_id, sent, &stream).await {
                     Ok(()) => Outcome::Delivered,
                     Err((class, reason)) => {
-                        self.unsent = Some((
-                            if class.is_about_the_message() || class.is_final() {
-                                DeliveryClass::BrokerError
-                            } else {
-                                class
-                            },
+                        self.unsent.after(
+                            class,
                             format!(
                                 "not sent: event {} of this session was not stored ({reason}), \
                                  and a later publication could be stored before it; walbox \
                                  publishes again from its acknowledged position",
                                 event.event_id
                             ),
-                        ));
+                        );
                         Outcome::Failed(class, reason)
                     }
                 }
@@ -375,20 +380,15 @@ impl Sink for NatsSink {
                 // A later publication would be chained to the one before this
                 // unsent one, which the server may still store: it would land
                 // after a gap. Nothing more goes out in this session.
-                let later = if class.is_about_the_message() || class.is_final() {
-                    DeliveryClass::BrokerError
-                } else {
-                    class
-                };
-                self.unsent = Some((
-                    later,
+                self.unsent.after(
+                    class,
                     format!(
                         "not sent: event {} of this session was not sent ({text}), and a later \
                          publication could be stored before it; walbox publishes again from \
                          its acknowledged position",
                         event.event_id
                     ),
-                ));
+                );
                 Outcome::Failed(class, text)
             }
         };
@@ -400,22 +400,20 @@ impl Sink for NatsSink {
         // Nothing more is published in this session, and what was sent is
         // not reported: the client closes with its queue and the PubAcks it
         // awaited.
-        self.aborted = true;
-        self.session = None;
+        self.session.abort();
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
-        let deadline = Instant::now() + timeout;
-        if let Some(s) = &self.session {
+        let deadline = tokio::time::Instant::now() + timeout;
+        if let Some(s) = self.session.get() {
             let client = s.js.client();
             let _ = tokio::time::timeout(timeout, client.flush()).await;
         }
-        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        Ok(())
+        self.reports
+            .settled(deadline.saturating_duration_since(tokio::time::Instant::now()))
+            .await
     }
 }

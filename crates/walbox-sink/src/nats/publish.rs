@@ -3,17 +3,17 @@
 //! each.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_nats::jetstream::{
     self,
     context::{PublishAckFuture, PublishError, PublishErrorKind},
 };
-use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::duplicate::{self, Sent};
-use crate::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
+use crate::kit::Reports;
+use crate::{DeliveryClass, DeliveryError, RejectedRecord};
 
 /// One publication waiting for its outcome, in publishing order.
 pub(super) struct Pending {
@@ -22,9 +22,7 @@ pub(super) struct Pending {
     pub(super) subject: String,
     pub(super) outcome: Outcome,
     /// The record without its value, for a dead letter.
-    pub(super) key: Option<Bytes>,
-    pub(super) headers: Vec<(String, Vec<u8>)>,
-    pub(super) value_len: usize,
+    pub(super) rejected: RejectedRecord,
     /// What was published, for a PubAck marked duplicate.
     pub(super) sent: Option<Sent>,
 }
@@ -84,8 +82,7 @@ const AFTER_DUPLICATE: &str = "the publication before it was dropped by the stre
 pub(super) async fn report(
     js: jetstream::Context,
     mut rx: mpsc::UnboundedReceiver<Pending>,
-    tx: mpsc::UnboundedSender<Delivery>,
-    in_flight: Arc<AtomicUsize>,
+    reports: Reports,
     duplicates: Arc<AtomicU64>,
 ) {
     // Whether the previous publication was dropped as a duplicate.
@@ -112,26 +109,15 @@ pub(super) async fn report(
         };
         let result = match failed {
             None => Ok(()),
-            Some((class, reason)) => {
-                let rejected = class.is_about_the_message().then(|| RejectedRecord {
-                    key: p.key.map(|k| k.to_vec()),
-                    headers: p.headers,
-                    value_len: p.value_len,
-                });
-                Err(DeliveryError {
-                    event_id: p.event_id,
-                    topic: p.subject,
-                    class,
-                    reason,
-                    rejected,
-                })
-            }
+            Some((class, reason)) => Err(DeliveryError {
+                event_id: p.event_id,
+                topic: p.subject,
+                class,
+                reason,
+                rejected: class.is_about_the_message().then_some(p.rejected),
+            }),
         };
-        let _ = tx.send(Delivery {
-            token: p.token,
-            result,
-        });
-        in_flight.fetch_sub(1, Ordering::SeqCst);
+        reports.report(p.token, result);
     }
 }
 

@@ -16,8 +16,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -33,8 +32,9 @@ use walbox_outbox::Event;
 
 use super::RabbitMqSinkConfig;
 use super::confirms::{Answer, Confirms, Outcome, Returned};
+use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::{DROPPED_HEADERS_HEADER, KEY_HEADER, is_dead_letter, percent_encode};
-use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+use crate::{Deliveries, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
 
 /// One publication on its way to the reporter.
 struct Published {
@@ -61,18 +61,34 @@ struct Session {
     connection: Connection,
     channel: Channel,
     published: mpsc::UnboundedSender<Published>,
+    /// The task reporting confirms in publish order.
+    _reporter: SessionTask,
+}
+
+impl Close for Session {
+    async fn close(self) {
+        // Nothing more goes out on this channel; what it still awaits is not
+        // reported.
+        drop(self._reporter);
+        let _ = self
+            .channel
+            .close(200, ShortString::from("walbox: session ended"))
+            .await;
+        let _ = self
+            .connection
+            .close(200, ShortString::from("walbox: session ended"))
+            .await;
+    }
 }
 
 /// Publishes events to an exchange.
 pub(super) struct ExchangeSink {
     config: RabbitMqSinkConfig,
-    session: Option<Session>,
-    deliveries: mpsc::UnboundedSender<Delivery>,
-    in_flight: Arc<AtomicUsize>,
-    aborted: bool,
+    session: Lifecycle<Session>,
+    reports: Reports,
     /// A publication of this session could not be sent: every later event
     /// fails with this, unsent.
-    unsent: Option<String>,
+    unsent: FailRest,
 }
 
 impl std::fmt::Debug for ExchangeSink {
@@ -165,90 +181,97 @@ pub(super) async fn connect(
 
 impl ExchangeSink {
     pub(super) fn new(config: RabbitMqSinkConfig) -> (Self, Deliveries) {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (reports, rx) = Reports::new();
         (
             ExchangeSink {
                 config,
-                session: None,
-                deliveries: tx,
-                in_flight: Arc::new(AtomicUsize::new(0)),
-                aborted: false,
-                unsent: None,
+                session: Lifecycle::default(),
+                reports,
+                unsent: FailRest::default(),
             },
             rx,
         )
     }
 
     async fn session(&mut self) -> Result<&Session, SinkError> {
-        if self.session.is_none() {
-            let (connection, channel) = connect(&self.config).await?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(|e| amqp("turning on publisher confirms", &e))?;
-            let exchange = ShortString::from(self.config.exchange.clone());
-            let kind = match self.config.exchange_type.as_str() {
-                "direct" => ExchangeKind::Direct,
-                "fanout" => ExchangeKind::Fanout,
-                "headers" => ExchangeKind::Headers,
-                _ => ExchangeKind::Topic,
-            };
-            let options = ExchangeDeclareOptions {
-                passive: !self.config.declare,
-                durable: true,
-                ..Default::default()
-            };
-            if let Err(e) = channel
-                .exchange_declare(exchange, kind, options, FieldTable::default())
-                .await
-            {
-                let text = e.to_string();
-                return Err(if text.contains("NOT_FOUND") || text.contains("404") {
-                    SinkError::MissingExchange(self.config.exchange.clone())
-                } else {
-                    amqp(
-                        &format!(
-                            "{} exchange {:?}",
-                            if self.config.declare {
-                                "declaring"
-                            } else {
-                                "checking"
-                            },
-                            self.config.exchange
-                        ),
-                        &e,
-                    )
-                });
-            }
-            tracing::info!(
-                exchange = self.config.exchange,
-                server = self.config.describe(),
-                "publishing to the exchange with publisher confirms"
-            );
-            let (published, rx) = mpsc::unbounded_channel();
-            tokio::spawn(report(
-                rx,
-                self.deliveries.clone(),
-                self.in_flight.clone(),
-                Duration::from_millis(self.config.confirm_timeout_ms),
-            ));
-            self.session = Some(Session {
-                connection,
-                channel,
-                published,
-            });
-        }
-        Ok(self.session.as_ref().expect("connected above"))
+        self.reports.check()?;
+        let config = &self.config;
+        let reports = &self.reports;
+        let session = self
+            .session
+            .open_with(|| async {
+                let (connection, channel) = connect(config).await?;
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await
+                    .map_err(|e| amqp("turning on publisher confirms", &e))?;
+                let exchange = ShortString::from(self.config.exchange.clone());
+                let kind = match self.config.exchange_type.as_str() {
+                    "direct" => ExchangeKind::Direct,
+                    "fanout" => ExchangeKind::Fanout,
+                    "headers" => ExchangeKind::Headers,
+                    _ => ExchangeKind::Topic,
+                };
+                let options = ExchangeDeclareOptions {
+                    passive: !self.config.declare,
+                    durable: true,
+                    ..Default::default()
+                };
+                if let Err(e) = channel
+                    .exchange_declare(exchange, kind, options, FieldTable::default())
+                    .await
+                {
+                    let text = e.to_string();
+                    return Err(if text.contains("NOT_FOUND") || text.contains("404") {
+                        SinkError::MissingExchange(self.config.exchange.clone())
+                    } else {
+                        amqp(
+                            &format!(
+                                "{} exchange {:?}",
+                                if self.config.declare {
+                                    "declaring"
+                                } else {
+                                    "checking"
+                                },
+                                self.config.exchange
+                            ),
+                            &e,
+                        )
+                    });
+                }
+                tracing::info!(
+                    exchange = self.config.exchange,
+                    server = self.config.describe(),
+                    "publishing to the exchange with publisher confirms"
+                );
+                let (published, rx) = mpsc::unbounded_channel();
+                let reporter = reports.spawn(
+                    "confirm reporter",
+                    report(
+                        rx,
+                        reports.clone(),
+                        Duration::from_millis(config.confirm_timeout_ms),
+                    ),
+                );
+                Ok(Session {
+                    connection,
+                    channel,
+                    published,
+                    _reporter: reporter,
+                })
+            })
+            .await?;
+        Ok(session)
     }
 
     fn queue(&self, p: Published) {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if let Some(s) = &self.session
+        self.reports.sent();
+        if let Some(s) = self.session.get()
             && s.published.send(p).is_ok()
         {
             return;
         }
-        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.reports.withdrawn();
     }
 }
 
@@ -306,7 +329,7 @@ fn headers_of(event: &Event) -> Result<(FieldTable, Vec<usize>), String> {
 
 impl Sink for ExchangeSink {
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
         let mut p = Published {
@@ -315,20 +338,12 @@ impl Sink for ExchangeSink {
             topic: event.topic.clone(),
             confirm: None,
             answer: None,
-            rejected: RejectedRecord {
-                key: event.key.as_ref().map(|k| k.to_vec()),
-                headers: event
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_vec()))
-                    .collect(),
-                value_len: event.value.len(),
-            },
+            rejected: kit::rejected(&event),
             sent_at: Instant::now(),
         };
         self.session().await?;
-        if let Some(reason) = self.unsent.clone() {
-            p.answer = Some(Answer::Failed(DeliveryClass::BrokerError, reason));
+        if let Some((class, reason)) = self.unsent.get() {
+            p.answer = Some(Answer::Failed(class, reason));
             self.queue(p);
             return Ok(());
         }
@@ -404,11 +419,14 @@ impl Sink for ExchangeSink {
         match published {
             Ok(confirm) => p.confirm = Some(confirm),
             Err(e) => {
-                self.unsent = Some(format!(
-                    "not sent: event {} of this session was not published ({e}); walbox \
-                     publishes again from its acknowledged position",
-                    event.event_id
-                ));
+                self.unsent.after(
+                    DeliveryClass::BrokerError,
+                    format!(
+                        "not sent: event {} of this session was not published ({e}); walbox \
+                         publishes again from its acknowledged position",
+                        event.event_id
+                    ),
+                );
                 p.answer = Some(Answer::Failed(
                     DeliveryClass::BrokerError,
                     format!("publishing: {e}"),
@@ -420,59 +438,21 @@ impl Sink for ExchangeSink {
     }
 
     fn abort(&mut self) {
-        self.aborted = true;
-        if let Some(s) = self.session.take() {
-            // Nothing more goes out on this channel; what it still awaits is
-            // not reported.
-            tokio::spawn(async move {
-                let _ = s
-                    .channel
-                    .close(200, ShortString::from("walbox: session aborted"))
-                    .await;
-                let _ = s
-                    .connection
-                    .close(200, ShortString::from("walbox: session aborted"))
-                    .await;
-            });
-        }
+        self.session.abort();
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
-        let deadline = Instant::now() + timeout;
-        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for ExchangeSink {
-    fn drop(&mut self) {
-        if let Some(s) = self.session.take()
-            && let Ok(handle) = tokio::runtime::Handle::try_current()
-        {
-            handle.spawn(async move {
-                let _ = s
-                    .connection
-                    .close(200, ShortString::from("walbox: done"))
-                    .await;
-            });
-        }
+        self.reports.settled(timeout).await
     }
 }
 
 /// Reports publications in publish order as their confirms come: every wake
 /// polls every awaited confirm, so that each return is recorded (whichever
 /// confirm lapin attached it to) before the prefix it belongs to is reported.
-async fn report(
-    mut rx: mpsc::UnboundedReceiver<Published>,
-    tx: mpsc::UnboundedSender<Delivery>,
-    in_flight: Arc<AtomicUsize>,
-    timeout: Duration,
-) {
+async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, timeout: Duration) {
     let mut confirms: Confirms<Item> = Confirms::default();
     let mut closed = false;
     loop {
@@ -591,11 +571,7 @@ async fn report(
                     rejected: class.is_about_the_message().then_some(item.rejected),
                 }),
             };
-            let _ = tx.send(Delivery {
-                token: item.token,
-                result,
-            });
-            in_flight.fetch_sub(1, Ordering::SeqCst);
+            reports.report(item.token, result);
         }
     }
 }

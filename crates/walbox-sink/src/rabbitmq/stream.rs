@@ -30,7 +30,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -43,8 +43,9 @@ use walbox_outbox::{Event, Origin};
 use super::RabbitMqSinkConfig;
 use super::confirms::{Answer, Confirms, Outcome};
 use super::publishing_id::{Slot, slot};
+use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::KEY_HEADER;
-use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+use crate::{Deliveries, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
 
 /// The application property naming the producer a message went under.
 pub(super) const PRODUCER_PROPERTY: &str = "walbox_producer";
@@ -93,6 +94,8 @@ struct Session {
     environment: Environment,
     client: Client,
     producers: HashMap<(String, String), Named>,
+    /// The task reporting confirms in publish order.
+    _reporter: SessionTask,
     reports: mpsc::UnboundedSender<Report>,
     /// How many publications handed to a producer await the broker's answer.
     unanswered: Arc<watch::Sender<usize>>,
@@ -102,17 +105,25 @@ struct Session {
     last_name: HashMap<String, String>,
 }
 
+impl Close for Session {
+    async fn close(self) {
+        drop(self._reporter);
+        for (_, named) in self.producers {
+            let _ = named.producer.close().await;
+        }
+        let _ = self.client.close().await;
+    }
+}
+
 /// Publishes events to streams.
 pub(super) struct StreamSink {
     config: RabbitMqSinkConfig,
-    session: Option<Session>,
-    deliveries: mpsc::UnboundedSender<Delivery>,
-    in_flight: Arc<AtomicUsize>,
+    session: Lifecycle<Session>,
+    reports: Reports,
     duplicates: Arc<AtomicU64>,
-    aborted: bool,
     next_seq: u64,
     /// A failure of this session that every later event shares, unsent.
-    unsent: Option<(DeliveryClass, String)>,
+    unsent: FailRest,
 }
 
 impl std::fmt::Debug for StreamSink {
@@ -282,48 +293,54 @@ async fn stored_under(
 
 impl StreamSink {
     pub(super) fn new(config: RabbitMqSinkConfig) -> (Self, Deliveries) {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (reports, rx) = Reports::new();
         (
             StreamSink {
                 config,
-                session: None,
-                deliveries: tx,
-                in_flight: Arc::new(AtomicUsize::new(0)),
+                session: Lifecycle::default(),
+                reports,
                 duplicates: Arc::new(AtomicU64::new(0)),
-                aborted: false,
                 next_seq: 0,
-                unsent: None,
+                unsent: FailRest::default(),
             },
             rx,
         )
     }
 
     async fn session(&mut self) -> Result<&mut Session, SinkError> {
-        if self.session.is_none() {
-            let (environment, client) = connect(&self.config).await?;
-            let (reports, rx) = mpsc::unbounded_channel();
-            tokio::spawn(report(
-                rx,
-                self.deliveries.clone(),
-                self.in_flight.clone(),
-                self.duplicates.clone(),
-                Duration::from_millis(self.config.confirm_timeout_ms),
-            ));
-            tracing::info!(
-                server = self.config.describe(),
-                "publishing to streams with named producers"
-            );
-            self.session = Some(Session {
-                environment,
-                client,
-                producers: HashMap::new(),
-                reports,
-                unanswered: Arc::new(watch::channel(0).0),
-                refused: Arc::new(AtomicBool::new(false)),
-                last_name: HashMap::new(),
-            });
-        }
-        Ok(self.session.as_mut().expect("connected above"))
+        self.reports.check()?;
+        let config = &self.config;
+        let reports = &self.reports;
+        let duplicates = &self.duplicates;
+        self.session
+            .open_with(|| async {
+                let (environment, client) = connect(config).await?;
+                let (to_reporter, rx) = mpsc::unbounded_channel();
+                let reporter = reports.spawn(
+                    "confirm reporter",
+                    report(
+                        rx,
+                        reports.clone(),
+                        Arc::clone(duplicates),
+                        Duration::from_millis(config.confirm_timeout_ms),
+                    ),
+                );
+                tracing::info!(
+                    server = config.describe(),
+                    "publishing to streams with named producers"
+                );
+                Ok(Session {
+                    environment,
+                    client,
+                    producers: HashMap::new(),
+                    _reporter: reporter,
+                    reports: to_reporter,
+                    unanswered: Arc::new(watch::channel(0).0),
+                    refused: Arc::new(AtomicBool::new(false)),
+                    last_name: HashMap::new(),
+                })
+            })
+            .await
     }
 
     /// The producer of `slot.name` on `stream`, declared (and the stream
@@ -459,7 +476,7 @@ impl StreamSink {
     /// (the event must not go) when one failed or no answer came in time.
     async fn after_other_names(&mut self, stream: &str, name: &str) -> Result<(), String> {
         let wait = Duration::from_millis(self.config.confirm_timeout_ms);
-        let session = self.session.as_mut().expect("connected above");
+        let session = self.session.get_mut().expect("connected above");
         let previous = session.last_name.insert(stream.to_owned(), name.to_owned());
         if previous.is_none_or(|p| p == name) {
             return Ok(());
@@ -489,7 +506,7 @@ impl StreamSink {
     fn queue(&mut self, token: usize, event: &Event, dropped: bool, answer: Option<Answer>) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.reports.sent();
         let report = Report::Queued {
             seq,
             token,
@@ -497,22 +514,14 @@ impl StreamSink {
             topic: event.topic.clone(),
             dropped,
             answer,
-            rejected: RejectedRecord {
-                key: event.key.as_ref().map(|k| k.to_vec()),
-                headers: event
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_vec()))
-                    .collect(),
-                value_len: event.value.len(),
-            },
+            rejected: kit::rejected(event),
         };
         let queued = self
             .session
-            .as_ref()
+            .get()
             .is_some_and(|s| s.reports.send(report).is_ok());
         if !queued {
-            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.reports.withdrawn();
         }
         seq
     }
@@ -592,11 +601,11 @@ impl Sink for StreamSink {
     }
 
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
         self.session().await?;
-        if let Some((class, reason)) = self.unsent.clone() {
+        if let Some((class, reason)) = self.unsent.get() {
             self.queue(token, &event, false, Some(Answer::Failed(class, reason)));
             return Ok(());
         }
@@ -606,10 +615,10 @@ impl Sink for StreamSink {
             Ok(()) => {}
             Err(ProducerFailure::Sink(e)) => return Err(e),
             Err(ProducerFailure::Taken(reason)) => {
-                self.unsent = Some((
+                self.unsent.after(
                     DeliveryClass::BrokerError,
                     format!("not sent: an earlier event of this session failed ({reason})"),
-                ));
+                );
                 self.queue(
                     token,
                     &event,
@@ -620,7 +629,7 @@ impl Sink for StreamSink {
             }
         }
         let key = (stream.clone(), slot.name.clone());
-        let named = &self.session.as_ref().expect("connected above").producers[&key];
+        let named = &self.session.get().expect("connected above").producers[&key];
         if slot.id <= named.sequence {
             // At or below the name's sequence: the broker would drop it. It
             // is already stored only if the stream holds this very event
@@ -646,7 +655,8 @@ impl Sink for StreamSink {
                     event.event_id,
                     named.sequence,
                 );
-                self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+                self.unsent
+                    .after(DeliveryClass::BrokerError, format!("not sent: {reason}"));
                 Answer::Failed(DeliveryClass::DuplicateId, reason)
             };
             let dropped = matches!(answer, Answer::Ack);
@@ -669,7 +679,8 @@ impl Sink for StreamSink {
                 slot.id,
                 named.sent
             );
-            self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+            self.unsent
+                .after(DeliveryClass::BrokerError, format!("not sent: {reason}"));
             self.queue(
                 token,
                 &event,
@@ -679,7 +690,8 @@ impl Sink for StreamSink {
             return Ok(());
         }
         if let Err(reason) = self.after_other_names(&stream, &slot.name).await {
-            self.unsent = Some((DeliveryClass::BrokerError, format!("not sent: {reason}")));
+            self.unsent
+                .after(DeliveryClass::BrokerError, format!("not sent: {reason}"));
             self.queue(
                 token,
                 &event,
@@ -690,14 +702,14 @@ impl Sink for StreamSink {
         }
         let message = message_of(&event, &slot);
         let seq = self.queue(token, &event, false, None);
-        let session = self.session.as_ref().expect("connected above");
+        let session = self.session.get().expect("connected above");
         let reports = session.reports.clone();
         let unanswered = Arc::clone(&session.unanswered);
         let refused = Arc::clone(&session.refused);
         unanswered.send_modify(|n| *n += 1);
         let named = self
             .session
-            .as_mut()
+            .get_mut()
             .expect("connected above")
             .producers
             .get_mut(&key)
@@ -734,11 +746,11 @@ impl Sink for StreamSink {
             refused.store(true, Ordering::SeqCst);
             unanswered.send_modify(|n| *n = n.saturating_sub(1));
             let reason = format!("publishing to stream {stream}: {e}");
-            self.unsent = Some((
+            self.unsent.after(
                 DeliveryClass::BrokerError,
                 format!("not sent: an earlier event of this session was not ({reason})"),
-            ));
-            if let Some(s) = &self.session {
+            );
+            if let Some(s) = self.session.get() {
                 let _ = s.reports.send(Report::Answered(
                     seq,
                     Answer::Failed(DeliveryClass::BrokerError, reason),
@@ -749,34 +761,21 @@ impl Sink for StreamSink {
     }
 
     fn abort(&mut self) {
-        self.aborted = true;
-        if let Some(s) = self.session.take() {
-            tokio::spawn(async move {
-                for (_, named) in s.producers {
-                    let _ = named.producer.close().await;
-                }
-                let _ = s.client.close().await;
-            });
-        }
+        self.session.abort();
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
-        let deadline = Instant::now() + timeout;
-        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        Ok(())
+        self.reports.settled(timeout).await
     }
 }
 
 /// Reports events in publish order as their confirms come.
 async fn report(
     mut rx: mpsc::UnboundedReceiver<Report>,
-    tx: mpsc::UnboundedSender<Delivery>,
-    in_flight: Arc<AtomicUsize>,
+    reports: Reports,
     duplicates: Arc<AtomicU64>,
     timeout: Duration,
 ) {
@@ -825,11 +824,7 @@ async fn report(
                     rejected: class.is_about_the_message().then_some(item.rejected),
                 }),
             };
-            let _ = tx.send(Delivery {
-                token: item.token,
-                result,
-            });
-            in_flight.fetch_sub(1, Ordering::SeqCst);
+            reports.report(item.token, result);
         }
     }
 }

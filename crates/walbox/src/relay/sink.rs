@@ -93,9 +93,11 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
 /// missing topic or stream, refused credentials, configuration) would repeat.
 pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
     match e {
-        SinkError::Kafka(_) | SinkError::Nats(_) | SinkError::Redis(_) | SinkError::RabbitMq(_) => {
-            transient(e)
-        }
+        SinkError::Kafka(_)
+        | SinkError::Nats(_)
+        | SinkError::Redis(_)
+        | SinkError::RabbitMq(_)
+        | SinkError::TaskDied(_) => transient(e),
         other => anyhow!(other),
     }
 }
