@@ -562,11 +562,15 @@ pub async fn interrupted_snapshot(sink: Sink, format: Format) {
     wait_slot_released(&cell.db, "walbox").await;
     let writers = Writers::start(&cell.pg, 1).await;
     let mut walbox = cell.run();
-    walbox_testkit::wait_until("the snapshot taken again to complete", Duration::from_secs(90), || {
-        checkpoint(&cell.pg)
-            .and_then(|c| c.snapshot)
-            .filter(|s| s.complete)
-    })
+    walbox_testkit::wait_until(
+        "the snapshot taken again to complete",
+        Duration::from_secs(90),
+        || {
+            checkpoint(&cell.pg)
+                .and_then(|c| c.snapshot)
+                .filter(|s| s.complete)
+        },
+    )
     .unwrap_or_else(|e| panic!("{sink:?} x {format:?}: {e}; log:\n{}", walbox.log()));
     let written = writers.stop().await;
     caught_up(&cell.db, &walbox).await;

@@ -80,10 +80,10 @@ mod tests {
         let thread = ClientThread::start().unwrap();
         let marker = Arc::new(());
         let held = Arc::clone(&marker);
-        thread.spawn(async move {
+        drop(thread.handle().spawn(async move {
             let _held = held;
             std::future::pending::<()>().await;
-        });
+        }));
         let id = thread
             .run(async { std::thread::current().name().map(str::to_owned) })
             .await
