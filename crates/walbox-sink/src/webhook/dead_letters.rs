@@ -86,35 +86,29 @@ impl LetterLine {
 /// failed write while it was appended, so never reported) is cut off before
 /// the first append and after a failed append, so that the next letter does not
 /// join it on one line that no longer parses.
+///
+/// Letters always go to the file the configured path names: before each
+/// append, the path's device and inode are compared with the open file's, and
+/// a file moved away or removed (a rotation) is left alone and the path opened
+/// again, created when nothing is there. A file cut in place (logrotate's
+/// `copytruncate`) is appended to at its new end.
 #[derive(Debug)]
 pub(super) struct LetterFile {
     path: PathBuf,
     file: File,
-    /// The length of the whole lines, once known (at the first append).
+    /// The length of the whole lines, once known (at the first append, and
+    /// again when the file was opened anew or its length changed under it).
     len: Option<u64>,
 }
 
 impl LetterFile {
     pub(super) fn open(path: &Path) -> Result<Self, SinkError> {
-        let existed = path.exists();
-        let file = OpenOptions::new()
-            .create(true)
-            .read(true)
-            .append(true)
-            .open(path)
-            .and_then(|f| {
-                if !existed {
-                    // The new file's name must survive a crash as its lines do.
-                    sync_dir(path)?;
-                }
-                Ok(f)
-            })
-            .map_err(|e| {
-                SinkError::Config(format!(
-                    "sink.webhook.dead_letter_file {}: {e}",
-                    path.display()
-                ))
-            })?;
+        let file = open_at(path).map_err(|e| {
+            SinkError::Config(format!(
+                "sink.webhook.dead_letter_file {}: {e}",
+                path.display()
+            ))
+        })?;
         Ok(LetterFile {
             path: path.to_owned(),
             file,
@@ -122,12 +116,68 @@ impl LetterFile {
         })
     }
 
-    /// Appends `event` as one line and waits until it is on disk. On an
-    /// error the file is cut back to the lines before it. Before the first
-    /// append, a line an earlier run left cut short is cut off (not when the
-    /// file is only opened: `walbox dlq replay` opens it while `walbox run`
-    /// may be appending).
+    /// Makes sure the open file is the one the path names, and that its
+    /// length is known. A file moved away (a rotation) or removed gets no
+    /// more letters: the path is opened (created) again. A file cut in place
+    /// (copytruncate) is appended to at its new end, and its length is taken
+    /// again.
+    fn follow_path(&mut self) -> std::io::Result<()> {
+        let named = match std::fs::metadata(&self.path) {
+            Ok(meta) => Some(identity(&meta)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        let open = self.file.metadata()?;
+        let moved = match named {
+            None => true,
+            Some(named) => named.is_some() && named != identity(&open),
+        };
+        if moved {
+            self.file = open_at(&self.path)?;
+            self.len = None;
+        } else if self.len != Some(open.len()) {
+            self.len = None;
+        }
+        Ok(())
+    }
+
+    /// Whether the path still names the open file.
+    fn path_names_file(&self) -> std::io::Result<bool> {
+        match std::fs::metadata(&self.path) {
+            Ok(meta) => {
+                let named = identity(&meta);
+                Ok(named.is_none() || named == identity(&self.file.metadata()?))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Appends `event` as one line at the path and waits until it is on
+    /// disk. On an error the file is cut back to the lines before it. Before
+    /// the first append to a file, a line an earlier run left cut short is
+    /// cut off (not when the file is only opened: `walbox dlq replay` opens it
+    /// while `walbox run` may be appending).
+    ///
+    /// A file moved away while the letter was written keeps that copy, and
+    /// the letter is written again at the path, so that it is always in the
+    /// file the path names once this returns.
     pub(super) fn append(&mut self, event: &Event) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(&LetterLine::of(event)).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        for _ in 0..MOVES {
+            self.follow_path()?;
+            self.append_line(&line)?;
+            if self.path_names_file()? {
+                return Ok(());
+            }
+        }
+        Err(std::io::Error::other(format!(
+            "the file was moved away {MOVES} times while a letter was written to it"
+        )))
+    }
+
+    fn append_line(&mut self, line: &[u8]) -> std::io::Result<()> {
         let len = match self.len {
             Some(len) => len,
             None => {
@@ -140,11 +190,9 @@ impl LetterFile {
                 len
             }
         };
-        let mut line = serde_json::to_vec(&LetterLine::of(event)).map_err(std::io::Error::other)?;
-        line.push(b'\n');
         let written = self
             .file
-            .write_all(&line)
+            .write_all(line)
             .and_then(|()| self.file.sync_data());
         match written {
             Ok(()) => {
@@ -183,6 +231,39 @@ fn whole_lines_len(file: &File) -> std::io::Result<u64> {
         end = start;
     }
     Ok(0)
+}
+
+/// How many times a letter is written again when its file keeps being moved
+/// away while it is written.
+const MOVES: usize = 3;
+
+/// Opens the file at `path` for appending, creating it (and making its name
+/// durable) when there is none.
+fn open_at(path: &Path) -> std::io::Result<File> {
+    let existed = path.exists();
+    let file = OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .open(path)?;
+    if !existed {
+        // The new file's name must survive a crash as its lines do.
+        sync_dir(path)?;
+    }
+    Ok(file)
+}
+
+/// Which file `meta` is about: its device and inode (none where the platform
+/// has no such thing).
+#[cfg(unix)]
+fn identity(meta: &std::fs::Metadata) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    Some((meta.dev(), meta.ino()))
+}
+
+#[cfg(not(unix))]
+fn identity(_meta: &std::fs::Metadata) -> Option<(u64, u64)> {
+    None
 }
 
 /// Makes the creation of `path` durable: fsyncs its directory.
@@ -278,6 +359,73 @@ mod tests {
         assert_eq!(read[1].1.key.as_deref(), Some("k2"));
         assert_eq!(read[1].1.header("walbox_error_class"), Some("http_refused"));
         assert!(read_letters(&dir.path().join("none")).unwrap().is_empty());
+    }
+
+    fn event(id: &str) -> Event {
+        Event {
+            event_id: id.into(),
+            topic: "t.dlq".into(),
+            key: Some(Bytes::from(id.to_owned())),
+            value: Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: vec![],
+            position: Position {
+                commit_lsn: walbox_pgoutput::Lsn(1),
+                index: 0,
+                xid: 1,
+            },
+            origin: walbox_outbox::Origin::Stream,
+        }
+    }
+
+    fn keys(path: &Path) -> Vec<String> {
+        read_letters(path)
+            .unwrap()
+            .into_iter()
+            .map(|(_, l)| l.key.unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_letter_file_moved_away_while_open_gets_no_more_letters_the_path_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dl.jsonl");
+        let moved = dir.path().join("dl.jsonl.1");
+        let mut f = LetterFile::open(&path).unwrap();
+        f.append(&event("k1")).unwrap();
+        // logrotate without copytruncate: the file is renamed, and (with
+        // `create`) a new one may or may not be made at the path.
+        std::fs::rename(&path, &moved).unwrap();
+        f.append(&event("k2")).unwrap();
+        assert_eq!(keys(&path), ["k2"], "the letter is at the configured path");
+        assert_eq!(keys(&moved), ["k1"]);
+        std::fs::rename(&path, &moved).unwrap();
+        std::fs::write(&path, b"").unwrap();
+        f.append(&event("k3")).unwrap();
+        assert_eq!(keys(&path), ["k3"]);
+        assert_eq!(keys(&moved), ["k2"]);
+    }
+
+    #[test]
+    fn a_letter_file_truncated_in_place_is_appended_to_from_its_new_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dl.jsonl");
+        let mut f = LetterFile::open(&path).unwrap();
+        f.append(&event("k1")).unwrap();
+        f.append(&event("k2")).unwrap();
+        // logrotate's copytruncate.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        f.append(&event("k3")).unwrap();
+        assert_eq!(keys(&path), ["k3"]);
+        // The length a failed append would cut the file back to is the
+        // file's, not the one before the truncation (that would pad the file
+        // with zeros that are no letter).
+        assert_eq!(f.len, Some(std::fs::metadata(&path).unwrap().len()));
     }
 
     #[test]
