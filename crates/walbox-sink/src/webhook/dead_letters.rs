@@ -280,40 +280,108 @@ fn sync_dir(path: &Path) -> std::io::Result<()> {
 /// written, before it was reported) is left out; any other line that is not a
 /// letter is an error, never skipped in silence.
 pub fn read_letters(path: &Path) -> Result<Vec<(u64, LetterLine)>, SinkError> {
-    let text = match std::fs::read(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(SinkError::Io(e)),
-    };
-    let mut out = Vec::new();
-    let whole = text.ends_with(b"\n");
-    let lines: Vec<&[u8]> = text.split(|b| *b == b'\n').collect();
-    // After the last newline: empty, or the line cut short.
-    let count = lines.len() - 1;
-    for (n, line) in lines.into_iter().enumerate() {
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        match serde_json::from_slice::<LetterLine>(line) {
-            Ok(letter) => out.push((n as u64, letter)),
-            Err(_) if n == count && !whole => {}
-            Err(e) => {
-                return Err(SinkError::Read {
-                    topic: path.display().to_string(),
-                    reason: format!("line {} is not a dead letter: {e}", n + 1),
-                });
-            }
-        }
-    }
-    Ok(out)
+    Ok(DeadLetterFile::read(path)?.letters)
 }
 
-/// Where `walbox dlq replay` records how many lines of `path` are done.
+/// Where `walbox dlq replay` records how far it replayed `path`.
 #[must_use]
 pub fn replayed_path(path: &Path) -> PathBuf {
     let mut p = path.as_os_str().to_owned();
     p.push(".replayed");
     PathBuf::from(p)
+}
+
+/// A dead-letter file as `walbox dlq replay` reads it: its letters, and where
+/// the progress recorded beside it ([`replayed_path`]) lets a replay start.
+#[derive(Debug)]
+pub struct DeadLetterFile {
+    path: PathBuf,
+    letters: Vec<(u64, LetterLine)>,
+}
+
+/// Where a replay of a dead-letter file starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayStart {
+    /// The first line not replayed yet.
+    pub line: u64,
+    /// Why the recorded progress does not apply to the file, when it does
+    /// not (the replay then starts from the file's first letter).
+    pub not_applied: Option<String>,
+}
+
+impl DeadLetterFile {
+    /// Reads the file at `path` (none there: no letters).
+    pub fn read(path: &Path) -> Result<Self, SinkError> {
+        let text = match std::fs::read(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(SinkError::Io(e)),
+        };
+        let mut letters = Vec::new();
+        let whole = text.ends_with(b"\n");
+        let lines: Vec<&[u8]> = text.split(|b| *b == b'\n').collect();
+        // After the last newline: empty, or the line cut short.
+        let count = lines.len() - 1;
+        for (n, line) in lines.into_iter().enumerate() {
+            if line.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            match serde_json::from_slice::<LetterLine>(line) {
+                Ok(letter) => letters.push((n as u64, letter)),
+                Err(_) if n == count && !whole => {}
+                Err(e) => {
+                    return Err(SinkError::Read {
+                        topic: path.display().to_string(),
+                        reason: format!("line {} is not a dead letter: {e}", n + 1),
+                    });
+                }
+            }
+        }
+        Ok(DeadLetterFile {
+            path: path.to_owned(),
+            letters,
+        })
+    }
+
+    /// The letters, each with its line number (from 0).
+    #[must_use]
+    pub fn letters(&self) -> &[(u64, LetterLine)] {
+        &self.letters
+    }
+
+    /// Where a replay starts, after the lines the recorded progress counts as
+    /// replayed. A progress counting more lines than the file holds is
+    /// refused: the file was replaced or cut, and its letters would be
+    /// skipped.
+    pub fn replay_start(&self) -> Result<ReplayStart, SinkError> {
+        let progress = replayed_path(&self.path);
+        let done: u64 = match std::fs::read_to_string(&progress) {
+            Ok(s) => s.trim().parse().unwrap_or(0),
+            Err(_) => 0,
+        };
+        let held = self.letters.last().map_or(0, |(n, _)| n + 1);
+        if done > held {
+            return Err(SinkError::Read {
+                topic: self.path.display().to_string(),
+                reason: format!(
+                    "{} records {done} lines as replayed, and the file has {held}: it was \
+                     replaced or cut (its letters would be skipped); remove {} to replay the \
+                     file from its start",
+                    progress.display(),
+                    progress.display()
+                ),
+            });
+        }
+        Ok(ReplayStart {
+            line: done,
+            not_applied: None,
+        })
+    }
+
+    /// Records beside the file that its lines before `line` are replayed.
+    pub fn record_replayed(&self, line: u64) -> Result<(), SinkError> {
+        std::fs::write(replayed_path(&self.path), format!("{line}\n")).map_err(SinkError::Io)
+    }
 }
 
 #[cfg(test)]
@@ -384,6 +452,38 @@ mod tests {
             .into_iter()
             .map(|(_, l)| l.key.unwrap())
             .collect()
+    }
+
+    /// `walbox dlq replay`'s steps: where it starts, then (all sent) its
+    /// progress recorded up to the last line.
+    fn replay(path: &Path) -> (ReplayStart, Vec<String>) {
+        let read = DeadLetterFile::read(path).unwrap();
+        let start = read.replay_start().unwrap();
+        let sent = read
+            .letters()
+            .iter()
+            .filter(|(n, _)| *n >= start.line)
+            .map(|(_, l)| l.key.clone().unwrap())
+            .collect();
+        let next = read.letters().last().map_or(start.line, |(n, _)| n + 1);
+        read.record_replayed(next).unwrap();
+        (start, sent)
+    }
+
+    #[test]
+    fn a_dead_letter_file_shorter_than_its_progress_is_refused_not_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dl.jsonl");
+        let mut f = LetterFile::open(&path).unwrap();
+        f.append(&event("k1")).unwrap();
+        f.append(&event("k2")).unwrap();
+        assert_eq!(replay(&path).1, ["k1", "k2"]);
+        assert_eq!(replay(&path).1, Vec::<String>::new());
+        // The file was archived and a new one begun: its letter would sit
+        // below a progress of 2 for ever.
+        std::fs::rename(&path, dir.path().join("dl.jsonl.1")).unwrap();
+        f.append(&event("k3")).unwrap();
+        assert!(DeadLetterFile::read(&path).unwrap().replay_start().is_err());
     }
 
     #[test]
