@@ -6,8 +6,10 @@
 //! partition, before the first letter that still fails), with NATS JetStream as
 //! the acknowledgements of a durable consumer on the dead-letter subject (a
 //! letter that still fails is handed back, the others are done), with the
-//! webhook sink as a count of the dead-letter file's lines done, kept beside
-//! it (`<file>.replayed`, stopping before the first letter that still fails),
+//! webhook sink as the dead-letter file's lines done, kept beside it
+//! (`<file>.replayed`, stopping before the first letter that still fails,
+//! applied only to the same file still holding the same bytes up to there,
+//! else the file is replayed from its first letter),
 //! with Redis Streams as a consumer group on the dead-letter stream (a letter
 //! that still fails stays pending), with RabbitMQ (exchange mode) as the
 //! acknowledgements of the messages of the dead-letter queue the user bound (`sink.rabbitmq.dead_letter_queue`), with RabbitMQ
