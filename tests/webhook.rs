@@ -4,7 +4,8 @@
 //! while the receiver fails at random lose nothing and keep per-key order;
 //! one key retried for a while holds back only that key while 50 others flow;
 //! `Retry-After` is honoured; a 400 dead-letters the event into the local
-//! file and `walbox dlq replay` sends it again; a 410 stops walbox; TLS with
+//! file and `walbox dlq replay` sends it again (and a file cut in place by
+//! `copytruncate` from its first letter); a 410 stops walbox; TLS with
 //! a custom CA and a client certificate.
 
 mod common;
@@ -322,6 +323,65 @@ async fn a_400_dead_letters_the_event_to_the_local_file_and_dlq_replay_sends_it_
     let (status, out, err) = walbox_cmd(&["dlq", "replay"], &env);
     assert_eq!(status, Some(0), "{out}{err}");
     assert!(out.contains("replayed 0 dead letters"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_file_cut_in_place_by_copytruncate_is_replayed_from_its_first_letter() {
+    let receiver = Receiver::start().unwrap();
+    // Each bad- event refused when it first comes, taken when replayed.
+    receiver.set_script(|seen| {
+        if seen.key.is_some_and(|k| k.starts_with("bad-")) && seen.earlier == 0 {
+            Reply::Status(400, "refused".into())
+        } else {
+            Reply::Ok
+        }
+    });
+    let (pg, db, env) = servers_webhook(&receiver, "").await;
+    setup(&env);
+    let file = dead_letter_path(&pg);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    insert_rounds(&db, "bad-", 1, 1).await;
+    caught_up(&db, &walbox).await;
+    let (status, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(status, Some(0), "{out}{err}");
+    assert!(out.contains("replayed 1 dead letters"), "{out}");
+    // logrotate's copytruncate while walbox runs, then two new letters: more
+    // lines than the one replayed.
+    let copy = file.with_extension("jsonl.1");
+    std::fs::copy(&file, &copy).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    insert_rounds(&db, "bad-new-", 2, 1).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let letters = walbox_sink::read_letters(&file).unwrap();
+    assert_eq!(letters.len(), 2, "{}", walbox.log());
+    assert_eq!(walbox_sink::read_letters(&copy).unwrap().len(), 1);
+    let (status, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(status, Some(0), "{out}{err}");
+    assert!(out.contains("replayed 2 dead letters"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "replaying {} from its first letter",
+            file.display()
+        )),
+        "{out}"
+    );
+    for (_, letter) in &letters {
+        let id = letter.header("event_id").unwrap();
+        assert_eq!(
+            receiver.delivered().iter().filter(|a| a.id == id).count(),
+            1
+        );
+    }
+    let (status, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(status, Some(0), "{out}{err}");
+    assert!(out.contains("replayed 0 dead letters"), "{out}");
+    assert!(!out.contains("from its first letter"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

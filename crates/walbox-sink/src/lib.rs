@@ -98,9 +98,10 @@ pub use redis_streams::{
 pub use secrets::{Hidden, Redacted, is_secret_property};
 pub use stdout::StdoutSink;
 pub use webhook::{
-    DROPPED_HEADERS_HEADER as WEBHOOK_DROPPED_HEADERS_HEADER,
+    DROPPED_HEADERS_HEADER as WEBHOOK_DROPPED_HEADERS_HEADER, DeadLetterFile,
     KEY_ENCODING_HEADER as WEBHOOK_KEY_ENCODING_HEADER, KEY_HEADER as WEBHOOK_KEY_HEADER,
-    LetterLine, WebhookSink, WebhookSinkConfig, read_letters, replayed_path, retries_by_topic,
+    LetterLine, ReplayStart, WebhookSink, WebhookSinkConfig, read_letters, replayed_path,
+    retries_by_topic,
 };
 
 /// Receives one [`Delivery`] per event sent.

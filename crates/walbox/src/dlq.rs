@@ -6,8 +6,10 @@
 //! partition, before the first letter that still fails), with NATS JetStream as
 //! the acknowledgements of a durable consumer on the dead-letter subject (a
 //! letter that still fails is handed back, the others are done), with the
-//! webhook sink as a count of the dead-letter file's lines done, kept beside
-//! it (`<file>.replayed`, stopping before the first letter that still fails),
+//! webhook sink as the dead-letter file's lines done, kept beside it
+//! (`<file>.replayed`, stopping before the first letter that still fails,
+//! applied only to the same file still holding the same bytes up to there,
+//! else the file is replayed from its first letter),
 //! with Redis Streams as a consumer group on the dead-letter stream (a letter
 //! that still fails stays pending), with RabbitMQ (exchange mode) as the
 //! acknowledgements of the messages of the dead-letter queue the user bound (`sink.rabbitmq.dead_letter_queue`), with RabbitMQ
@@ -289,23 +291,18 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 .dead_letter_file
                 .clone()
                 .context("sink.webhook.dead_letter_file")?;
-            let progress = walbox_sink::replayed_path(&file);
-            let done: u64 = match std::fs::read_to_string(&progress) {
-                Ok(s) => s.trim().parse().unwrap_or(0),
-                Err(_) => 0,
-            };
-            let lines = walbox_sink::read_letters(&file)
+            let read = walbox_sink::DeadLetterFile::read(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
-            progress_fits(&lines, done).map_err(|lines| {
-                anyhow::anyhow!(
-                    "{} records {done} lines of {} as replayed, and the file has {lines}: it was \
-                     replaced or cut (its letters would be skipped); remove {} to replay the \
-                     file from its start",
-                    progress.display(),
+            let start = read.replay_start()?;
+            if let Some(why) = &start.not_applied {
+                println_out(&format!(
+                    "replaying {} from its first letter: the progress recorded in {} does not \
+                     apply to it ({why})",
                     file.display(),
-                    progress.display()
-                )
-            })?;
+                    walbox_sink::replayed_path(&file).display()
+                ));
+            }
+            let (done, lines) = (start.line, read.letters());
             let (mut sink, mut deliveries) = WebhookSink::new(sink_config)?;
             // Letters of the named topics (all of them by default).
             let taken = |l: &walbox_sink::LetterLine| {
@@ -325,11 +322,15 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 )
                 .await?;
             if !args.dry_run {
-                let next = letters_done(&lines, done, taken, |n| {
+                let next = letters_done(lines, done, taken, |n| {
                     failed.contains(&(0, i64::try_from(n).unwrap_or(i64::MAX)))
                 });
-                std::fs::write(&progress, format!("{next}\n"))
-                    .with_context(|| format!("recording progress in {}", progress.display()))?;
+                read.record_replayed(next).with_context(|| {
+                    format!(
+                        "recording progress in {}",
+                        walbox_sink::replayed_path(&file).display()
+                    )
+                })?;
             }
         }
         SinkKind::Redis => {
@@ -438,15 +439,6 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         bail!("{failing} dead letters still fail");
     }
     Ok(())
-}
-
-/// Whether `done` lines of a webhook dead-letter file can be the progress of
-/// the file whose letters are `lines`: never more lines than it holds (a file
-/// replaced by a new, shorter one would have its letters skipped). `Err`: how
-/// many lines it holds.
-fn progress_fits(lines: &[(u64, walbox_sink::LetterLine)], done: u64) -> Result<(), u64> {
-    let held = lines.last().map_or(0, |(n, _)| n + 1);
-    if done > held { Err(held) } else { Ok(()) }
 }
 
 /// How many lines of a webhook dead-letter file are done after a replay that
@@ -702,16 +694,5 @@ mod webhook_tests {
         assert_eq!(letters_done(&lines, 0, |_| true, |n| n == 2), 2);
         assert_eq!(letters_done(&lines, 3, |_| true, |_| false), 3);
         assert_eq!(letters_done(&[], 5, |_| true, |_| false), 5);
-    }
-
-    #[test]
-    fn a_dead_letter_file_shorter_than_its_progress_is_refused_not_skipped() {
-        let lines = [line(0, "a.dlq"), line(1, "a.dlq")];
-        assert_eq!(super::progress_fits(&lines, 2), Ok(()));
-        assert_eq!(super::progress_fits(&lines, 0), Ok(()));
-        // The file was archived and a new one begun: its two letters would
-        // sit below a progress of 7 for ever.
-        assert_eq!(super::progress_fits(&lines, 7), Err(2));
-        assert_eq!(super::progress_fits(&[], 1), Err(0));
     }
 }

@@ -43,7 +43,7 @@ use walbox_outbox::Event;
 
 pub use attempt::retries_by_topic;
 pub use config::WebhookSinkConfig;
-pub use dead_letters::{LetterLine, read_letters, replayed_path};
+pub use dead_letters::{DeadLetterFile, LetterLine, ReplayStart, read_letters, replayed_path};
 pub use request::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER};
 
 use attempt::{Shared, deliver};
