@@ -168,10 +168,12 @@ impl Reports {
         self.count_out();
     }
 
-    /// Reports the outcome of the event of `token` and counts it out.
-    pub(crate) fn report(&self, token: usize, result: Result<(), DeliveryError>) {
-        let _ = self.tx.send(Delivery { token, result });
+    /// Reports the outcome of the event of `token` and counts it out;
+    /// `false` once the relay no longer listens.
+    pub(crate) fn report(&self, token: usize, result: Result<(), DeliveryError>) -> bool {
+        let listening = self.tx.send(Delivery { token, result }).is_ok();
         self.count_out();
+        listening
     }
 
     fn count_out(&self) {

@@ -21,7 +21,7 @@ use tokio::sync::Semaphore;
 use walbox_outbox::{Event, TopicTemplate};
 
 use super::request::{Prepared, prepare, signed_headers, webhook_id};
-use crate::{DeliveryClass, DeliveryError, RejectedRecord};
+use crate::{DeliveryClass, DeliveryError};
 
 /// What every delivery of a sink shares.
 #[derive(Debug)]
@@ -248,22 +248,7 @@ async fn attempt(shared: &Shared, prepared: &Prepared) -> Answer {
 }
 
 fn error(event: &Event, class: DeliveryClass, reason: String) -> DeliveryError {
-    let rejected = class.is_about_the_message().then(|| RejectedRecord {
-        key: event.key.as_ref().map(|k| k.to_vec()),
-        headers: event
-            .headers
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_vec()))
-            .collect(),
-        value_len: event.value.len(),
-    });
-    DeliveryError {
-        event_id: event.event_id.clone(),
-        topic: event.topic.clone(),
-        class,
-        reason,
-        rejected,
-    }
+    crate::kit::failure(event, class, reason)
 }
 
 /// Delivers `event`: `Ok` on a 2xx, else the failure (a refusal or retries

@@ -33,12 +33,12 @@ mod request;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::{Mutex, Semaphore, mpsc};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use walbox_outbox::Event;
 
 pub use attempt::retries_by_topic;
@@ -49,7 +49,8 @@ pub use request::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER};
 use attempt::{Shared, deliver};
 use dead_letters::LetterFile;
 
-use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, Sink, SinkError};
+use crate::kit::{Close, Lifecycle, Reports, SessionTask};
+use crate::{Deliveries, DeliveryClass, DeliveryError, Sink, SinkError};
 
 /// Where an event waits for the one before it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -60,30 +61,36 @@ enum Lane {
     DeadLetters,
 }
 
-/// The queue of events and the sender of deliveries, until the dispatcher
-/// starts.
-type Waiting = (
-    mpsc::UnboundedReceiver<(Event, usize)>,
-    mpsc::UnboundedSender<Delivery>,
-);
+/// The session: the dispatcher task, which starts with the first event.
+/// Ending it drops the requests in flight with their connections.
+struct Dispatcher {
+    _task: SessionTask,
+}
+
+impl Close for Dispatcher {
+    fn close(self) -> impl std::future::Future<Output = ()> + Send {
+        // At once: nothing more of the session reaches the receiver.
+        drop(self);
+        std::future::ready(())
+    }
+}
 
 /// POSTs events to an HTTP receiver.
 pub struct WebhookSink {
     shared: Arc<Shared>,
     letters: Arc<Mutex<LetterFile>>,
     events: mpsc::UnboundedSender<(Event, usize)>,
-    /// Taken by the dispatcher when the first event comes.
-    waiting: Option<Waiting>,
-    dispatcher: Option<JoinHandle<()>>,
-    /// Sent, not yet reported.
-    in_flight: Arc<AtomicUsize>,
-    aborted: bool,
+    /// The queue of events, taken by the dispatcher when the first event
+    /// comes.
+    waiting: Option<mpsc::UnboundedReceiver<(Event, usize)>>,
+    session: Lifecycle<Dispatcher>,
+    reports: Reports,
 }
 
 impl std::fmt::Debug for WebhookSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WebhookSink")
-            .field("in_flight", &self.in_flight.load(Ordering::Relaxed))
+            .field("in_flight", &self.reports.in_flight())
             .finish_non_exhaustive()
     }
 }
@@ -108,17 +115,16 @@ impl WebhookSink {
             connections: Arc::new(Semaphore::new(config.max_connections)),
             retries: Arc::new(AtomicU64::new(0)),
         };
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (reports, rx) = Reports::new();
         let (events, queue) = mpsc::unbounded_channel();
         Ok((
             WebhookSink {
                 shared: Arc::new(shared),
                 letters: Arc::new(Mutex::new(letters)),
                 events,
-                waiting: Some((queue, tx)),
-                dispatcher: None,
-                in_flight: Arc::new(AtomicUsize::new(0)),
-                aborted: false,
+                waiting: Some(queue),
+                session: Lifecycle::default(),
+                reports,
             },
             rx,
         ))
@@ -131,52 +137,44 @@ impl WebhookSink {
     }
 }
 
-impl Drop for WebhookSink {
-    fn drop(&mut self) {
-        if let Some(d) = self.dispatcher.take() {
-            d.abort();
-        }
-    }
-}
-
 impl Sink for WebhookSink {
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
-        if let Some((queue, deliveries)) = self.waiting.take() {
-            self.dispatcher = Some(tokio::spawn(dispatch(
-                Arc::clone(&self.shared),
-                Arc::clone(&self.letters),
-                queue,
-                deliveries,
-                Arc::clone(&self.in_flight),
-            )));
+        self.reports.check()?;
+        if let Some(queue) = self.waiting.take() {
+            let task = self.reports.spawn(
+                "webhook dispatcher",
+                dispatch(
+                    Arc::clone(&self.shared),
+                    Arc::clone(&self.letters),
+                    queue,
+                    self.reports.clone(),
+                ),
+            );
+            self.session
+                .open_with(|| async { Ok(Dispatcher { _task: task }) })
+                .await?;
         }
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
-        self.events
-            .send((event, token))
-            .map_err(|_| SinkError::Config("the webhook dispatcher stopped".into()))
+        self.reports.sent();
+        self.events.send((event, token)).map_err(|_| {
+            self.reports.withdrawn();
+            SinkError::TaskDied("the webhook dispatcher stopped".into())
+        })
     }
 
     fn abort(&mut self) {
         // Nothing more of this session reaches the receiver: requests in
         // flight are dropped with their connections.
-        self.aborted = true;
-        if let Some(d) = self.dispatcher.take() {
-            d.abort();
-        }
+        self.session.abort();
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        let deadline = Instant::now() + timeout;
-        while self.in_flight.load(Ordering::Acquire) > 0
-            && self.dispatcher.is_some()
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+        if self.session.aborted() {
+            return Ok(());
         }
-        Ok(())
+        self.reports.settled(timeout).await
     }
 }
 
@@ -304,8 +302,7 @@ async fn dispatch(
     shared: Arc<Shared>,
     letters: Arc<Mutex<LetterFile>>,
     mut events: mpsc::UnboundedReceiver<(Event, usize)>,
-    deliveries: mpsc::UnboundedSender<Delivery>,
-    in_flight: Arc<AtomicUsize>,
+    reports: Reports,
 ) {
     let mut lanes = Lanes {
         shared,
@@ -340,7 +337,6 @@ async fn dispatch(
                         None => continue,
                     },
                 };
-                in_flight.fetch_sub(1, Ordering::AcqRel);
                 let Settled { lane, token, result, event_id, key } = settled;
                 let ok = result.is_ok();
                 let refused = match &result {
@@ -352,7 +348,7 @@ async fn dispatch(
                         false
                     }
                 };
-                if deliveries.send(Delivery { token, result }).is_err() {
+                if !reports.report(token, result) {
                     return;
                 }
                 if stopped {
