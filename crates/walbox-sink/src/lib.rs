@@ -27,6 +27,20 @@
 //! JetStream stream holds of a subject, [`read_stream`] what a Redis stream
 //! holds, for audits.
 //!
+//! # Who an event is
+//!
+//! An [`Event`] carries its id as a field of its own and its origin
+//! ([`walbox_outbox::Origin`]: streamed, a snapshot row and which snapshot, a
+//! non-transactional message, a replay and from where, a dead-letter replay
+//! and which letter). A sink writes the id into an id field of its own and
+//! reads it back from there, and names copies from the origin; it never reads
+//! either from a transaction id or from the record's headers, where each
+//! envelope format puts the id somewhere else. What every sink does the same
+//! way (the session's lifecycle, the reports and in-flight count with a flush
+//! woken by the last report, a session task that died failing the session,
+//! failing the rest of a session after one failure, the rejected record) is
+//! written once, in the crate's `kit` module.
+//!
 //! # Destinations that deduplicate
 //!
 //! A sink whose destination drops a record it already holds under the same id
