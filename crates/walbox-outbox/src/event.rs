@@ -62,9 +62,14 @@ pub enum Origin {
         point: Lsn,
     },
     /// A logical decoding message written outside any transaction: no commit
-    /// order, its own unit at its record's LSN (index 0). It only ever
+    /// order, its own unit at its LSN (index 0), which the commit of a
+    /// transaction right after it can share as its commit LSN. It only ever
     /// reaches a sink as a dead letter.
-    Message,
+    Message {
+        /// Read by `walbox replay` of the range from this position (a
+        /// replay's copy), or by the stream (`None`).
+        replay: Option<Lsn>,
+    },
     /// `walbox replay` of the range that starts at `from`: read from the WAL
     /// again, positions as the stream gave them.
     Replay {
@@ -76,6 +81,9 @@ pub enum Origin {
     DeadLetterReplay {
         /// The letter's place.
         letter: std::sync::Arc<str>,
+        /// The letter's event was a row of the snapshot taken at this point
+        /// (its position is that snapshot's, outside commit order).
+        snapshot: Option<Lsn>,
     },
 }
 
@@ -88,27 +96,52 @@ impl Origin {
     #[must_use]
     pub fn replay_name(&self) -> Option<String> {
         match self {
-            Origin::Replay { from } => Some(from.to_string()),
+            Origin::Replay { from } | Origin::Message { replay: Some(from) } => {
+                Some(from.to_string())
+            }
             _ => None,
         }
     }
 
     /// Whether the position is outside commit order: a snapshot row (at its
-    /// snapshot's point) or a non-transactional message (at its own LSN).
-    /// Such a position can share its LSN with a transaction's commit, so a
-    /// sink that derives ids from positions keeps them apart.
+    /// snapshot's point, also as a dead letter replayed) or a
+    /// non-transactional message (at its own LSN). Such a position can share
+    /// its LSN with a transaction's commit, so a sink that derives ids from
+    /// positions keeps them apart.
     #[must_use]
     pub fn outside_commit_order(&self) -> bool {
-        matches!(self, Origin::Snapshot { .. } | Origin::Message)
+        matches!(
+            self,
+            Origin::Snapshot { .. }
+                | Origin::Message { .. }
+                | Origin::DeadLetterReplay {
+                    snapshot: Some(_),
+                    ..
+                }
+        )
+    }
+
+    /// Whether the event is a snapshot's row (also as a dead letter
+    /// replayed): its position is its snapshot's.
+    #[must_use]
+    pub fn snapshot_row(&self) -> bool {
+        matches!(
+            self,
+            Origin::Snapshot { .. }
+                | Origin::DeadLetterReplay {
+                    snapshot: Some(_),
+                    ..
+                }
+        )
     }
 
     /// Whether every read of the WAL gives this event the same position (a
-    /// streamed or replayed event, or a dead letter replayed), so two copies
-    /// of one event can be compared by position. A snapshot row's position
-    /// is its snapshot's, another for a snapshot taken again.
+    /// streamed or replayed event, or a dead letter of one replayed), so two
+    /// copies of one event can be compared by position. A snapshot row's
+    /// position is its snapshot's, another for a snapshot taken again.
     #[must_use]
     pub fn position_is_stable(&self) -> bool {
-        !matches!(self, Origin::Snapshot { .. } | Origin::Message)
+        !self.outside_commit_order()
     }
 
     /// A short stable text form (logs, a sink's own origin field).
@@ -117,9 +150,12 @@ impl Origin {
         match self {
             Origin::Stream => "stream",
             Origin::Snapshot { .. } => "snapshot",
-            Origin::Message => "message",
+            Origin::Message { .. } => "message",
             Origin::Replay { .. } => "replay",
-            Origin::DeadLetterReplay { .. } => "dlq_replay",
+            Origin::DeadLetterReplay { snapshot: None, .. } => "dlq_replay",
+            Origin::DeadLetterReplay {
+                snapshot: Some(_), ..
+            } => "dlq_replay_snapshot",
         }
     }
 }

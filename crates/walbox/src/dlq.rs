@@ -529,8 +529,11 @@ impl Run<'_> {
                 Ok(mut event) => {
                     // A copy of the letter's event: a sink whose ids come
                     // from the position (RabbitMQ streams) names it apart.
+                    // A snapshot row's letter (transaction id 0 in the
+                    // letter's position) keeps its place outside commit order.
                     event.origin = walbox_outbox::Origin::DeadLetterReplay {
                         letter: format!("dlq.{dlq}.{}", letter.offset).into(),
+                        snapshot: (letter.position.xid == 0).then_some(letter.position.commit_lsn),
                     };
                     println_out(&format!(
                         "{} event {} to {} (from {dlq} offset {}:{})",

@@ -175,7 +175,13 @@ impl Core {
             dead_letter: true,
             replaces: false,
         };
-        self.queue(dead, unit, 0, origin, walbox_outbox::Origin::Message);
+        let read = walbox_outbox::Origin::Message {
+            replay: match self.streamed {
+                walbox_outbox::Origin::Replay { from } => Some(from),
+                _ => None,
+            },
+        };
+        self.queue(dead, unit, 0, origin, read);
         self.tracker.commit(unit, m.lsn);
         Ok(())
     }

@@ -358,6 +358,50 @@ mod tests {
         );
     }
 
+    /// A row dead-lettered twice (by an interrupted snapshot and the one
+    /// taken again, at two snapshot points): `walbox dlq replay` publishes
+    /// both letters' events under the row's id. The second is the same
+    /// event, not a reused id: snapshot positions differ between copies.
+    #[test]
+    fn a_snapshot_rows_letters_replayed_from_two_snapshots_are_the_same_event() {
+        let mut stored = headers("k", "0/1000", "3", "0");
+        stored.insert(super::super::headers::ORIGIN_HEADER, "dlq_replay_snapshot");
+        let event = walbox_outbox::Event {
+            event_id: "r".into(),
+            topic: "outbox.order".into(),
+            key: Some(bytes::Bytes::from_static(b"k")),
+            value: bytes::Bytes::from_static(b"{}"),
+            json_value: true,
+            headers: Vec::new(),
+            position: walbox_outbox::Position {
+                commit_lsn: walbox_pgoutput::Lsn(0x2000),
+                index: 5,
+                xid: 0,
+            },
+            origin: walbox_outbox::Origin::DeadLetterReplay {
+                letter: "dlq.outbox.order.dlq.9".into(),
+                snapshot: Some(walbox_pgoutput::Lsn(0x2000)),
+            },
+        };
+        let sent = Sent::of_event("outbox.order", "r", Some("k".into()), &event);
+        assert_eq!(compare("outbox.order", Some(&stored), &sent), Verdict::Same);
+        // A streamed event's letter keeps its position: another one under the
+        // id is another event.
+        let mut streamed = event.clone();
+        streamed.position.xid = 9;
+        streamed.origin = walbox_outbox::Origin::DeadLetterReplay {
+            letter: "dlq.outbox.order.dlq.10".into(),
+            snapshot: None,
+        };
+        let sent = Sent::of_event("outbox.order", "r", Some("k".into()), &streamed);
+        let mut other = headers("k", "0/1000", "3", "7");
+        other.insert(super::super::headers::ORIGIN_HEADER, "dlq_replay");
+        assert!(matches!(
+            compare("outbox.order", Some(&other), &sent),
+            Verdict::OtherPosition(..)
+        ));
+    }
+
     #[test]
     fn a_reused_id_names_both_positions_the_id_the_window_and_the_cause() {
         let ack = PublishAck {

@@ -28,7 +28,7 @@ pub const ORIGIN_HEADER: &str = "walbox_origin";
 /// Whether a message of origin `kind` (the text of [`ORIGIN_HEADER`]) has a
 /// position that every read of the WAL gives it.
 pub(super) fn stable_origin(kind: &str) -> bool {
-    !matches!(kind, "snapshot" | "message")
+    !matches!(kind, "snapshot" | "message" | "dlq_replay_snapshot")
 }
 
 /// Whether `subject` is a subject one can publish to: non-empty tokens
@@ -371,7 +371,27 @@ mod tests {
                 },
             ),
             // A non-transactional message's dead letter: neither.
-            with(event(Some(b"k"), &streamed, &[]), Origin::Message),
+            with(
+                event(Some(b"k"), &streamed, &[]),
+                Origin::Message { replay: None },
+            ),
+            // A snapshot row's dead letter replayed: its position is the
+            // snapshot's, not one every copy shares.
+            with(
+                event(Some(b"k"), &streamed, &[]),
+                Origin::DeadLetterReplay {
+                    letter: "dlq.x.1".into(),
+                    snapshot: Some(walbox_pgoutput::Lsn(0x16_B374_D848)),
+                },
+            ),
+            // A streamed event's dead letter replayed keeps its position.
+            with(
+                event(Some(b"k"), &streamed, &[]),
+                Origin::DeadLetterReplay {
+                    letter: "dlq.x.2".into(),
+                    snapshot: None,
+                },
+            ),
             // A replay's copy keeps the position it had.
             with(
                 event(Some(b"k"), &streamed, &[]),

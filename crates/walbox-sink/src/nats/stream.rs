@@ -38,10 +38,7 @@ pub(super) async fn ensure_stream(
                 ..Default::default()
             })
             .await
-            .map_err(|e| SinkError::CreateTopic {
-                topic: config.stream.clone(),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| create_error(&config.stream, &e))?;
             tracing::info!(
                 stream = config.stream,
                 subjects = ?config.subjects,
@@ -54,6 +51,23 @@ pub(super) async fn ensure_stream(
             "looking up stream {}: {e}",
             config.stream
         ))),
+    }
+}
+
+/// What a failed stream creation means: the server did not answer in time or
+/// JetStream was not up yet (a server restarting): a new session may
+/// succeed; else the server refused the stream as configured, which trying
+/// again would only repeat.
+fn create_error(stream: &str, e: &jetstream::context::CreateStreamError) -> SinkError {
+    use jetstream::context::CreateStreamErrorKind as K;
+    match e.kind() {
+        K::TimedOut | K::JetStreamUnavailable | K::Response | K::ResponseParse => {
+            SinkError::Nats(format!("creating stream {stream}: {e}"))
+        }
+        _ => SinkError::CreateTopic {
+            topic: stream.to_owned(),
+            reason: e.to_string(),
+        },
     }
 }
 
@@ -105,6 +119,19 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// A creation that timed out (a server restarting while walbox starts)
+    /// ends the session for a new one to try again; a refusal stops walbox.
+    #[test]
+    fn a_stream_creation_that_timed_out_is_tried_again_and_a_refusal_is_not() {
+        use jetstream::context::{CreateStreamError, CreateStreamErrorKind as K};
+        for kind in [K::TimedOut, K::JetStreamUnavailable] {
+            let e = create_error("OUTBOX", &CreateStreamError::new(kind));
+            assert!(matches!(e, SinkError::Nats(_)), "{e}");
+        }
+        let e = create_error("OUTBOX", &CreateStreamError::new(K::InvalidStreamName));
+        assert!(matches!(e, SinkError::CreateTopic { .. }), "{e}");
+    }
 
     /// The longest delay before the shipped deployments start walbox again
     /// after a crash: systemd's `RestartSec`, and a crash-looping pod's

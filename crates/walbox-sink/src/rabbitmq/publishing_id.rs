@@ -24,11 +24,15 @@
 //!   slot resumes from an earlier position publishes its rows at its new
 //!   consistent point P2, then the stream's events from before P2: under one
 //!   name those would sit below the rows' ids and be dropped (lost); under
-//!   names of their own neither touches the other's sequence. A
-//!   non-transactional message's dead letter (transaction id 0 too, but in
-//!   WAL order with the commits around it, at an LSN no commit has) goes
-//!   under the epoch's name like a streamed event: the sink reads which one
-//!   an event is from its origin, never from its transaction id.
+//!   names of their own neither touches the other's sequence.
+//! - A non-transactional message's dead letter (transaction id 0 too, but in
+//!   WAL order with the commits around it) goes under the epoch's name, with
+//!   the id of `(LSN - 2, 0)` ([`message_slot`]): the commit record of a
+//!   transaction right after the message can start where the message ends,
+//!   so the two can share an LSN; 2 below keeps the message's id apart from
+//!   that commit's events and above every earlier commit's (WAL records
+//!   start at multiples of 8). The sink reads which kind an event is from its
+//!   origin, never from its transaction id.
 //!
 //! Limits: 2^24 epochs (the whole 64-bit LSN range); 255 names kept per
 //! stream by the broker, oldest dropped, so an epoch's name stays as long as
@@ -70,6 +74,13 @@ pub(super) fn slot(base: &str, lsn: u64, index: u32, snapshot_row: bool) -> Slot
         name: format!("{base}.{epoch:x}"),
         id: ((low << INDEX_BITS) | u64::from(index)) + 1,
     }
+}
+
+/// The name and id of a non-transactional message's dead letter at `lsn`:
+/// the epoch's name and the id of `(lsn - 2, 0)`, between every earlier
+/// commit's events and those of a commit at `lsn`.
+pub(super) fn message_slot(base: &str, lsn: u64) -> Slot {
+    slot(base, lsn.saturating_sub(2), 0, false)
 }
 
 /// The position an id of an epoch's name stands for: `(lsn, index)`.

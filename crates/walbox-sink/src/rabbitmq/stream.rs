@@ -42,7 +42,7 @@ use walbox_outbox::{Event, Origin};
 
 use super::RabbitMqSinkConfig;
 use super::confirms::{Answer, Confirms, Outcome};
-use super::publishing_id::{Slot, slot};
+use super::publishing_id::{Slot, message_slot, slot};
 use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::KEY_HEADER;
 use crate::{Deliveries, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
@@ -220,18 +220,31 @@ pub(super) fn property(m: &Message, name: &str) -> Option<String> {
 
 /// The event id walbox wrote into `m`: the AMQP `message-id` property, which
 /// walbox sets to the event id whatever the record's format. A message
-/// published before walbox set it holds the id only where the walbox format
-/// put it (the `event_id` application property), which is read then.
+/// published before walbox set it holds the id only where its format put it
+/// (the walbox format's `event_id` property, Debezium's `id`, CloudEvents'
+/// `cloudEvents_id` or a structured event's body), which is read then.
 pub(super) fn stored_event_id(m: &Message) -> Option<String> {
-    match m.properties().and_then(|p| p.message_id.clone()) {
-        Some(id) => String::try_from(id).ok(),
-        None => property(m, LEGACY_EVENT_ID_PROPERTY),
+    if let Some(id) = m.properties().and_then(|p| p.message_id.clone()) {
+        return String::try_from(id).ok();
     }
+    let properties: Vec<(String, String)> = m
+        .application_properties()
+        .map(|p| {
+            p.keys()
+                .filter_map(|k| property(m, k).map(|v| (k.clone(), v)))
+                .collect()
+        })
+        .unwrap_or_default();
+    walbox_outbox::record_event_id(
+        |name| {
+            properties
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        },
+        m.data(),
+    )
 }
-
-/// Where messages published before walbox set `message-id` hold the event
-/// id (the walbox format's header).
-const LEGACY_EVENT_ID_PROPERTY: &str = "event_id";
 
 /// What walbox stored in `stream` under `name` with publishing ids from
 /// `from` to `to`: each id's event id. Reads the tail (the last chunk on),
@@ -535,26 +548,28 @@ impl StreamSink {
 /// The producer name and publishing id of `event` for producers named from
 /// `base`, by its position and origin: a copy (`walbox replay`'s, a
 /// dead-letter replay's) under a base of its own (`{base}.replay.{name}`),
-/// so it never takes the ids the stream's events took; a snapshot row under
-/// its snapshot's name; a streamed event, and a non-transactional message's
-/// dead letter (at its own LSN, in WAL order with the commits around it),
-/// under the epoch's name.
+/// so it never takes the ids the stream's events took; a snapshot row (also
+/// as a dead letter replayed) under its snapshot's name; a streamed event
+/// under the epoch's name, and so a non-transactional message's dead letter,
+/// at 2 below its LSN ([`super::publishing_id::message_slot`]): the commit of
+/// a transaction right after the message can share its LSN.
 fn slot_of(base: &str, event: &Event) -> Slot {
     let base = match &event.origin {
-        Origin::Replay { from } => std::borrow::Cow::Owned(format!("{base}.replay.{from}")),
-        Origin::DeadLetterReplay { letter } => {
+        Origin::Replay { from } | Origin::Message { replay: Some(from) } => {
+            std::borrow::Cow::Owned(format!("{base}.replay.{from}"))
+        }
+        Origin::DeadLetterReplay { letter, .. } => {
             std::borrow::Cow::Owned(format!("{base}.replay.{letter}"))
         }
-        Origin::Stream | Origin::Snapshot { .. } | Origin::Message => {
+        Origin::Stream | Origin::Snapshot { .. } | Origin::Message { replay: None } => {
             std::borrow::Cow::Borrowed(base)
         }
     };
-    slot(
-        &base,
-        event.position.commit_lsn.0,
-        event.position.index,
-        matches!(event.origin, Origin::Snapshot { .. }),
-    )
+    let (lsn, index) = (event.position.commit_lsn.0, event.position.index);
+    match event.origin {
+        Origin::Message { .. } => message_slot(&base, lsn),
+        _ => slot(&base, lsn, index, event.origin.snapshot_row()),
+    }
 }
 
 /// Why a producer could not be had.
@@ -860,10 +875,9 @@ mod tests {
     /// and push older names out of the broker's 255 per stream.
     #[test]
     fn message_dead_letters_share_the_epochs_name_and_only_snapshot_rows_get_one_of_their_own() {
+        let message = |lsn: u64| slot_of("w", &at(lsn, 0, 0, Origin::Message { replay: None }));
         let before = slot_of("w", &at(0x1000, 0, 7, Origin::Stream));
-        let messages: Vec<_> = (1..=300u64)
-            .map(|i| slot_of("w", &at(0x1000 + i * 8, 0, 0, Origin::Message)))
-            .collect();
+        let messages: Vec<_> = (1..=300u64).map(|i| message(0x1000 + i * 8)).collect();
         let after = slot_of("w", &at(0x1000 + 301 * 8, 0, 9, Origin::Stream));
         assert!(
             messages.iter().all(|s| s.name == "w.0"),
@@ -878,20 +892,63 @@ mod tests {
             &at(0x1000, 3, 0, Origin::Snapshot { point: Lsn(0x1000) }),
         );
         assert_eq!((row.name.as_str(), row.id), ("w.s1000", 4));
-        // Copies go under names of their own, whatever their transaction.
+    }
+
+    /// A transaction that commits right after a non-transactional message
+    /// can have its commit record start where the message ends: the same
+    /// LSN. The message's dead letter and the transaction's first event must
+    /// not share a name and id (the second would be refused as taken, and
+    /// walbox would stop for good), and must keep their WAL order.
+    #[test]
+    fn a_message_and_the_commit_right_after_it_at_the_same_lsn_never_share_an_id() {
+        let l = 0x2000u64;
+        let earlier = slot_of("w", &at(l - 8, (1 << 23) - 1, 5, Origin::Stream));
+        let message = slot_of("w", &at(l, 0, 0, Origin::Message { replay: None }));
+        let commit = slot_of("w", &at(l, 0, 9, Origin::Stream));
+        assert_eq!(message.name, commit.name);
+        assert_ne!(message.id, commit.id);
+        assert!(earlier.id < message.id && message.id < commit.id);
+    }
+
+    /// Copies go under names of their own; a snapshot row's letter, replayed,
+    /// keeps the snapshot's naming within its letter's name (as it was
+    /// named before origins existed), a message read by a replay the
+    /// replay's name.
+    #[test]
+    fn copies_go_under_names_of_their_own() {
         let replayed = slot_of("w", &at(0x1000, 0, 7, Origin::Replay { from: Lsn(0x800) }));
         assert_eq!(replayed.name, "w.replay.0/800.0");
-        let letter = slot_of(
+        let message = slot_of(
             "w",
             &at(
                 0x1000,
                 0,
-                7,
-                Origin::DeadLetterReplay {
-                    letter: "dlq.s.dlq.4".into(),
+                0,
+                Origin::Message {
+                    replay: Some(Lsn(0x800)),
                 },
             ),
         );
-        assert_eq!(letter.name, "w.replay.dlq.s.dlq.4.0");
+        assert_eq!(message.name, "w.replay.0/800.0");
+        let letter = |snapshot: Option<Lsn>, xid: u32| {
+            slot_of(
+                "w",
+                &at(
+                    0x1000,
+                    3,
+                    xid,
+                    Origin::DeadLetterReplay {
+                        letter: "dlq.s.dlq.4".into(),
+                        snapshot,
+                    },
+                ),
+            )
+        };
+        assert_eq!(letter(None, 7).name, "w.replay.dlq.s.dlq.4.0");
+        let row = letter(Some(Lsn(0x1000)), 0);
+        assert_eq!(
+            (row.name.as_str(), row.id),
+            ("w.replay.dlq.s.dlq.4.s1000", 4)
+        );
     }
 }

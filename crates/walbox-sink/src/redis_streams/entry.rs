@@ -159,6 +159,43 @@ mod tests {
         assert_eq!(txn[1], entry_id(4096, 1));
     }
 
+    /// A snapshot row's dead letter, replayed by `walbox dlq replay`, goes
+    /// to the row's own id outside commit order (2 below the point), never
+    /// to the id of a transaction's event committed at the point.
+    #[test]
+    fn a_snapshot_rows_letter_replayed_keeps_its_place_outside_commit_order() {
+        let p = walbox_pgoutput::Lsn(4096);
+        let at = |xid: u32, origin: Origin| {
+            event_entry_id(
+                &Position {
+                    commit_lsn: p,
+                    index: 0,
+                    xid,
+                },
+                &origin,
+            )
+        };
+        let letter = at(
+            0,
+            Origin::DeadLetterReplay {
+                letter: "dlq.s.dlq.0".into(),
+                snapshot: Some(p),
+            },
+        );
+        let row = at(0, Origin::Snapshot { point: p });
+        let txn = at(9, Origin::Stream);
+        assert_eq!(letter, row);
+        assert_ne!(letter, txn);
+        let streamed_letter = at(
+            9,
+            Origin::DeadLetterReplay {
+                letter: "dlq.s.dlq.1".into(),
+                snapshot: None,
+            },
+        );
+        assert_eq!(streamed_letter, txn);
+    }
+
     #[test]
     fn two_tables_in_one_slot_share_one_order_of_positions() {
         // Positions come from one slot's WAL, so events of two tables (or

@@ -636,3 +636,39 @@ fn an_earlier_table_of_the_name_before_the_expected_one_is_streamed() {
         .collect();
     assert_eq!(ids, ["a", "b"]);
 }
+
+#[test]
+fn every_event_a_replay_reads_is_the_replays_a_non_transactional_messages_letter_too() {
+    // `walbox replay --from 0/C8` reads a transaction and, before it, a
+    // non-transactional message: both are the replay's copies (a sink
+    // stores them under the replay's ids), and the message's letter stays
+    // outside commit order (a sink keeps its id apart from the commit that
+    // may share its LSN).
+    let mut c = core(false);
+    c.replay_from(Lsn(200));
+    c.on_wal(message("walbox", false, 300, "not json")).unwrap();
+    for m in [
+        begin(300),
+        message("walbox", true, 290, &event("t", "k")),
+        commit(340),
+    ] {
+        c.on_wal(m).unwrap();
+    }
+    let sent = drain(&mut c);
+    let origins: Vec<&walbox_outbox::Origin> = sent.iter().map(|(e, _, _)| &e.origin).collect();
+    assert_eq!(
+        origins,
+        [
+            &walbox_outbox::Origin::Message {
+                replay: Some(Lsn(200))
+            },
+            &walbox_outbox::Origin::Replay { from: Lsn(200) },
+        ]
+    );
+    assert!(
+        sent.iter()
+            .all(|(e, _, _)| e.origin.replay_name().as_deref() == Some("0/C8"))
+    );
+    assert!(sent[0].0.origin.outside_commit_order());
+    assert!(!sent[1].0.origin.outside_commit_order());
+}
