@@ -4,7 +4,8 @@
 //! top, fails the delivery for good naming both; an event below the top with
 //! an empty id is appended after the top; a replay stores every event again;
 //! a key of another type refuses its entry alone; any other refusal stores
-//! nothing after it.
+//! nothing after it; dead letters are never trimmed, and pending letters
+//! whose entries are gone are named.
 
 use std::time::Duration;
 
@@ -613,4 +614,101 @@ async fn the_same_event_id_with_another_key_at_the_id_is_not_a_duplicate() {
     let (r, dups) = send_all(&cfg, None, vec![event("e1", s, 100, 0)]).await;
     assert!(r[0].is_ok(), "{r:?}");
     assert_eq!(dups, 1);
+}
+
+/// `event` as the dead letter of an event of `stream` (it carries walbox's
+/// error class), to `{stream}.dlq`.
+fn dead_letter(id: &str, stream: &str, lsn: u64) -> Event {
+    let mut e = event(id, &format!("{stream}.dlq"), lsn, 0);
+    e.headers.push((
+        walbox_outbox::dead_letter_header::ERROR_CLASS.into(),
+        Bytes::from_static(b"invalid_topic"),
+    ));
+    e
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_never_trimmed_by_maxlen_or_minid() {
+    // A letter trimmed away before `walbox dlq replay` runs would be gone:
+    // trimming applies to the streams of events, never to dead letters.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    // One entry per node, so that `~` trims as far as it is asked to.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("stream-node-max-entries")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let maxlen = RedisSinkConfig {
+        maxlen: Some(1),
+        ..config(&redis, "slot_a")
+    };
+    let minid = RedisSinkConfig {
+        minid_behind_bytes: Some(50),
+        ..config(&redis, "slot_a")
+    };
+    for (cfg, s) in [(&maxlen, "outbox.maxlen"), (&minid, "outbox.minid")] {
+        let mut events = Vec::new();
+        for (n, lsn) in [100u64, 200, 300].into_iter().enumerate() {
+            events.push(event(&format!("e{n}"), s, lsn, 0));
+            events.push(dead_letter(&format!("d{n}"), s, lsn + 8));
+        }
+        let (r, _) = send_all(cfg, None, events).await;
+        assert!(r.iter().all(Result::is_ok), "{s}: {r:?}");
+        // The events' stream is trimmed as configured ...
+        assert_eq!(ids(&redis, s).await, ["e2"], "{s}");
+        // ... its dead letters are all kept.
+        assert_eq!(
+            ids(&redis, &format!("{s}.dlq")).await,
+            ["d0", "d1", "d2"],
+            "{s}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_letters_whose_entries_are_gone_are_named_and_never_pass_over_the_others() {
+    // Letters read by an earlier `walbox dlq replay` and left pending (they
+    // still failed), then deleted or trimmed from the stream: the consumer
+    // group hands them back as ids without fields. They are named, and a
+    // page of them never ends the reading of the pending letters after it.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.gone";
+    let dlq = format!("{s}.dlq");
+    let letters: Vec<Event> = (0..1_002u64)
+        .map(|n| dead_letter(&format!("d{n}"), s, 100 + 8 * n))
+        .collect();
+    let (r, _) = send_all(&cfg, None, letters).await;
+    assert!(r.iter().all(Result::is_ok));
+    let group = "walbox-dlq-replay.test";
+    // A first run reads them all and leaves them pending.
+    let read = walbox_sink::StreamLetters::read(&cfg, &dlq, group, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the stream exists");
+    let mut n = 0;
+    read.each(|_| n += 1);
+    assert_eq!(n, 1_002);
+    read.settle(|_| false).await.unwrap();
+    // The first 1,001 are deleted; the last one stays.
+    let all = raw_ids(&redis, &dlq).await;
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(&dlq)
+        .arg(&all[..1_001])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let read = walbox_sink::StreamLetters::read(&cfg, &dlq, group, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the stream exists");
+    let mut kept = Vec::new();
+    read.each(|r| kept.push(r.header("event_id").unwrap_or_default().to_owned()));
+    assert_eq!(kept, ["d1001"], "the letter after the gone ones is read");
 }

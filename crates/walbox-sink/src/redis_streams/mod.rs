@@ -20,6 +20,11 @@
 //! the same replay again after a kill counts what the first run appended as
 //! duplicates (its progress per stream is kept in a hash of its own).
 //!
+//! Trimming (`maxlen`, `minid_behind_bytes`) applies to the entries of
+//! events, never to those of dead letters: a stream of dead letters
+//! (`{topic}.dlq`) is never trimmed, so no letter goes before `walbox dlq
+//! replay` reads it.
+//!
 //! Every entry names its writer (`walbox_writer`, the slot by default); the
 //! first entry a batch writes to a stream checks that the stream's newest
 //! entry is this writer's, so a second writer on the stream stops walbox
@@ -341,7 +346,7 @@ impl Writer {
         // (it goes to a dead letter), as a key of another type is.
         let (batch, wide): (Vec<Item>, Vec<Item>) = batch.into_iter().partition(|item| {
             let e = &item.event;
-            let trim = self.config.trim_args(e.position.commit_lsn.0).len();
+            let trim = trim_args(&self.config, e).len();
             let fields = entry::field_count(e, item.replay.is_some());
             3 + trim + 2 * fields <= MAX_XADD_ARGS
         });
@@ -370,7 +375,7 @@ impl Writer {
         for item in &batch {
             let e = &item.event;
             let id = entry::event_entry_id(&e.position, &e.origin);
-            let trim = self.config.trim_args(e.position.commit_lsn.0);
+            let trim = trim_args(&self.config, e);
             let fields = entry::fields_of(e, &writer, item.replay.as_deref());
             call.key(e.topic.as_str());
             call.arg(if item.replay.is_some() { "a" } else { "n" })
@@ -542,6 +547,26 @@ impl Writer {
             token: item.token,
             result,
         });
+    }
+}
+
+/// Whether `event` is a dead letter (it carries walbox's error class).
+fn is_dead_letter(event: &Event) -> bool {
+    event
+        .headers
+        .iter()
+        .any(|(k, _)| k.as_ref() == walbox_outbox::dead_letter_header::ERROR_CLASS)
+}
+
+/// The trimming arguments of `event`'s entry: none for a dead letter, so
+/// that a stream of dead letters is never trimmed (a letter trimmed away
+/// before `walbox dlq replay` runs would be lost); the configured ones
+/// otherwise.
+fn trim_args(config: &RedisSinkConfig, event: &Event) -> Vec<String> {
+    if is_dead_letter(event) {
+        Vec::new()
+    } else {
+        config.trim_args(event.position.commit_lsn.0)
     }
 }
 
