@@ -712,3 +712,48 @@ async fn pending_letters_whose_entries_are_gone_are_named_and_never_pass_over_th
     read.each(|r| kept.push(r.header("event_id").unwrap_or_default().to_owned()));
     assert_eq!(kept, ["d1001"], "the letter after the gone ones is read");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_run_again_stores_the_events_its_first_run_did_not_write_below_its_mark() {
+    // A replay of table A's events, then the same replay (same --from) run
+    // again after table B was added to the configuration: B1 lies below
+    // what the first run recorded, but the stream holds no copy of it from
+    // this replay, so it is stored; A1..A3 are not stored again.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.added";
+    let a = || {
+        vec![
+            event("A1", s, 100, 0),
+            event("A2", s, 200, 0),
+            event("A3", s, 300, 0),
+        ]
+    };
+    let (r, dups) = send_all(&cfg, Some("0/64"), a()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    let mut again = a();
+    again.insert(1, event("B1", s, 150, 0));
+    let (r, dups) = send_all(&cfg, Some("0/64"), again.clone()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(ids(&redis, s).await, ["A1", "A2", "A3", "B1"]);
+    assert_eq!(dups, 3);
+    // A third run stores nothing again.
+    let (_, dups) = send_all(&cfg, Some("0/64"), again.clone()).await;
+    assert_eq!(dups, 4);
+    assert_eq!(ids(&redis, s).await, ["A1", "A2", "A3", "B1"]);
+    // A copy deleted since is stored again; the others are not.
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let copies = raw_ids(&redis, s).await;
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg(&copies[1])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, dups) = send_all(&cfg, Some("0/64"), again).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 3);
+    assert_eq!(ids(&redis, s).await, ["A1", "A3", "B1", "A2"]);
+}

@@ -17,8 +17,11 @@
 //! by an appended one. Stored, at least once for those events (a resend of
 //! one after a crash is appended again). A replay always appends
 //! (events of origin [`walbox_outbox::Origin::Replay`]): its point is to store the events again; a run of
-//! the same replay again after a kill counts what the first run appended as
-//! duplicates (its progress per stream is kept in a hash of its own).
+//! the same replay again after a kill counts an event as a duplicate only
+//! when the stream holds its copy from an earlier run ([`copies`]: the
+//! replay's progress per stream is kept in a hash of its own, and the copies
+//! are read back once per session), so an event the earlier run never wrote
+//! (of a table or prefix added since) is stored.
 //!
 //! Trimming (`maxlen`, `minid_behind_bytes`) applies to the entries of
 //! events, never to those of dead letters: a stream of dead letters
@@ -31,6 +34,7 @@
 //! ([`DeliveryClass::DuplicateId`]), naming both.
 
 mod config;
+mod copies;
 pub(crate) mod entry;
 mod letters;
 mod reader;
@@ -186,6 +190,7 @@ impl RedisSink {
                 in_flight: self.in_flight.clone(),
                 duplicates: self.duplicates.clone(),
                 failed: None,
+                copies: HashMap::new(),
             };
             let task = tokio::spawn(writer.run(rx));
             self.session = Some(Session { queue, task });
@@ -312,6 +317,8 @@ struct Writer {
     /// An entry of this session was not stored: every later one fails
     /// unsent, with this class and reason.
     failed: Option<(DeliveryClass, String)>,
+    /// What earlier runs of a replay stored, by progress hash and stream.
+    copies: HashMap<(String, String), copies::Copies>,
 }
 
 impl Writer {
@@ -363,16 +370,27 @@ impl Writer {
         if batch.is_empty() {
             return;
         }
+        // One batch belongs to one replay or none (the name is the sink's).
+        let progress = batch
+            .first()
+            .and_then(|i| i.replay.as_deref())
+            .map_or_else(String::new, |name| replay_progress_key(&writer, name));
+        // For an event at or below what an earlier run of its replay
+        // appended: the entry that held its copy, if any.
+        let mut held = Vec::with_capacity(batch.len());
+        for item in &batch {
+            match &item.replay {
+                Some(name) => match self.copy_of(&progress, name, &writer, &item.event).await {
+                    Ok(copy) => held.push(copy),
+                    Err(e) => return self.unanswered(batch, &e),
+                },
+                None => held.push(String::new()),
+            }
+        }
         let mut call = script.prepare_invoke();
         call.arg(&writer);
-        // One batch belongs to one replay or none (the name is the sink's).
-        call.arg(
-            batch
-                .first()
-                .and_then(|i| i.replay.as_deref())
-                .map_or_else(String::new, |name| replay_progress_key(&writer, name)),
-        );
-        for item in &batch {
+        call.arg(&progress);
+        for (item, copy) in batch.iter().zip(&held) {
             let e = &item.event;
             let id = entry::event_entry_id(&e.position, &e.origin);
             let trim = trim_args(&self.config, e);
@@ -381,6 +399,7 @@ impl Writer {
             call.arg(if item.replay.is_some() { "a" } else { "n" })
                 .arg(&id)
                 .arg(e.event_id.as_str())
+                .arg(copy)
                 .arg(trim.len());
             for t in &trim {
                 call.arg(t);
@@ -396,24 +415,7 @@ impl Writer {
                 written: Vec::new(),
                 stop: Some((0, Stop::Error("an answer walbox cannot read".into()))),
             }),
-            Err(e) => {
-                let class = if e.is_timeout() {
-                    DeliveryClass::Timeout
-                } else {
-                    DeliveryClass::BrokerError
-                };
-                let reason = format!(
-                    "the batch of {} entries got no answer ({}); whether it was stored is \
-                     checked when walbox writes again from its acknowledged position",
-                    batch.len(),
-                    error_text(&e)
-                );
-                self.failed = Some((DeliveryClass::BrokerError, reason.clone()));
-                for item in batch {
-                    self.report(&item, Err((class, reason.clone())));
-                }
-                return;
-            }
+            Err(e) => return self.unanswered(batch, &e),
         };
         let mut appended = 0usize;
         let mut items = batch.into_iter().enumerate();
@@ -475,6 +477,63 @@ impl Writer {
                  replay) appended after the top"
             );
         }
+    }
+
+    /// The batch got no answer (or what it needs could not be read): it
+    /// fails, and so does every later entry of the session.
+    fn unanswered(&mut self, batch: Vec<Item>, e: &redis::RedisError) {
+        let class = if e.is_timeout() {
+            DeliveryClass::Timeout
+        } else {
+            DeliveryClass::BrokerError
+        };
+        let reason = format!(
+            "the batch of {} entries got no answer ({}); whether it was stored is \
+             checked when walbox writes again from its acknowledged position",
+            batch.len(),
+            error_text(e)
+        );
+        self.failed = Some((DeliveryClass::BrokerError, reason.clone()));
+        for item in batch {
+            self.report(&item, Err((class, reason.clone())));
+        }
+    }
+
+    /// The entry that held the copy of `event` an earlier run of replay
+    /// `name` (progress hash `progress`) appended, when `event` lies at or
+    /// below that replay's mark in its stream; empty otherwise. The copies
+    /// are read once per session and stream, on the first such event.
+    async fn copy_of(
+        &mut self,
+        progress: &str,
+        name: &str,
+        writer: &str,
+        event: &Event,
+    ) -> redis::RedisResult<String> {
+        let stream = event.topic.as_str();
+        let key = (progress.to_owned(), stream.to_owned());
+        if !self.copies.contains_key(&key) {
+            let p = copies::progress(&mut self.con, progress, stream).await?;
+            self.copies.insert(
+                key.clone(),
+                copies::Copies {
+                    progress: p,
+                    held: None,
+                },
+            );
+        }
+        let c = self.copies.get_mut(&key).expect("inserted above");
+        let Some(p) = &c.progress else {
+            return Ok(String::new());
+        };
+        let at = entry::position_of(&entry::event_entry_id(&event.position, &event.origin));
+        if at.is_none_or(|at| at > p.mark) {
+            return Ok(String::new());
+        }
+        if c.held.is_none() {
+            c.held = Some(copies::read_copies(&mut self.con, stream, p, writer, name).await?);
+        }
+        Ok(c.entry_of(&event.event_id).cloned().unwrap_or_default())
     }
 
     fn refusal(&self, event: &Event, stop: &Stop) -> (DeliveryClass, String) {

@@ -14,13 +14,18 @@
 //!    below what the stream holds: a retaken snapshot, a replay) appends the
 //!    event after the top, at `<top ms>-*` with the milliseconds part made
 //!    odd (positions are even), so that it never takes a later position's id;
-//! 3. in a replay, always appends after the top, and records per stream the
-//!    position of the last event appended, with the id and event id of its
-//!    copy, in a hash of the replay's own (`walbox:replay:<writer>:<name>`):
-//!    a run of the same replay again (after a kill) counts an event at or
-//!    below that position as a duplicate, since a replay appends its events
-//!    in position order, as long as the stream still holds that copy (a
-//!    stream deleted or trimmed past it since gets the range again).
+//! 3. in a replay, always appends after the top, and records per stream, in
+//!    a hash of the replay's own (`walbox:replay:<writer>:<name>`), its mark
+//!    (the highest position of an event it appended) and the first and last
+//!    ids of its copies (`<mark> <first> <last>`). A run of the same replay
+//!    again (after a kill) names, for an event at or below the mark, the
+//!    entry the sink found holding a copy of it from this replay
+//!    ([`super::Writer`] reads the copies back once per session, from the
+//!    first id to the last); the script counts the event as a duplicate
+//!    only if that entry still holds it (its event id, key, writer and
+//!    replay name), and appends it otherwise: an event the earlier run never
+//!    wrote (of a table or prefix added to the configuration since), or
+//!    whose copy was deleted or trimmed since, is stored.
 //!
 //! A key of another type (WRONGTYPE) refuses its entry alone (it is about
 //! the record's stream: it goes to a dead letter), and the call goes on.
@@ -34,9 +39,10 @@ use redis::Value;
 
 /// The script. KEYS[i] is entry i's stream; ARGV[1] the writer, ARGV[2] the
 /// replay's progress hash (empty outside a replay); then per
-/// entry: mode (`n`: at its id, `a`: after the top), id, event id, the count
-/// of trimming arguments and them, the count of field names and values and
-/// them.
+/// entry: mode (`n`: at its id, `a`: after the top), id, event id, the id of
+/// the entry holding a copy of it from an earlier run of the replay (empty:
+/// none), the count of trimming arguments and them, the count of field names
+/// and values and them.
 pub const APPEND: &str = r#"
 local writer = ARGV[1]
 local progress = ARGV[2]
@@ -58,33 +64,36 @@ local function above(a, b)
   if #as ~= #bs then return #as > #bs end
   return as > bs
 end
--- Where an earlier run of this replay got to in a stream: the position of
--- the last event it appended, as long as the stream still holds that copy
--- (its id and event id are kept beside the position); false otherwise.
-local marks = {}
-local function replayed(key)
-  if marks[key] ~= nil then return marks[key] end
-  local m = false
+-- What this replay recorded of a stream: {mark, first, last} (an earlier
+-- form, `<position> <copy id> <event id>`, gives its copy as the last, the
+-- first unknown), or false.
+local recorded = {}
+local function progress_of(key)
+  if recorded[key] ~= nil then return recorded[key] end
+  local p = false
   local v = redis.call('HGET', progress, key)
   if v then
-    local pos, at, eid = string.match(v, '^(%S+) (%S+) (.*)$')
-    if pos then
-      local r = redis.pcall('XRANGE', key, at, at)
-      if not r.err and #r > 0 and field(r[1][2], 'event_id') == eid then m = pos end
+    local mark, first, last = string.match(v, '^(%d+%-%d+) (%d+%-%d+) (%d+%-%d+)$')
+    if mark then
+      p = {mark, first, last}
+    else
+      local pos, at = string.match(v, '^(%d+%-%d+) (%d+%-%d+) ')
+      if pos then p = {pos, '0-0', at} end
     end
   end
-  marks[key] = m
-  return m
+  recorded[key] = p
+  return p
 end
 for i = 1, #KEYS do
   local key = KEYS[i]
   local mode = ARGV[pos]
   local id = ARGV[pos + 1]
   local eid = ARGV[pos + 2]
+  local copy = ARGV[pos + 3]
   local args = {'XADD', key}
-  local ntrim = tonumber(ARGV[pos + 3])
-  for j = 1, ntrim do args[#args + 1] = ARGV[pos + 3 + j] end
-  pos = pos + 4 + ntrim
+  local ntrim = tonumber(ARGV[pos + 4])
+  for j = 1, ntrim do args[#args + 1] = ARGV[pos + 4 + j] end
+  pos = pos + 5 + ntrim
   local nfields = tonumber(ARGV[pos])
   local fields = {}
   for j = 1, nfields do fields[j] = ARGV[pos + j] end
@@ -109,10 +118,19 @@ for i = 1, #KEYS do
     return redis.pcall(unpack(call))
   end
   local after = mode == 'a'
-  local mark = false
-  if after and progress ~= '' then mark = replayed(key) end
-  if after and mark and not above(id, mark) then
-    -- Stored by an earlier run of this replay (a replay stores in order).
+  local held = false
+  if after and copy ~= '' and not wrongtype then
+    -- Stored by an earlier run of this replay: only if the entry named
+    -- still holds its copy.
+    local c = redis.pcall('XRANGE', key, copy, copy)
+    if not c.err and #c > 0 then
+      local f = c[1][2]
+      held = field(f, 'event_id') == eid and field(f, 'key') == field(fields, 'key')
+        and field(f, 'walbox_writer') == writer
+        and field(f, 'walbox_replay') == field(fields, 'walbox_replay')
+    end
+  end
+  if held then
     out[#out + 1] = 'dup'
     after = false
   elseif wrongtype then
@@ -161,7 +179,16 @@ for i = 1, #KEYS do
     local r = add(at)
     if type(r) == 'table' and r.err then return {out, i, 'error', r.err} end
     if mode == 'a' and progress ~= '' then
-      redis.call('HSET', progress, key, id .. ' ' .. r .. ' ' .. eid)
+      local p = progress_of(key)
+      if not p then
+        p = {id, r, r}
+      else
+        if above(id, p[1]) then p[1] = id end
+        if above(p[2], r) then p[2] = r end
+        if above(r, p[3]) then p[3] = r end
+      end
+      recorded[key] = p
+      redis.call('HSET', progress, key, p[1] .. ' ' .. p[2] .. ' ' .. p[3])
     end
     out[#out + 1] = '+' .. r
   end
