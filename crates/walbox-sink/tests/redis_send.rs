@@ -757,3 +757,112 @@ async fn a_replay_run_again_stores_the_events_its_first_run_did_not_write_below_
     assert_eq!(dups, 3);
     assert_eq!(ids(&redis, s).await, ["A1", "A3", "B1", "A2"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_of_another_writer_added_and_deleted_stops_walbox_naming_the_last_id() {
+    // Another writer's entry added and deleted leaves the stream's
+    // last-generated-id above walbox's entries (here in wall-clock
+    // milliseconds): every later position would be refused as not above the
+    // top and appended. walbox stops instead, naming the stream and that id.
+    // Its own entries deleted by a consumer, appended after the top, or
+    // copied by a replay never stop it.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.lastid";
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("e1", s, 100, 0), event("e2", s, 200, 0)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // A consumer deletes walbox's newest entry; e2 is resent (appended after
+    // the top), e3 goes to its own id.
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg("200-0")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("e2", s, 200, 0), event("e3", s, 300, 0)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // A replay's copy after the top, deleted by a consumer too; then the
+    // next event at its own id.
+    let (r, _) = send_all(&cfg, Some("0/64"), vec![event("e1", s, 100, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let top = raw_ids(&redis, s).await.last().cloned().unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg(&top)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(&cfg, None, vec![event("e4", s, 400, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["100-0", "201-0", "300-0", "400-0"]
+    );
+
+    // Another writer adds an entry (an auto id) and deletes it.
+    let foreign: String = redis::cmd("XADD")
+        .arg(s)
+        .arg("*")
+        .arg("x")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg(&foreign)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("e5", s, 500, 0), event("e6", s, 600, 0)],
+    )
+    .await;
+    let (class, reason) = r[0].clone().expect_err("stopped");
+    assert_eq!(class, DeliveryClass::DuplicateId, "{reason}");
+    assert!(
+        reason.contains(s) && reason.contains(&foreign) && reason.contains("another writer"),
+        "{reason}"
+    );
+    assert!(r[1].is_err(), "{r:?}");
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["100-0", "201-0", "300-0", "400-0"]
+    );
+
+    // The same on a stream walbox has not written yet.
+    let fresh = "outbox.lastid.fresh";
+    let foreign: String = redis::cmd("XADD")
+        .arg(fresh)
+        .arg("*")
+        .arg("x")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(fresh)
+        .arg(&foreign)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(&cfg, None, vec![event("f1", fresh, 100, 0)]).await;
+    let (class, reason) = r[0].clone().expect_err("stopped");
+    assert_eq!(class, DeliveryClass::DuplicateId, "{reason}");
+    assert!(reason.contains(&foreign), "{reason}");
+    assert!(raw_ids(&redis, fresh).await.is_empty());
+}

@@ -31,7 +31,12 @@
 //! Every entry names its writer (`walbox_writer`, the slot by default); the
 //! first entry a batch writes to a stream checks that the stream's newest
 //! entry is this writer's, so a second writer on the stream stops walbox
-//! ([`DeliveryClass::DuplicateId`]), naming both.
+//! ([`DeliveryClass::DuplicateId`]), naming both. It also checks that the
+//! stream's last-generated-id is no higher than the highest id this writer
+//! generated there (recorded per stream in the hash `walbox:ids:<writer>`):
+//! an entry another writer added and deleted leaves it higher, which would
+//! put every later position below the top (each event appended, at least
+//! once); walbox stops instead, naming the stream, the id and what to do.
 
 mod config;
 mod copies;
@@ -390,6 +395,7 @@ impl Writer {
         let mut call = script.prepare_invoke();
         call.arg(&writer);
         call.arg(&progress);
+        call.arg(own_ids_key(&writer));
         for (item, copy) in batch.iter().zip(&held) {
             let e = &item.event;
             let id = entry::event_entry_id(&e.position, &e.origin);
@@ -564,6 +570,20 @@ impl Writer {
                     event.event_id
                 ),
             ),
+            Stop::LastId { last, own } => (
+                DeliveryClass::DuplicateId,
+                format!(
+                    "stream {:?} has had another writer: its last-generated-id {last} is \
+                     above every id this walbox (writer {me:?}) generated there (the \
+                     highest is {own}), so an entry was added there by another writer and \
+                     deleted since; every later event (event {} now) would be refused at \
+                     its own id and only appended after it, stored at least once instead \
+                     of exactly once. Point walbox at a stream of its own (the topic \
+                     template), or, once nothing else writes to it, set the stream's last \
+                     id back with XSETID {} {own}",
+                    event.topic, event.event_id, event.topic
+                ),
+            ),
             Stop::Taken {
                 id,
                 writer,
@@ -634,6 +654,14 @@ fn trim_args(config: &RedisSinkConfig, event: &Event) -> Vec<String> {
 #[must_use]
 pub fn replay_progress_key(writer: &str, name: &str) -> String {
     format!("walbox:replay:{writer}:{name}")
+}
+
+/// The hash in which writer `writer` records, per stream, the highest id it
+/// generated there: a stream whose last-generated-id is above it had another
+/// writer.
+#[must_use]
+pub fn own_ids_key(writer: &str) -> String {
+    format!("walbox:ids:{writer}")
 }
 
 /// The class of a refusal by its error text.

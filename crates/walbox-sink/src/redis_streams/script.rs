@@ -5,7 +5,15 @@
 //!
 //! 1. checks, before the first entry of each stream in the call, that the
 //!    stream's newest entry is this writer's (`walbox_writer`): another
-//!    writer's entry there stops walbox, naming both;
+//!    writer's entry there stops walbox, naming both; and that the stream's
+//!    last-generated-id is no higher than every id this writer generated
+//!    there (kept per stream in the hash `walbox:ids:<writer>`, written in
+//!    the same call; the newest entry's id when it holds none): a higher one
+//!    is an entry another writer added and deleted since, which would put
+//!    every later position below the top (each event appended, at least
+//!    once instead of exactly once), so it stops walbox naming the stream
+//!    and both ids. walbox's own entries deleted by a consumer, appended
+//!    after the top, or copied by a replay stay within its ids;
 //! 2. adds the entry at its id (the position); when Redis refuses it as
 //!    "equal or smaller than the target stream top item", reads the entry at
 //!    that id: the same event id and key is a duplicate (already stored),
@@ -38,7 +46,8 @@
 use redis::Value;
 
 /// The script. KEYS[i] is entry i's stream; ARGV[1] the writer, ARGV[2] the
-/// replay's progress hash (empty outside a replay); then per
+/// replay's progress hash (empty outside a replay), ARGV[3] the writer's hash
+/// of the highest id it generated per stream; then per
 /// entry: mode (`n`: at its id, `a`: after the top), id, event id, the id of
 /// the entry holding a copy of it from an earlier run of the replay (empty:
 /// none), the count of trimming arguments and them, the count of field names
@@ -46,7 +55,8 @@ use redis::Value;
 pub const APPEND: &str = r#"
 local writer = ARGV[1]
 local progress = ARGV[2]
-local pos = 3
+local ownkey = ARGV[3]
+local pos = 4
 local out = {}
 local checked = {}
 local function field(fields, name)
@@ -63,6 +73,23 @@ local function above(a, b)
   if am ~= bm then return am > bm end
   if #as ~= #bs then return #as > #bs end
   return as > bs
+end
+local function is_id(a)
+  return type(a) == 'string' and string.match(a, '^%d+%-%d+$') ~= nil
+end
+-- The highest id this writer generated in each stream (its hash ARGV[3]),
+-- as known in this call; written back before the script returns.
+local own = {}
+local dirty = {}
+local function wrote(key, r)
+  if not own[key] or above(r, own[key]) then
+    own[key] = r
+    dirty[key] = true
+  end
+end
+local function finish(reply)
+  for key in pairs(dirty) do redis.call('HSET', ownkey, key, own[key]) end
+  return reply
 end
 -- What this replay recorded of a stream: {mark, first, last} (an earlier
 -- form, `<position> <copy id> <event id>`, gives its copy as the last, the
@@ -103,12 +130,32 @@ for i = 1, #KEYS do
     local top = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
     if top.err and string.find(top.err, 'WRONGTYPE', 1, true) then
       wrongtype = top.err
-    elseif top.err then return {out, i, 'error', top.err} end
+    elseif top.err then return finish({out, i, 'error', top.err}) end
     if not wrongtype and #top > 0 and field(top[1][2], 'walbox_writer') ~= writer then
-      return {out, i, 'writer', top[1][1], field(top[1][2], 'walbox_writer'),
-              field(top[1][2], 'event_id')}
+      return finish({out, i, 'writer', top[1][1], field(top[1][2], 'walbox_writer'),
+              field(top[1][2], 'event_id')})
     end
-    if not wrongtype then checked[key] = true end
+    if not wrongtype then
+      -- An entry added and deleted since walbox's last: the stream's last
+      -- id above every id this writer generated there (or its newest
+      -- entry, when it recorded none).
+      local info = redis.pcall('XINFO', 'STREAM', key)
+      if not info.err then
+        local last = '0-0'
+        for j = 1, #info, 2 do
+          if info[j] == 'last-generated-id' then last = info[j + 1] end
+        end
+        local bound = '0-0'
+        if #top > 0 then bound = top[1][1] end
+        local mine = redis.call('HGET', ownkey, key)
+        if is_id(mine) and above(mine, bound) then bound = mine end
+        if is_id(last) and above(last, bound) then
+          return finish({out, i, 'lastid', last, bound})
+        end
+        own[key] = bound
+      end
+      checked[key] = true
+    end
   end
   local function add(at)
     local call = {}
@@ -141,22 +188,23 @@ for i = 1, #KEYS do
     local r = add(id)
     if type(r) == 'table' and r.err then
       if not string.find(r.err, 'equal or smaller', 1, true) then
-        return {out, i, 'error', r.err}
+        return finish({out, i, 'error', r.err})
       end
       local at = redis.call('XRANGE', key, id, id)
       if #at > 0 then
         local other = field(at[1][2], 'event_id')
         if other ~= eid then
-          return {out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other}
+          return finish({out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other})
         end
         if field(at[1][2], 'key') ~= field(fields, 'key') then
-          return {out, i, 'rekeyed', id, field(at[1][2], 'walbox_writer'), other}
+          return finish({out, i, 'rekeyed', id, field(at[1][2], 'walbox_writer'), other})
         end
         out[#out + 1] = 'dup'
       else
         after = true
       end
     else
+      wrote(key, r)
       out[#out + 1] = r
     end
   end
@@ -177,7 +225,8 @@ for i = 1, #KEYS do
       end
     end
     local r = add(at)
-    if type(r) == 'table' and r.err then return {out, i, 'error', r.err} end
+    if type(r) == 'table' and r.err then return finish({out, i, 'error', r.err}) end
+    wrote(key, r)
     if mode == 'a' and progress ~= '' then
       local p = progress_of(key)
       if not p then
@@ -193,7 +242,7 @@ for i = 1, #KEYS do
     out[#out + 1] = '+' .. r
   end
 end
-return {out, 0}
+return finish({out, 0})
 "#;
 
 /// What became of one entry the script wrote.
@@ -221,6 +270,15 @@ pub enum Stop {
         writer: String,
         /// Its event id (empty: none).
         event_id: String,
+    },
+    /// The stream's last-generated-id is above every id this writer
+    /// generated there: another writer added an entry and deleted it.
+    LastId {
+        /// The stream's last-generated-id.
+        last: String,
+        /// The highest id this writer generated there (or the newest
+        /// entry's id, `0-0` for an empty stream).
+        own: String,
     },
     /// The entry at the event's id holds another event.
     Taken {
@@ -295,6 +353,10 @@ pub fn parse_reply(v: &Value) -> Option<Reply> {
             id: arg(3),
             writer: arg(4),
             event_id: arg(5),
+        },
+        "lastid" => Stop::LastId {
+            last: arg(3),
+            own: arg(4),
         },
         kind @ ("taken" | "rekeyed") => Stop::Taken {
             id: arg(3),
@@ -378,6 +440,23 @@ mod tests {
             parse_reply(&v).expect("parses").stop,
             Some((0, Stop::OtherWriter { .. }))
         ));
+        let v = Value::Array(vec![
+            Value::Array(vec![]),
+            Value::Int(1),
+            bulk("lastid"),
+            bulk("1700000000000-0"),
+            bulk("400-0"),
+        ]);
+        assert_eq!(
+            parse_reply(&v).expect("parses").stop,
+            Some((
+                0,
+                Stop::LastId {
+                    last: "1700000000000-0".into(),
+                    own: "400-0".into(),
+                }
+            ))
+        );
         let v = Value::Array(vec![
             Value::Array(vec![]),
             Value::Int(1),
