@@ -6,7 +6,8 @@
 //! directory under load loses nothing it acknowledged; events below a
 //! retaken snapshot's rows are appended after them, not taken for stored; a
 //! replay stores its range again; a second walbox on the same stream is
-//! refused naming both; the password never reaches the log, even at trace.
+//! refused naming both; the password never reaches the log, even at trace;
+//! a pending dead letter whose entry is gone is reported, never skipped.
 
 mod common;
 
@@ -664,5 +665,68 @@ async fn dead_letters_are_replayed_to_their_stream_after_a_fix_once_and_kept() {
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("replayed 0 dead letters"), "{out}");
     assert_eq!(read_entries(&redis, "outbox.bad").await.len(), 1);
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_dead_letter_whose_entry_is_gone_is_reported_not_skipped() {
+    let (pg, redis, db, env) = servers_redis(RedisOptions::default(), "").await;
+    let mut con = connection(&redis, None).await;
+    let _: () = redis::cmd("SET")
+        .arg("outbox.bad")
+        .arg("not a stream")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('bad', 'k', 'Poisoned', '{\"seq\": 0}');
+         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('bad', 'k', 'Poisoned', '{\"seq\": 1}');",
+    )
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let dead = read_entries(&redis, "outbox.bad.dlq").await;
+    assert_eq!(dead.len(), 2, "{}", walbox.log());
+    // Unfixed, both letters still fail and stay pending in the group.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    // The first letter's entry is deleted (or trimmed) while it is pending;
+    // the key is fixed.
+    let _: i64 = redis::cmd("XDEL")
+        .arg("outbox.bad.dlq")
+        .arg(&dead[0].id)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg("outbox.bad")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    // The letter still there is replayed; the gone one is reported, never
+    // passed over in silence.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(out.contains("replayed 1 dead letters"), "{out}\n{err}");
+    let both = format!("{out}\n{err}");
+    assert!(
+        both.contains(&dead[0].id) && both.contains("outbox.bad.dlq") && both.contains("gone"),
+        "{both}"
+    );
+    let stored = read_entries(&redis, "outbox.bad").await;
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].field("event_id"), dead[1].header("event_id"));
+    // Every run again says so, until the letter is acknowledged by hand.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay"], &env);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        format!("{out}\n{err}").contains(&dead[0].id),
+        "{out}\n{err}"
+    );
     drop(pg);
 }

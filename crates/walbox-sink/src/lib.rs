@@ -70,7 +70,9 @@
 //! Redis Streams deduplicate by entry id rather than by event id: the
 //! [`RedisSink`] writes each event at the id its position gives, so rule 1
 //! holds through the position; a replay appends after the stream's top and
-//! keeps its own progress per stream (rule 2); a refused id counts as a
+//! keeps its own progress per stream, counting an event as stored by an
+//! earlier run only when the stream holds that run's copy of it (rule 2); a
+//! refused id counts as a
 //! duplicate only once the entry there holds the event id and key (rules 3
 //! and 4);
 //! batches are written by a script that stops at the first refusal, so

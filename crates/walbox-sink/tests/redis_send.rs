@@ -4,7 +4,8 @@
 //! top, fails the delivery for good naming both; an event below the top with
 //! an empty id is appended after the top; a replay stores every event again;
 //! a key of another type refuses its entry alone; any other refusal stores
-//! nothing after it.
+//! nothing after it; dead letters are never trimmed, and pending letters
+//! whose entries are gone are named.
 
 use std::time::Duration;
 
@@ -616,4 +617,255 @@ async fn the_same_event_id_with_another_key_at_the_id_is_not_a_duplicate() {
     let (r, dups) = send_all(&cfg, None, vec![event("e1", s, 100, 0)]).await;
     assert!(r[0].is_ok(), "{r:?}");
     assert_eq!(dups, 1);
+}
+
+/// `event` as the dead letter of an event of `stream` (it carries walbox's
+/// error class), to `{stream}.dlq`.
+fn dead_letter(id: &str, stream: &str, lsn: u64) -> Event {
+    let mut e = event(id, &format!("{stream}.dlq"), lsn, 0);
+    e.headers.push((
+        walbox_outbox::dead_letter_header::ERROR_CLASS.into(),
+        Bytes::from_static(b"invalid_topic"),
+    ));
+    e
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_never_trimmed_by_maxlen_or_minid() {
+    // A letter trimmed away before `walbox dlq replay` runs would be gone:
+    // trimming applies to the streams of events, never to dead letters.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    // One entry per node, so that `~` trims as far as it is asked to.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("stream-node-max-entries")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let maxlen = RedisSinkConfig {
+        maxlen: Some(1),
+        ..config(&redis, "slot_a")
+    };
+    let minid = RedisSinkConfig {
+        minid_behind_bytes: Some(50),
+        ..config(&redis, "slot_a")
+    };
+    for (cfg, s) in [(&maxlen, "outbox.maxlen"), (&minid, "outbox.minid")] {
+        let mut events = Vec::new();
+        for (n, lsn) in [100u64, 200, 300].into_iter().enumerate() {
+            events.push(event(&format!("e{n}"), s, lsn, 0));
+            events.push(dead_letter(&format!("d{n}"), s, lsn + 8));
+        }
+        let (r, _) = send_all(cfg, None, events).await;
+        assert!(r.iter().all(Result::is_ok), "{s}: {r:?}");
+        // The events' stream is trimmed as configured ...
+        assert_eq!(ids(&redis, s).await, ["e2"], "{s}");
+        // ... its dead letters are all kept.
+        assert_eq!(
+            ids(&redis, &format!("{s}.dlq")).await,
+            ["d0", "d1", "d2"],
+            "{s}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_letters_whose_entries_are_gone_are_named_and_never_pass_over_the_others() {
+    // Letters read by an earlier `walbox dlq replay` and left pending (they
+    // still failed), then deleted or trimmed from the stream: the consumer
+    // group hands them back as ids without fields. They are named, and a
+    // page of them never ends the reading of the pending letters after it.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.gone";
+    let dlq = format!("{s}.dlq");
+    let letters: Vec<Event> = (0..1_002u64)
+        .map(|n| dead_letter(&format!("d{n}"), s, 100 + 8 * n))
+        .collect();
+    let (r, _) = send_all(&cfg, None, letters).await;
+    assert!(r.iter().all(Result::is_ok));
+    let group = "walbox-dlq-replay.test";
+    // A first run reads them all and leaves them pending.
+    let read = walbox_sink::StreamLetters::read(&cfg, &dlq, group, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the stream exists");
+    let mut n = 0;
+    read.each(|_| n += 1);
+    assert_eq!(n, 1_002);
+    read.settle(|_| false).await.unwrap();
+    // The first 1,001 are deleted; the last one stays.
+    let all = raw_ids(&redis, &dlq).await;
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(&dlq)
+        .arg(&all[..1_001])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let read = walbox_sink::StreamLetters::read(&cfg, &dlq, group, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the stream exists");
+    let mut kept = Vec::new();
+    read.each(|r| kept.push(r.header("event_id").unwrap_or_default().to_owned()));
+    assert_eq!(kept, ["d1001"], "the letter after the gone ones is read");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_run_again_stores_the_events_its_first_run_did_not_write_below_its_mark() {
+    // A replay of table A's events, then the same replay (same --from) run
+    // again after table B was added to the configuration: B1 lies below
+    // what the first run recorded, but the stream holds no copy of it from
+    // this replay, so it is stored; A1..A3 are not stored again.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.added";
+    let a = || {
+        vec![
+            event("A1", s, 100, 0),
+            event("A2", s, 200, 0),
+            event("A3", s, 300, 0),
+        ]
+    };
+    let (r, dups) = send_all(&cfg, Some("0/64"), a()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 0);
+    let mut again = a();
+    again.insert(1, event("B1", s, 150, 0));
+    let (r, dups) = send_all(&cfg, Some("0/64"), again.clone()).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(ids(&redis, s).await, ["A1", "A2", "A3", "B1"]);
+    assert_eq!(dups, 3);
+    // A third run stores nothing again.
+    let (_, dups) = send_all(&cfg, Some("0/64"), again.clone()).await;
+    assert_eq!(dups, 4);
+    assert_eq!(ids(&redis, s).await, ["A1", "A2", "A3", "B1"]);
+    // A copy deleted since is stored again; the others are not.
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let copies = raw_ids(&redis, s).await;
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg(&copies[1])
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, dups) = send_all(&cfg, Some("0/64"), again).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(dups, 3);
+    assert_eq!(ids(&redis, s).await, ["A1", "A3", "B1", "A2"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_of_another_writer_added_and_deleted_stops_walbox_naming_the_last_id() {
+    // Another writer's entry added and deleted leaves the stream's
+    // last-generated-id above walbox's entries (here in wall-clock
+    // milliseconds): every later position would be refused as not above the
+    // top and appended. walbox stops instead, naming the stream and that id.
+    // Its own entries deleted by a consumer, appended after the top, or
+    // copied by a replay never stop it.
+    let redis = RedisServer::start().expect("redis-server starts");
+    let cfg = config(&redis, "slot_a");
+    let s = "outbox.lastid";
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("e1", s, 100, 0), event("e2", s, 200, 0)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // A consumer deletes walbox's newest entry; e2 is resent (appended after
+    // the top), e3 goes to its own id.
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg("200-0")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("e2", s, 200, 0), event("e3", s, 300, 0)],
+    )
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // A replay's copy after the top, deleted by a consumer too; then the
+    // next event at its own id.
+    let (r, _) = send_all(&cfg, Some("0/64"), vec![event("e1", s, 100, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let top = raw_ids(&redis, s).await.last().cloned().unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg(&top)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(&cfg, None, vec![event("e4", s, 400, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["100-0", "201-0", "300-0", "400-0"]
+    );
+
+    // Another writer adds an entry (an auto id) and deletes it.
+    let foreign: String = redis::cmd("XADD")
+        .arg(s)
+        .arg("*")
+        .arg("x")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(s)
+        .arg(&foreign)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(
+        &cfg,
+        None,
+        vec![event("e5", s, 500, 0), event("e6", s, 600, 0)],
+    )
+    .await;
+    let (class, reason) = r[0].clone().expect_err("stopped");
+    assert_eq!(class, DeliveryClass::DuplicateId, "{reason}");
+    assert!(
+        reason.contains(s) && reason.contains(&foreign) && reason.contains("another writer"),
+        "{reason}"
+    );
+    assert!(r[1].is_err(), "{r:?}");
+    assert_eq!(
+        raw_ids(&redis, s).await,
+        ["100-0", "201-0", "300-0", "400-0"]
+    );
+
+    // The same on a stream walbox has not written yet.
+    let fresh = "outbox.lastid.fresh";
+    let foreign: String = redis::cmd("XADD")
+        .arg(fresh)
+        .arg("*")
+        .arg("x")
+        .arg("1")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("XDEL")
+        .arg(fresh)
+        .arg(&foreign)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (r, _) = send_all(&cfg, None, vec![event("f1", fresh, 100, 0)]).await;
+    let (class, reason) = r[0].clone().expect_err("stopped");
+    assert_eq!(class, DeliveryClass::DuplicateId, "{reason}");
+    assert!(reason.contains(&foreign), "{reason}");
+    assert!(raw_ids(&redis, fresh).await.is_empty());
 }

@@ -11,7 +11,9 @@
 //! applied only to the same file still holding the same bytes up to there,
 //! else the file is replayed from its first letter),
 //! with Redis Streams as a consumer group on the dead-letter stream (a letter
-//! that still fails stays pending), with RabbitMQ (exchange mode) as the
+//! that still fails stays pending; a pending letter whose entry was deleted
+//! or trimmed since is reported as an error on every run, never passed
+//! over), with RabbitMQ (exchange mode) as the
 //! acknowledgements of the messages of the dead-letter queue the user bound (`sink.rabbitmq.dead_letter_queue`), with RabbitMQ
 //! streams as an offset the broker stores per dead-letter stream (each
 //! letter's event published as a replay of its own, under producer names
@@ -212,6 +214,7 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         already: 0,
         failing: 0,
         kept: 0,
+        gone: 0,
     };
     match config.sink.kind {
         SinkKind::Kafka => {
@@ -344,6 +347,18 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 else {
                     continue;
                 };
+                // Letters pending in the group whose entries are gone: never
+                // passed over in silence; they stay pending.
+                for id in read.gone() {
+                    tracing::error!(
+                        "dead letter {id} of stream {dlq} is pending in consumer group \
+                         {group}, but the stream no longer holds its entry (deleted or \
+                         trimmed): its event cannot be replayed from it; store the event \
+                         otherwise (walbox replay over its position), then acknowledge \
+                         the letter with XACK {dlq} {group} {id}"
+                    );
+                    run.gone += 1;
+                }
                 let mut letters = Vec::new();
                 read.each(|r| letters.push(parse(&r)));
                 let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
@@ -416,10 +431,11 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
-    let (replayed, already, failing, kept) = (run.replayed, run.already, run.failing, run.kept);
+    let (replayed, already, failing, kept, gone) =
+        (run.replayed, run.already, run.failing, run.kept, run.gone);
     println_out(&format!(
         "{} {} dead letters; {failing} still failing (left in place); {kept} not replayable \
-         (left in place){}",
+         (left in place){}{}",
         if args.dry_run {
             "would replay"
         } else {
@@ -433,10 +449,27 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
             )
         } else {
             String::new()
+        },
+        if gone > 0 {
+            format!(
+                "; {gone} pending whose entries are gone (deleted or trimmed; left pending, \
+                 see the errors above)"
+            )
+        } else {
+            String::new()
         }
     ));
+    let mut wrong = Vec::new();
     if failing > 0 {
-        bail!("{failing} dead letters still fail");
+        wrong.push(format!("{failing} dead letters still fail"));
+    }
+    if gone > 0 {
+        wrong.push(format!(
+            "{gone} pending dead letters are gone from their stream"
+        ));
+    }
+    if !wrong.is_empty() {
+        bail!("{}", wrong.join("; "));
     }
     Ok(())
 }
@@ -488,6 +521,9 @@ struct Run<'a> {
     failing: u64,
     /// Letters that can never be replayed: done, and left in place.
     kept: u64,
+    /// Letters pending in a Redis consumer group whose entries the stream
+    /// no longer holds: left pending, and reported.
+    gone: u64,
 }
 
 impl Run<'_> {

@@ -42,12 +42,15 @@ pub struct RedisSinkConfig {
     /// the replication slot's name.
     #[serde(default)]
     pub writer: Option<String>,
-    /// Trim each stream to about this many entries (`XADD MAXLEN ~`); off
-    /// when unset.
+    /// Trim each stream of events to about this many entries (`XADD MAXLEN
+    /// ~`); off when unset. Dead letters are written without trimming: a
+    /// stream of dead letters (`{topic}.dlq`) is never trimmed.
     #[serde(default)]
     pub maxlen: Option<u64>,
     /// Trim entries whose commit LSN is more than this many bytes of WAL
-    /// below the entry written (`XADD MINID ~`); off when unset.
+    /// below the entry written (`XADD MINID ~`); off when unset. Dead
+    /// letters are written without trimming: a stream of dead letters
+    /// (`{topic}.dlq`) is never trimmed.
     #[serde(default)]
     pub minid_behind_bytes: Option<u64>,
     /// Go on, with a warning, when the server does not fsync every write
@@ -280,7 +283,8 @@ impl RedisSinkConfig {
             .set_response_timeout(Some(Duration::from_millis(self.ack_timeout_ms)))
     }
 
-    /// The trimming arguments of an entry whose commit LSN is `lsn`.
+    /// The trimming arguments of an event's entry whose commit LSN is `lsn`
+    /// (a dead letter's entry has none).
     pub(crate) fn trim_args(&self, lsn: u64) -> Vec<String> {
         if let Some(n) = self.maxlen {
             vec!["MAXLEN".into(), "~".into(), n.to_string()]

@@ -2,6 +2,11 @@
 //! dead-letter stream, which keeps the progress: a letter is acknowledged
 //! (XACK) once replayed; one that still fails stays pending and is read
 //! again, before any new one, by the next run.
+//!
+//! A pending letter whose entry the stream no longer holds (deleted, or
+//! trimmed by hand: walbox never trims a stream of dead letters) comes back
+//! from the group as an id without fields: it is named
+//! ([`StreamLetters::gone`]), never passed over, and stays pending.
 
 use std::time::Duration;
 
@@ -21,6 +26,7 @@ pub struct StreamLetters {
     stream: String,
     group: String,
     entries: Vec<StreamEntry>,
+    gone: Vec<String>,
 }
 
 impl std::fmt::Debug for StreamLetters {
@@ -29,6 +35,7 @@ impl std::fmt::Debug for StreamLetters {
             .field("stream", &self.stream)
             .field("group", &self.group)
             .field("entries", &self.entries.len())
+            .field("gone", &self.gone.len())
             .finish_non_exhaustive()
     }
 }
@@ -71,6 +78,7 @@ impl StreamLetters {
             return Err(fail(error_text(&e)));
         }
         let mut all = Vec::new();
+        let mut gone = Vec::new();
         let mut offset = 0i64;
         // Pending letters first (from id 0 on), then new ones (`>`).
         let mut from = "0".to_owned();
@@ -91,21 +99,35 @@ impl StreamLetters {
             .await
             .map_err(|_| fail("no answer within the timeout".into()))?
             .map_err(|e| fail(error_text(&e)))?;
-            let got = entries(&stream_part(&reply), &mut offset);
-            match (got.last(), from.as_str()) {
+            let part = stream_part(&reply);
+            let (without_fields, last) = ids_without_fields(&part);
+            // Paged by the last id the group handed back, with fields or
+            // not: a page of gone letters never ends the pending ones.
+            match (last, from.as_str()) {
                 (None, ">") => break,
                 (None, _) => from = ">".into(),
-                (Some(last), f) if f != ">" => from = last.id.clone(),
+                (Some(last), f) if f != ">" => from = last,
                 _ => {}
             }
-            all.extend(got);
+            all.extend(entries(&part, &mut offset));
+            gone.extend(without_fields);
         }
         Ok(Some(StreamLetters {
             con,
             stream: stream.to_owned(),
             group: group.to_owned(),
             entries: all,
+            gone,
         }))
+    }
+
+    /// The ids of letters pending in the group whose entries the stream no
+    /// longer holds (deleted or trimmed): nothing is left to replay them
+    /// from. They stay pending, so every run names them again until they
+    /// are acknowledged by hand (`XACK <stream> <group> <id>`).
+    #[must_use]
+    pub fn gone(&self) -> &[String] {
+        &self.gone
     }
 
     /// Hands every letter read to `each`, in order.
@@ -140,6 +162,30 @@ impl StreamLetters {
     }
 }
 
+/// The ids of the entries in an XREADGROUP reply's entries that come without
+/// fields (pending, but deleted from the stream since), and the last id of
+/// all.
+fn ids_without_fields(v: &Value) -> (Vec<String>, Option<String>) {
+    let Value::Array(items) = v else {
+        return (Vec::new(), None);
+    };
+    let mut gone = Vec::new();
+    let mut last = None;
+    for item in items {
+        let Value::Array(parts) = item else { continue };
+        let id = match parts.first() {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::SimpleString(s)) => s.clone(),
+            _ => continue,
+        };
+        if !matches!(parts.get(1), Some(Value::Array(_))) {
+            gone.push(id.clone());
+        }
+        last = Some(id);
+    }
+    (gone, last)
+}
+
 /// The entries of the one stream in an XREADGROUP reply (`[[name, entries]]`,
 /// or a map of name to entries in RESP3; nil when there is nothing).
 fn stream_part(v: &Value) -> Value {
@@ -150,5 +196,36 @@ fn stream_part(v: &Value) -> Value {
         },
         Value::Map(m) => m.first().map(|(_, e)| e.clone()).unwrap_or(Value::Nil),
         _ => Value::Nil,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn pending_entries_without_fields_are_named_and_count_for_paging() {
+        // XREADGROUP hands back a pending entry deleted since as [id, nil].
+        let page = Value::Array(vec![
+            Value::Array(vec![bulk("1-0"), Value::Array(vec![bulk("a"), bulk("1")])]),
+            Value::Array(vec![bulk("2-0"), Value::Nil]),
+            Value::Array(vec![bulk("3-0"), Value::Nil]),
+        ]);
+        assert_eq!(
+            ids_without_fields(&page),
+            (
+                vec!["2-0".to_owned(), "3-0".to_owned()],
+                Some("3-0".to_owned())
+            )
+        );
+        let mut offset = 0;
+        let read = entries(&page, &mut offset);
+        assert_eq!(read.len(), 1);
+        assert_eq!(read[0].id, "1-0");
+        assert_eq!(ids_without_fields(&Value::Nil), (Vec::new(), None));
     }
 }

@@ -17,15 +17,29 @@
 //! by an appended one. Stored, at least once for those events (a resend of
 //! one after a crash is appended again). A replay always appends
 //! (events of origin [`walbox_outbox::Origin::Replay`]): its point is to store the events again; a run of
-//! the same replay again after a kill counts what the first run appended as
-//! duplicates (its progress per stream is kept in a hash of its own).
+//! the same replay again after a kill counts an event as a duplicate only
+//! when the stream holds its copy from an earlier run ([`copies`]: the
+//! replay's progress per stream is kept in a hash of its own, and the copies
+//! are read back once per session), so an event the earlier run never wrote
+//! (of a table or prefix added since) is stored.
+//!
+//! Trimming (`maxlen`, `minid_behind_bytes`) applies to the entries of
+//! events, never to those of dead letters: a stream of dead letters
+//! (`{topic}.dlq`) is never trimmed, so no letter goes before `walbox dlq
+//! replay` reads it.
 //!
 //! Every entry names its writer (`walbox_writer`, the slot by default); the
 //! first entry a batch writes to a stream checks that the stream's newest
 //! entry is this writer's, so a second writer on the stream stops walbox
-//! ([`DeliveryClass::DuplicateId`]), naming both.
+//! ([`DeliveryClass::DuplicateId`]), naming both. It also checks that the
+//! stream's last-generated-id is no higher than the highest id this writer
+//! generated there (recorded per stream in the hash `walbox:ids:<writer>`):
+//! an entry another writer added and deleted leaves it higher, which would
+//! put every later position below the top (each event appended, at least
+//! once); walbox stops instead, naming the stream, the id and what to do.
 
 mod config;
+mod copies;
 pub(crate) mod entry;
 mod letters;
 mod reader;
@@ -181,6 +195,7 @@ impl RedisSink {
                 in_flight: self.in_flight.clone(),
                 duplicates: self.duplicates.clone(),
                 failed: None,
+                copies: HashMap::new(),
             };
             let task = tokio::spawn(writer.run(rx));
             self.session = Some(Session { queue, task });
@@ -307,6 +322,8 @@ struct Writer {
     /// An entry of this session was not stored: every later one fails
     /// unsent, with this class and reason.
     failed: Option<(DeliveryClass, String)>,
+    /// What earlier runs of a replay stored, by progress hash and stream.
+    copies: HashMap<(String, String), copies::Copies>,
 }
 
 impl Writer {
@@ -341,7 +358,7 @@ impl Writer {
         // (it goes to a dead letter), as a key of another type is.
         let (batch, wide): (Vec<Item>, Vec<Item>) = batch.into_iter().partition(|item| {
             let e = &item.event;
-            let trim = self.config.trim_args(e.position.commit_lsn.0).len();
+            let trim = trim_args(&self.config, e).len();
             let fields = entry::field_count(e, item.replay.is_some());
             3 + trim + 2 * fields <= MAX_XADD_ARGS
         });
@@ -358,24 +375,37 @@ impl Writer {
         if batch.is_empty() {
             return;
         }
+        // One batch belongs to one replay or none (the name is the sink's).
+        let progress = batch
+            .first()
+            .and_then(|i| i.replay.as_deref())
+            .map_or_else(String::new, |name| replay_progress_key(&writer, name));
+        // For an event at or below what an earlier run of its replay
+        // appended: the entry that held its copy, if any.
+        let mut held = Vec::with_capacity(batch.len());
+        for item in &batch {
+            match &item.replay {
+                Some(name) => match self.copy_of(&progress, name, &writer, &item.event).await {
+                    Ok(copy) => held.push(copy),
+                    Err(e) => return self.unanswered(batch, &e),
+                },
+                None => held.push(String::new()),
+            }
+        }
         let mut call = script.prepare_invoke();
         call.arg(&writer);
-        // One batch belongs to one replay or none (the name is the sink's).
-        call.arg(
-            batch
-                .first()
-                .and_then(|i| i.replay.as_deref())
-                .map_or_else(String::new, |name| replay_progress_key(&writer, name)),
-        );
-        for item in &batch {
+        call.arg(&progress);
+        call.arg(own_ids_key(&writer));
+        for (item, copy) in batch.iter().zip(&held) {
             let e = &item.event;
             let id = entry::event_entry_id(&e.position, &e.origin);
-            let trim = self.config.trim_args(e.position.commit_lsn.0);
+            let trim = trim_args(&self.config, e);
             let fields = entry::fields_of(e, &writer, item.replay.as_deref());
             call.key(e.topic.as_str());
             call.arg(if item.replay.is_some() { "a" } else { "n" })
                 .arg(&id)
                 .arg(e.event_id.as_str())
+                .arg(copy)
                 .arg(trim.len());
             for t in &trim {
                 call.arg(t);
@@ -391,24 +421,7 @@ impl Writer {
                 written: Vec::new(),
                 stop: Some((0, Stop::Error("an answer walbox cannot read".into()))),
             }),
-            Err(e) => {
-                let class = if e.is_timeout() {
-                    DeliveryClass::Timeout
-                } else {
-                    DeliveryClass::BrokerError
-                };
-                let reason = format!(
-                    "the batch of {} entries got no answer ({}); whether it was stored is \
-                     checked when walbox writes again from its acknowledged position",
-                    batch.len(),
-                    error_text(&e)
-                );
-                self.failed = Some((DeliveryClass::BrokerError, reason.clone()));
-                for item in batch {
-                    self.report(&item, Err((class, reason.clone())));
-                }
-                return;
-            }
+            Err(e) => return self.unanswered(batch, &e),
         };
         let mut appended = 0usize;
         let mut items = batch.into_iter().enumerate();
@@ -472,6 +485,63 @@ impl Writer {
         }
     }
 
+    /// The batch got no answer (or what it needs could not be read): it
+    /// fails, and so does every later entry of the session.
+    fn unanswered(&mut self, batch: Vec<Item>, e: &redis::RedisError) {
+        let class = if e.is_timeout() {
+            DeliveryClass::Timeout
+        } else {
+            DeliveryClass::BrokerError
+        };
+        let reason = format!(
+            "the batch of {} entries got no answer ({}); whether it was stored is \
+             checked when walbox writes again from its acknowledged position",
+            batch.len(),
+            error_text(e)
+        );
+        self.failed = Some((DeliveryClass::BrokerError, reason.clone()));
+        for item in batch {
+            self.report(&item, Err((class, reason.clone())));
+        }
+    }
+
+    /// The entry that held the copy of `event` an earlier run of replay
+    /// `name` (progress hash `progress`) appended, when `event` lies at or
+    /// below that replay's mark in its stream; empty otherwise. The copies
+    /// are read once per session and stream, on the first such event.
+    async fn copy_of(
+        &mut self,
+        progress: &str,
+        name: &str,
+        writer: &str,
+        event: &Event,
+    ) -> redis::RedisResult<String> {
+        let stream = event.topic.as_str();
+        let key = (progress.to_owned(), stream.to_owned());
+        if !self.copies.contains_key(&key) {
+            let p = copies::progress(&mut self.con, progress, stream).await?;
+            self.copies.insert(
+                key.clone(),
+                copies::Copies {
+                    progress: p,
+                    held: None,
+                },
+            );
+        }
+        let c = self.copies.get_mut(&key).expect("inserted above");
+        let Some(p) = &c.progress else {
+            return Ok(String::new());
+        };
+        let at = entry::position_of(&entry::event_entry_id(&event.position, &event.origin));
+        if at.is_none_or(|at| at > p.mark) {
+            return Ok(String::new());
+        }
+        if c.held.is_none() {
+            c.held = Some(copies::read_copies(&mut self.con, stream, p, writer, name).await?);
+        }
+        Ok(c.entry_of(&event.event_id).cloned().unwrap_or_default())
+    }
+
     fn refusal(&self, event: &Event, stop: &Stop) -> (DeliveryClass, String) {
         let me = self.config.writer_name();
         match stop {
@@ -498,6 +568,20 @@ impl Writer {
                         event_id
                     },
                     event.event_id
+                ),
+            ),
+            Stop::LastId { last, own } => (
+                DeliveryClass::DuplicateId,
+                format!(
+                    "stream {:?} has had another writer: its last-generated-id {last} is \
+                     above every id this walbox (writer {me:?}) generated there (the \
+                     highest is {own}), so an entry was added there by another writer and \
+                     deleted since; every later event (event {} now) would be refused at \
+                     its own id and only appended after it, stored at least once instead \
+                     of exactly once. Point walbox at a stream of its own (the topic \
+                     template), or, once nothing else writes to it, set the stream's last \
+                     id back with XSETID {} {own}",
+                    event.topic, event.event_id, event.topic
                 ),
             ),
             Stop::Taken {
@@ -545,11 +629,39 @@ impl Writer {
     }
 }
 
+/// Whether `event` is a dead letter (it carries walbox's error class).
+fn is_dead_letter(event: &Event) -> bool {
+    event
+        .headers
+        .iter()
+        .any(|(k, _)| k.as_ref() == walbox_outbox::dead_letter_header::ERROR_CLASS)
+}
+
+/// The trimming arguments of `event`'s entry: none for a dead letter, so
+/// that a stream of dead letters is never trimmed (a letter trimmed away
+/// before `walbox dlq replay` runs would be lost); the configured ones
+/// otherwise.
+fn trim_args(config: &RedisSinkConfig, event: &Event) -> Vec<String> {
+    if is_dead_letter(event) {
+        Vec::new()
+    } else {
+        config.trim_args(event.position.commit_lsn.0)
+    }
+}
+
 /// The hash in which a replay named `name` records, per stream, the position
 /// of the last event it appended.
 #[must_use]
 pub fn replay_progress_key(writer: &str, name: &str) -> String {
     format!("walbox:replay:{writer}:{name}")
+}
+
+/// The hash in which writer `writer` records, per stream, the highest id it
+/// generated there: a stream whose last-generated-id is above it had another
+/// writer.
+#[must_use]
+pub fn own_ids_key(writer: &str) -> String {
+    format!("walbox:ids:{writer}")
 }
 
 /// The class of a refusal by its error text.

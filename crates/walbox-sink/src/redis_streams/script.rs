@@ -5,7 +5,15 @@
 //!
 //! 1. checks, before the first entry of each stream in the call, that the
 //!    stream's newest entry is this writer's (`walbox_writer`): another
-//!    writer's entry there stops walbox, naming both;
+//!    writer's entry there stops walbox, naming both; and that the stream's
+//!    last-generated-id is no higher than every id this writer generated
+//!    there (kept per stream in the hash `walbox:ids:<writer>`, written in
+//!    the same call; the newest entry's id when it holds none): a higher one
+//!    is an entry another writer added and deleted since, which would put
+//!    every later position below the top (each event appended, at least
+//!    once instead of exactly once), so it stops walbox naming the stream
+//!    and both ids. walbox's own entries deleted by a consumer, appended
+//!    after the top, or copied by a replay stay within its ids;
 //! 2. adds the entry at its id (the position); when Redis refuses it as
 //!    "equal or smaller than the target stream top item", reads the entry at
 //!    that id: the same event id and key is a duplicate (already stored),
@@ -14,13 +22,18 @@
 //!    below what the stream holds: a retaken snapshot, a replay) appends the
 //!    event after the top, at `<top ms>-*` with the milliseconds part made
 //!    odd (positions are even), so that it never takes a later position's id;
-//! 3. in a replay, always appends after the top, and records per stream the
-//!    position of the last event appended, with the id and event id of its
-//!    copy, in a hash of the replay's own (`walbox:replay:<writer>:<name>`):
-//!    a run of the same replay again (after a kill) counts an event at or
-//!    below that position as a duplicate, since a replay appends its events
-//!    in position order, as long as the stream still holds that copy (a
-//!    stream deleted or trimmed past it since gets the range again).
+//! 3. in a replay, always appends after the top, and records per stream, in
+//!    a hash of the replay's own (`walbox:replay:<writer>:<name>`), its mark
+//!    (the highest position of an event it appended) and the first and last
+//!    ids of its copies (`<mark> <first> <last>`). A run of the same replay
+//!    again (after a kill) names, for an event at or below the mark, the
+//!    entry the sink found holding a copy of it from this replay
+//!    ([`super::Writer`] reads the copies back once per session, from the
+//!    first id to the last); the script counts the event as a duplicate
+//!    only if that entry still holds it (its event id, key, writer and
+//!    replay name), and appends it otherwise: an event the earlier run never
+//!    wrote (of a table or prefix added to the configuration since), or
+//!    whose copy was deleted or trimmed since, is stored.
 //!
 //! A key of another type (WRONGTYPE) refuses its entry alone (it is about
 //! the record's stream: it goes to a dead letter), and the call goes on.
@@ -33,14 +46,17 @@
 use redis::Value;
 
 /// The script. KEYS[i] is entry i's stream; ARGV[1] the writer, ARGV[2] the
-/// replay's progress hash (empty outside a replay); then per
-/// entry: mode (`n`: at its id, `a`: after the top), id, event id, the count
-/// of trimming arguments and them, the count of field names and values and
-/// them.
+/// replay's progress hash (empty outside a replay), ARGV[3] the writer's hash
+/// of the highest id it generated per stream; then per
+/// entry: mode (`n`: at its id, `a`: after the top), id, event id, the id of
+/// the entry holding a copy of it from an earlier run of the replay (empty:
+/// none), the count of trimming arguments and them, the count of field names
+/// and values and them.
 pub const APPEND: &str = r#"
 local writer = ARGV[1]
 local progress = ARGV[2]
-local pos = 3
+local ownkey = ARGV[3]
+local pos = 4
 local out = {}
 local checked = {}
 local function field(fields, name)
@@ -58,33 +74,53 @@ local function above(a, b)
   if #as ~= #bs then return #as > #bs end
   return as > bs
 end
--- Where an earlier run of this replay got to in a stream: the position of
--- the last event it appended, as long as the stream still holds that copy
--- (its id and event id are kept beside the position); false otherwise.
-local marks = {}
-local function replayed(key)
-  if marks[key] ~= nil then return marks[key] end
-  local m = false
+local function is_id(a)
+  return type(a) == 'string' and string.match(a, '^%d+%-%d+$') ~= nil
+end
+-- The highest id this writer generated in each stream (its hash ARGV[3]),
+-- as known in this call; written back before the script returns.
+local own = {}
+local dirty = {}
+local function wrote(key, r)
+  if not own[key] or above(r, own[key]) then
+    own[key] = r
+    dirty[key] = true
+  end
+end
+local function finish(reply)
+  for key in pairs(dirty) do redis.call('HSET', ownkey, key, own[key]) end
+  return reply
+end
+-- What this replay recorded of a stream: {mark, first, last} (an earlier
+-- form, `<position> <copy id> <event id>`, gives its copy as the last, the
+-- first unknown), or false.
+local recorded = {}
+local function progress_of(key)
+  if recorded[key] ~= nil then return recorded[key] end
+  local p = false
   local v = redis.call('HGET', progress, key)
   if v then
-    local pos, at, eid = string.match(v, '^(%S+) (%S+) (.*)$')
-    if pos then
-      local r = redis.pcall('XRANGE', key, at, at)
-      if not r.err and #r > 0 and field(r[1][2], 'event_id') == eid then m = pos end
+    local mark, first, last = string.match(v, '^(%d+%-%d+) (%d+%-%d+) (%d+%-%d+)$')
+    if mark then
+      p = {mark, first, last}
+    else
+      local pos, at = string.match(v, '^(%d+%-%d+) (%d+%-%d+) ')
+      if pos then p = {pos, '0-0', at} end
     end
   end
-  marks[key] = m
-  return m
+  recorded[key] = p
+  return p
 end
 for i = 1, #KEYS do
   local key = KEYS[i]
   local mode = ARGV[pos]
   local id = ARGV[pos + 1]
   local eid = ARGV[pos + 2]
+  local copy = ARGV[pos + 3]
   local args = {'XADD', key}
-  local ntrim = tonumber(ARGV[pos + 3])
-  for j = 1, ntrim do args[#args + 1] = ARGV[pos + 3 + j] end
-  pos = pos + 4 + ntrim
+  local ntrim = tonumber(ARGV[pos + 4])
+  for j = 1, ntrim do args[#args + 1] = ARGV[pos + 4 + j] end
+  pos = pos + 5 + ntrim
   local nfields = tonumber(ARGV[pos])
   local fields = {}
   for j = 1, nfields do fields[j] = ARGV[pos + j] end
@@ -94,12 +130,32 @@ for i = 1, #KEYS do
     local top = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
     if top.err and string.find(top.err, 'WRONGTYPE', 1, true) then
       wrongtype = top.err
-    elseif top.err then return {out, i, 'error', top.err} end
+    elseif top.err then return finish({out, i, 'error', top.err}) end
     if not wrongtype and #top > 0 and field(top[1][2], 'walbox_writer') ~= writer then
-      return {out, i, 'writer', top[1][1], field(top[1][2], 'walbox_writer'),
-              field(top[1][2], 'event_id')}
+      return finish({out, i, 'writer', top[1][1], field(top[1][2], 'walbox_writer'),
+              field(top[1][2], 'event_id')})
     end
-    if not wrongtype then checked[key] = true end
+    if not wrongtype then
+      -- An entry added and deleted since walbox's last: the stream's last
+      -- id above every id this writer generated there (or its newest
+      -- entry, when it recorded none).
+      local info = redis.pcall('XINFO', 'STREAM', key)
+      if not info.err then
+        local last = '0-0'
+        for j = 1, #info, 2 do
+          if info[j] == 'last-generated-id' then last = info[j + 1] end
+        end
+        local bound = '0-0'
+        if #top > 0 then bound = top[1][1] end
+        local mine = redis.call('HGET', ownkey, key)
+        if is_id(mine) and above(mine, bound) then bound = mine end
+        if is_id(last) and above(last, bound) then
+          return finish({out, i, 'lastid', last, bound})
+        end
+        own[key] = bound
+      end
+      checked[key] = true
+    end
   end
   local function add(at)
     local call = {}
@@ -109,10 +165,19 @@ for i = 1, #KEYS do
     return redis.pcall(unpack(call))
   end
   local after = mode == 'a'
-  local mark = false
-  if after and progress ~= '' then mark = replayed(key) end
-  if after and mark and not above(id, mark) then
-    -- Stored by an earlier run of this replay (a replay stores in order).
+  local held = false
+  if after and copy ~= '' and not wrongtype then
+    -- Stored by an earlier run of this replay: only if the entry named
+    -- still holds its copy.
+    local c = redis.pcall('XRANGE', key, copy, copy)
+    if not c.err and #c > 0 then
+      local f = c[1][2]
+      held = field(f, 'event_id') == eid and field(f, 'key') == field(fields, 'key')
+        and field(f, 'walbox_writer') == writer
+        and field(f, 'walbox_replay') == field(fields, 'walbox_replay')
+    end
+  end
+  if held then
     out[#out + 1] = 'dup'
     after = false
   elseif wrongtype then
@@ -123,22 +188,23 @@ for i = 1, #KEYS do
     local r = add(id)
     if type(r) == 'table' and r.err then
       if not string.find(r.err, 'equal or smaller', 1, true) then
-        return {out, i, 'error', r.err}
+        return finish({out, i, 'error', r.err})
       end
       local at = redis.call('XRANGE', key, id, id)
       if #at > 0 then
         local other = field(at[1][2], 'event_id')
         if other ~= eid then
-          return {out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other}
+          return finish({out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other})
         end
         if field(at[1][2], 'key') ~= field(fields, 'key') then
-          return {out, i, 'rekeyed', id, field(at[1][2], 'walbox_writer'), other}
+          return finish({out, i, 'rekeyed', id, field(at[1][2], 'walbox_writer'), other})
         end
         out[#out + 1] = 'dup'
       else
         after = true
       end
     else
+      wrote(key, r)
       out[#out + 1] = r
     end
   end
@@ -159,14 +225,24 @@ for i = 1, #KEYS do
       end
     end
     local r = add(at)
-    if type(r) == 'table' and r.err then return {out, i, 'error', r.err} end
+    if type(r) == 'table' and r.err then return finish({out, i, 'error', r.err}) end
+    wrote(key, r)
     if mode == 'a' and progress ~= '' then
-      redis.call('HSET', progress, key, id .. ' ' .. r .. ' ' .. eid)
+      local p = progress_of(key)
+      if not p then
+        p = {id, r, r}
+      else
+        if above(id, p[1]) then p[1] = id end
+        if above(p[2], r) then p[2] = r end
+        if above(r, p[3]) then p[3] = r end
+      end
+      recorded[key] = p
+      redis.call('HSET', progress, key, p[1] .. ' ' .. p[2] .. ' ' .. p[3])
     end
     out[#out + 1] = '+' .. r
   end
 end
-return {out, 0}
+return finish({out, 0})
 "#;
 
 /// What became of one entry the script wrote.
@@ -194,6 +270,15 @@ pub enum Stop {
         writer: String,
         /// Its event id (empty: none).
         event_id: String,
+    },
+    /// The stream's last-generated-id is above every id this writer
+    /// generated there: another writer added an entry and deleted it.
+    LastId {
+        /// The stream's last-generated-id.
+        last: String,
+        /// The highest id this writer generated there (or the newest
+        /// entry's id, `0-0` for an empty stream).
+        own: String,
     },
     /// The entry at the event's id holds another event.
     Taken {
@@ -268,6 +353,10 @@ pub fn parse_reply(v: &Value) -> Option<Reply> {
             id: arg(3),
             writer: arg(4),
             event_id: arg(5),
+        },
+        "lastid" => Stop::LastId {
+            last: arg(3),
+            own: arg(4),
         },
         kind @ ("taken" | "rekeyed") => Stop::Taken {
             id: arg(3),
@@ -351,6 +440,23 @@ mod tests {
             parse_reply(&v).expect("parses").stop,
             Some((0, Stop::OtherWriter { .. }))
         ));
+        let v = Value::Array(vec![
+            Value::Array(vec![]),
+            Value::Int(1),
+            bulk("lastid"),
+            bulk("1700000000000-0"),
+            bulk("400-0"),
+        ]);
+        assert_eq!(
+            parse_reply(&v).expect("parses").stop,
+            Some((
+                0,
+                Stop::LastId {
+                    last: "1700000000000-0".into(),
+                    own: "400-0".into(),
+                }
+            ))
+        );
         let v = Value::Array(vec![
             Value::Array(vec![]),
             Value::Int(1),
