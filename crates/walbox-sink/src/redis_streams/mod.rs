@@ -47,8 +47,8 @@ mod script;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use tokio::sync::mpsc;
@@ -61,7 +61,8 @@ pub use letters::StreamLetters;
 pub use reader::{StreamEntry, read_stream};
 use script::{Reply, Stop, Written};
 
-use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
+use crate::{Deliveries, DeliveryClass, Sink, SinkError};
 
 /// Most bytes of values and fields in one script call (at least one event).
 const BATCH_BYTES: usize = 8 << 20;
@@ -83,26 +84,27 @@ struct Item {
     replay: Option<String>,
 }
 
-/// A connected session: its writer task and the queue into it.
+/// A connected session: its writer task (which holds the connection) and
+/// the queue into it.
 struct Session {
     queue: mpsc::UnboundedSender<Item>,
-    task: tokio::task::JoinHandle<()>,
+    _writer: SessionTask,
 }
 
-impl Drop for Session {
-    fn drop(&mut self) {
-        self.task.abort();
+impl Close for Session {
+    fn close(self) -> impl std::future::Future<Output = ()> + Send {
+        // At once: nothing more is written; what was queued is not reported.
+        drop(self);
+        std::future::ready(())
     }
 }
 
 /// Writes events to Redis streams, one stream per topic.
 pub struct RedisSink {
     config: RedisSinkConfig,
-    deliveries: mpsc::UnboundedSender<Delivery>,
-    session: Option<Session>,
-    in_flight: Arc<AtomicUsize>,
+    session: Lifecycle<Session>,
+    reports: Reports,
     duplicates: Arc<AtomicU64>,
-    aborted: bool,
     durability_checked: bool,
 }
 
@@ -165,15 +167,13 @@ impl RedisSink {
     pub fn new(config: RedisSinkConfig) -> Result<(Self, Deliveries), SinkError> {
         crate::install_crypto_provider();
         config.validate()?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (reports, rx) = Reports::new();
         Ok((
             RedisSink {
                 config,
-                deliveries: tx,
-                session: None,
-                in_flight: Arc::new(AtomicUsize::new(0)),
+                session: Lifecycle::default(),
+                reports,
                 duplicates: Arc::new(AtomicU64::new(0)),
-                aborted: false,
                 durability_checked: false,
             },
             rx,
@@ -181,26 +181,35 @@ impl RedisSink {
     }
 
     async fn session(&mut self) -> Result<&Session, SinkError> {
-        if self.session.is_none() {
-            let mut con = connect(&self.config).await?;
-            if !self.durability_checked {
-                check_durability(&mut con, &self.config).await?;
-                self.durability_checked = true;
-            }
-            let (queue, rx) = mpsc::unbounded_channel();
-            let writer = Writer {
-                con,
-                config: self.config.clone(),
-                deliveries: self.deliveries.clone(),
-                in_flight: self.in_flight.clone(),
-                duplicates: self.duplicates.clone(),
-                failed: None,
-                copies: HashMap::new(),
-            };
-            let task = tokio::spawn(writer.run(rx));
-            self.session = Some(Session { queue, task });
-        }
-        Ok(self.session.as_ref().expect("connected above"))
+        self.reports.check()?;
+        let config = &self.config;
+        let reports = &self.reports;
+        let duplicates = &self.duplicates;
+        let checked = &mut self.durability_checked;
+        let session = self
+            .session
+            .open_with(|| async {
+                let mut con = connect(config).await?;
+                if !*checked {
+                    check_durability(&mut con, config).await?;
+                    *checked = true;
+                }
+                let (queue, rx) = mpsc::unbounded_channel();
+                let writer = Writer {
+                    con,
+                    config: config.clone(),
+                    reports: reports.clone(),
+                    duplicates: Arc::clone(duplicates),
+                    failed: FailRest::default(),
+                    copies: HashMap::new(),
+                };
+                Ok(Session {
+                    queue,
+                    _writer: reports.spawn("Redis writer", writer.run(rx)),
+                })
+            })
+            .await?;
+        Ok(session)
     }
 }
 
@@ -316,12 +325,11 @@ async fn check_durability(
 struct Writer {
     con: MultiplexedConnection,
     config: RedisSinkConfig,
-    deliveries: mpsc::UnboundedSender<Delivery>,
-    in_flight: Arc<AtomicUsize>,
+    reports: Reports,
     duplicates: Arc<AtomicU64>,
     /// An entry of this session was not stored: every later one fails
     /// unsent, with this class and reason.
-    failed: Option<(DeliveryClass, String)>,
+    failed: FailRest,
     /// What earlier runs of a replay stored, by progress hash and stream.
     copies: HashMap<(String, String), copies::Copies>,
 }
@@ -330,11 +338,25 @@ impl Writer {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Item>) {
         let script = redis::Script::new(script::APPEND);
         let cap = self.config.max_in_flight.clamp(1, BATCH_ENTRIES);
-        while let Some(first) = rx.recv().await {
+        // An item of another replay (or none) than the batch's: the next
+        // batch's first. A batch records one replay's progress.
+        let mut carried: Option<Item> = None;
+        loop {
+            let first = match carried.take() {
+                Some(item) => item,
+                None => match rx.recv().await {
+                    Some(item) => item,
+                    None => break,
+                },
+            };
             let mut bytes = first.event.size();
             let mut batch = vec![first];
             while batch.len() < cap && bytes < BATCH_BYTES {
                 match rx.try_recv() {
+                    Ok(item) if item.replay != batch[0].replay => {
+                        carried = Some(item);
+                        break;
+                    }
                     Ok(item) => {
                         bytes += item.event.size();
                         batch.push(item);
@@ -342,7 +364,7 @@ impl Writer {
                     Err(_) => break,
                 }
             }
-            if let Some((class, reason)) = self.failed.clone() {
+            if let Some((class, reason)) = self.failed.get() {
                 for item in batch {
                     self.report(&item, Err((class, reason.clone())));
                 }
@@ -375,7 +397,7 @@ impl Writer {
         if batch.is_empty() {
             return;
         }
-        // One batch belongs to one replay or none (the name is the sink's).
+        // One batch belongs to one replay or none (`run` cuts batches there).
         let progress = batch
             .first()
             .and_then(|i| i.replay.as_deref())
@@ -456,24 +478,20 @@ impl Writer {
                     "the server's answer does not cover this entry".into(),
                 ),
             };
-            self.failed = Some((
-                if class.is_final() || class.is_about_the_message() {
-                    DeliveryClass::BrokerError
-                } else {
-                    class
-                },
+            self.failed.after(
+                class,
                 format!(
                     "not sent: event {} of this session was not stored, and a later entry \
                      must not be stored before it; walbox writes again from its \
                      acknowledged position",
                     item.event.event_id
                 ),
-            ));
+            );
             self.report(&item, Err((class, reason)));
             break;
         }
         for (_, item) in items {
-            let failed = self.failed.clone().expect("set above");
+            let failed = self.failed.get().expect("set above");
             self.report(&item, Err(failed));
         }
         if appended > 0 {
@@ -499,7 +517,8 @@ impl Writer {
             batch.len(),
             error_text(e)
         );
-        self.failed = Some((DeliveryClass::BrokerError, reason.clone()));
+        self.failed
+            .after(DeliveryClass::BrokerError, reason.clone());
         for item in batch {
             self.report(&item, Err((class, reason.clone())));
         }
@@ -604,28 +623,8 @@ impl Writer {
     }
 
     fn report(&self, item: &Item, result: Result<(), (DeliveryClass, String)>) {
-        let result = result.map_err(|(class, reason)| DeliveryError {
-            event_id: item.event.event_id.clone(),
-            topic: item.event.topic.clone(),
-            class,
-            reason,
-            // What a dead letter needs of a record refused for what it is.
-            rejected: class.is_about_the_message().then(|| RejectedRecord {
-                key: item.event.key.as_ref().map(|k| k.to_vec()),
-                headers: item
-                    .event
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_vec()))
-                    .collect(),
-                value_len: item.event.value.len(),
-            }),
-        });
-        self.in_flight.fetch_sub(1, Ordering::SeqCst);
-        let _ = self.deliveries.send(Delivery {
-            token: item.token,
-            result,
-        });
+        let result = result.map_err(|(class, reason)| kit::failure(&item.event, class, reason));
+        self.reports.report(item.token, result);
     }
 }
 
@@ -683,20 +682,20 @@ impl Sink for RedisSink {
     }
 
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
         let replay = event.origin.replay_name();
-        let in_flight = self.in_flight.clone();
+        let reports = self.reports.clone();
         let session = self.session().await?;
         let item = Item {
             event,
             token,
             replay,
         };
-        in_flight.fetch_add(1, Ordering::SeqCst);
+        reports.sent();
         if session.queue.send(item).is_err() {
-            in_flight.fetch_sub(1, Ordering::SeqCst);
+            reports.withdrawn();
         }
         Ok(())
     }
@@ -704,19 +703,14 @@ impl Sink for RedisSink {
     fn abort(&mut self) {
         // Nothing more is written in this session; what was queued is not
         // reported.
-        self.aborted = true;
-        self.session = None;
+        self.session.abort();
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        if self.aborted {
+        if self.session.aborted() {
             return Ok(());
         }
-        let deadline = Instant::now() + timeout;
-        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        Ok(())
+        self.reports.settled(timeout).await
     }
 }
 
