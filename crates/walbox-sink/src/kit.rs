@@ -36,6 +36,25 @@ pub(crate) fn rejected(event: &Event) -> RejectedRecord {
     }
 }
 
+/// The failure of the event `event_id` to `topic` with `class` and `reason`,
+/// with `rejected` (the record as sent) when the class is about the message
+/// (for its dead letter).
+pub(crate) fn refused(
+    event_id: String,
+    topic: String,
+    class: DeliveryClass,
+    reason: String,
+    rejected: RejectedRecord,
+) -> DeliveryError {
+    DeliveryError {
+        event_id,
+        topic,
+        class,
+        reason,
+        rejected: class.is_about_the_message().then_some(rejected),
+    }
+}
+
 /// The failure of `event` with `class` and `reason`; for a class about the
 /// message, with the record as sent (for its dead letter).
 pub(crate) fn failure(event: &Event, class: DeliveryClass, reason: String) -> DeliveryError {
@@ -49,10 +68,14 @@ pub(crate) fn failure(event: &Event, class: DeliveryClass, reason: String) -> De
 }
 
 /// A session's connections, closed when the session ends.
-pub(crate) trait Close: Send + 'static {
-    /// Closes what the session holds (politely where the protocol has a
-    /// goodbye; dropping must be enough otherwise).
-    fn close(self) -> impl Future<Output = ()> + Send;
+pub(crate) trait Close: Send + Sized + 'static {
+    /// Closes what the session holds: by default at once, by dropping it (its
+    /// tasks stop, its connections close with what they still held); a
+    /// protocol with a goodbye says it in the future returned.
+    fn close(self) -> impl Future<Output = ()> + Send {
+        drop(self);
+        std::future::ready(())
+    }
 }
 
 /// A sink's session: opened on the first event, ended (its connections
@@ -100,6 +123,19 @@ impl<S: Close> Lifecycle<S> {
             self.session = Some(open().await?);
         }
         Ok(self.session.as_mut().expect("opened above"))
+    }
+
+    /// [`crate::Sink::flush`]: waits up to `timeout` until every event handed
+    /// on is reported ([`Reports::settled`]); at once after an abort.
+    pub(crate) async fn flush(
+        &self,
+        reports: &Reports,
+        timeout: Duration,
+    ) -> Result<(), SinkError> {
+        if self.aborted {
+            return Ok(());
+        }
+        reports.settled(timeout).await
     }
 
     /// Nothing more of this session reaches the destination: its

@@ -92,14 +92,8 @@ struct Session {
     _thread: client::ClientThread,
 }
 
-impl Close for Session {
-    fn close(self) -> impl std::future::Future<Output = ()> + Send {
-        // At once, not in a task: the client stops with its queue and the
-        // PubAcks it awaited, so nothing more of the session goes out.
-        drop(self);
-        std::future::ready(())
-    }
-}
+// Closed at once, by dropping: nothing more of the session goes out.
+impl Close for Session {}
 
 /// Publishes events to JetStream, one subject per topic.
 pub struct NatsSink {
@@ -412,8 +406,7 @@ impl Sink for NatsSink {
             let client = s.js.client();
             let _ = tokio::time::timeout(timeout, client.flush()).await;
         }
-        self.reports
-            .settled(deadline.saturating_duration_since(tokio::time::Instant::now()))
-            .await
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        self.session.flush(&self.reports, left).await
     }
 }

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 
 use super::duplicate::{self, Sent};
 use crate::kit::Reports;
-use crate::{DeliveryClass, DeliveryError, RejectedRecord};
+use crate::{DeliveryClass, RejectedRecord};
 
 /// One publication waiting for its outcome, in publishing order.
 pub(super) struct Pending {
@@ -109,13 +109,9 @@ pub(super) async fn report(
         };
         let result = match failed {
             None => Ok(()),
-            Some((class, reason)) => Err(DeliveryError {
-                event_id: p.event_id,
-                topic: p.subject,
-                class,
-                reason,
-                rejected: class.is_about_the_message().then_some(p.rejected),
-            }),
+            Some((class, reason)) => Err(crate::kit::refused(
+                p.event_id, p.subject, class, reason, p.rejected,
+            )),
         };
         reports.report(p.token, result);
     }

@@ -34,7 +34,7 @@ use super::RabbitMqSinkConfig;
 use super::confirms::{Answer, Confirms, Outcome, Returned};
 use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::{DROPPED_HEADERS_HEADER, KEY_HEADER, is_dead_letter, percent_encode};
-use crate::{Deliveries, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+use crate::{Deliveries, DeliveryClass, RejectedRecord, Sink, SinkError};
 
 /// One publication on its way to the reporter.
 struct Published {
@@ -442,10 +442,7 @@ impl Sink for ExchangeSink {
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        if self.session.aborted() {
-            return Ok(());
-        }
-        self.reports.settled(timeout).await
+        self.session.flush(&self.reports, timeout).await
     }
 }
 
@@ -563,13 +560,13 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
         for (item, outcome) in confirms.ready() {
             let result = match outcome {
                 Outcome::Stored => Ok(()),
-                Outcome::Failed(class, reason) => Err(DeliveryError {
-                    event_id: item.event_id,
-                    topic: item.topic,
+                Outcome::Failed(class, reason) => Err(kit::refused(
+                    item.event_id,
+                    item.topic,
                     class,
                     reason,
-                    rejected: class.is_about_the_message().then_some(item.rejected),
-                }),
+                    item.rejected,
+                )),
             };
             reports.report(item.token, result);
         }

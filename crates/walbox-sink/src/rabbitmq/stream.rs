@@ -45,7 +45,7 @@ use super::confirms::{Answer, Confirms, Outcome};
 use super::publishing_id::{Slot, message_slot, slot};
 use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::KEY_HEADER;
-use crate::{Deliveries, DeliveryClass, DeliveryError, RejectedRecord, Sink, SinkError};
+use crate::{Deliveries, DeliveryClass, RejectedRecord, Sink, SinkError};
 
 /// The application property naming the producer a message went under.
 pub(super) const PRODUCER_PROPERTY: &str = "walbox_producer";
@@ -780,10 +780,7 @@ impl Sink for StreamSink {
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        if self.session.aborted() {
-            return Ok(());
-        }
-        self.reports.settled(timeout).await
+        self.session.flush(&self.reports, timeout).await
     }
 }
 
@@ -831,13 +828,13 @@ async fn report(
                     }
                     Ok(())
                 }
-                Outcome::Failed(class, reason) => Err(DeliveryError {
-                    event_id: item.event_id,
-                    topic: item.topic,
+                Outcome::Failed(class, reason) => Err(kit::refused(
+                    item.event_id,
+                    item.topic,
                     class,
                     reason,
-                    rejected: class.is_about_the_message().then_some(item.rejected),
-                }),
+                    item.rejected,
+                )),
             };
             reports.report(item.token, result);
         }

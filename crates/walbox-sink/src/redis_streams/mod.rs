@@ -91,13 +91,8 @@ struct Session {
     _writer: SessionTask,
 }
 
-impl Close for Session {
-    fn close(self) -> impl std::future::Future<Output = ()> + Send {
-        // At once: nothing more is written; what was queued is not reported.
-        drop(self);
-        std::future::ready(())
-    }
-}
+// Closed at once, by dropping: nothing more of the session goes out.
+impl Close for Session {}
 
 /// Writes events to Redis streams, one stream per topic.
 pub struct RedisSink {
@@ -707,10 +702,7 @@ impl Sink for RedisSink {
     }
 
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
-        if self.session.aborted() {
-            return Ok(());
-        }
-        self.reports.settled(timeout).await
+        self.session.flush(&self.reports, timeout).await
     }
 }
 
