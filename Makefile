@@ -35,7 +35,9 @@ demo: deps
 # servers on free ports and spends most of its time waiting on them. Within a
 # binary, tests run as threads of one process and may share a server.
 TEST_JOBS ?= 3
-RUN_TESTS = scripts/run-tests.py -j $(TEST_JOBS)
+# The conformance suite's cells wait on their servers most of the time: four
+# at once.
+RUN_TESTS = scripts/run-tests.py -j $(TEST_JOBS) --threads conformance=4
 
 ## Everything CI checks: formatting, lints, unit, property and end-to-end tests
 ## (the conformance suite in its short profile among them).

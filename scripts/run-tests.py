@@ -6,11 +6,11 @@ and every test binary starts its own, on free ports: binaries share nothing,
 so several can run at once. Within a binary, tests run as cargo runs them
 (threads of one process, so a binary can share a server between its tests).
 
-    scripts/run-tests.py [-j JOBS] [--skip NAME ...] [--only NAME ...] -- CARGO_TEST_ARGS...
+    scripts/run-tests.py [-j JOBS] [--skip NAME ...] [--only NAME ...] [--threads NAME=N ...] -- CARGO_TEST_ARGS...
 
 Each binary's output goes to a file and is printed whole when it ends (with
 its time), longest-running binaries start first (times of the last run are
-kept in target/test-times.json), and the exit code is 1 if any binary
+kept in target/test-times.json, seeded from scripts/test-times.json), and the exit code is 1 if any binary
 failed. Arguments after `--` go to `cargo test` (e.g. `--workspace
 --all-targets`); `--skip`/`--only` pick binaries by target name.
 """
@@ -24,7 +24,10 @@ import tempfile
 import threading
 import time
 
-TIMES = os.path.join("target", "test-times.json")
+TIMES = os.path.join(os.environ.get("CARGO_TARGET_DIR", "target"), "test-times.json")
+# What a fresh checkout starts from: the times of a run on a machine of the
+# kind CI runs on (2 cores), so that the longest binaries start first there too.
+SEED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test-times.json")
 
 
 def binaries(cargo_args):
@@ -58,6 +61,8 @@ def main():
     parser.add_argument("-j", "--jobs", type=int, default=int(os.environ.get("WALBOX_TEST_JOBS", "3")))
     parser.add_argument("--skip", action="append", default=[])
     parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--threads", action="append", default=[],
+                        help="NAME=N: run binary NAME's tests N at a time (its tests wait on servers)")
     parser.add_argument("cargo_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     cargo_args = [a for a in args.cargo_args if a != "--"]
@@ -73,13 +78,17 @@ def main():
     found = [b for b in found if bare(b[0]) not in args.skip]
     if args.only:
         found = [b for b in found if bare(b[0]) in args.only]
-    try:
-        with open(TIMES) as f:
-            times = json.load(f)
-    except (OSError, ValueError):
-        times = {}
+    times = {}
+    for path in (SEED, TIMES):
+        try:
+            with open(path) as f:
+                times.update(json.load(f))
+        except (OSError, ValueError):
+            pass
     # Longest first, so the last to end is a short one.
     found.sort(key=lambda b: -times.get(b[0], 60.0))
+
+    threads_of = dict(t.split("=", 1) for t in args.threads)
 
     lock = threading.Lock()
     queue = list(found)
@@ -96,6 +105,8 @@ def main():
             with tempfile.TemporaryFile(mode="w+") as log:
                 env = dict(os.environ)
                 env.setdefault("RUST_BACKTRACE", "1")
+                if bare(name) in threads_of:
+                    env["RUST_TEST_THREADS"] = threads_of[bare(name)]
                 rc = subprocess.call([exe] + test_args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
                 log.seek(0)
                 text = log.read()

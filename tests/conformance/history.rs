@@ -45,25 +45,25 @@ pub struct Cell {
     pub pg: PgCluster,
     pub db: tokio_postgres::Client,
     pub env: Vec<(&'static str, String)>,
+    /// The configuration file's text, but for lines the `[sink]` table
+    /// takes (at the marker).
+    toml: String,
 }
+
+/// Where a cell's configuration takes lines of its `[sink]` table.
+const SINK_LINES: &str = "#sink-lines\n";
 
 impl Cell {
     /// A cell named after its sink, format and history. `extra` goes at the
     /// top of the configuration file, `sink_lines` into its `[sink]` table.
-    pub async fn new(
-        sink: Sink,
-        format: Format,
-        history: &str,
-        extra: &str,
-        sink_lines: &str,
-    ) -> Cell {
+    pub async fn new(sink: Sink, format: Format, history: &str, extra: &str) -> Cell {
         let name = format!("{}_{}_{history}", sink_name(sink), format.short());
         let dest = Destination::start(sink, &name).await;
         let pg = PgCluster::start().expect("starting PostgreSQL");
         let db = pg.connect("postgres").await.unwrap();
         db.batch_execute(OUTBOX_DDL).await.unwrap();
         let (sink_toml, sink_env) = dest.config(&pg).await;
-        let sink_toml = sink_toml.replacen('\n', &format!("\n{sink_lines}"), 1);
+        let sink_toml = sink_toml.replacen('\n', &format!("\n{SINK_LINES}"), 1);
         let fmt = format.lines();
         let toml = format!(
             "{extra}\n{sink_toml}\n[[outbox]]\ntable = \"public.outbox\"\n\
@@ -78,7 +78,10 @@ impl Cell {
                 "WALBOX_CHECKPOINT",
                 checkpoint_path(&pg).display().to_string(),
             ),
-            ("WALBOX_CONFIG", config_file(&pg, "walbox.toml", &toml)),
+            (
+                "WALBOX_CONFIG",
+                config_file(&pg, "walbox.toml", &toml.replace(SINK_LINES, "")),
+            ),
         ];
         env.extend(sink_env);
         Cell {
@@ -88,7 +91,24 @@ impl Cell {
             pg,
             db,
             env,
+            toml,
         }
+    }
+
+    /// The environment of a run whose `[sink]` table takes `lines` besides.
+    pub fn env_with_sink_lines(&self, lines: &str) -> Vec<(&'static str, String)> {
+        let path = config_file(
+            &self.pg,
+            "walbox-variant.toml",
+            &self.toml.replace(SINK_LINES, lines),
+        );
+        let mut env = self.env.clone();
+        for (k, v) in &mut env {
+            if *k == "WALBOX_CONFIG" {
+                v.clone_from(&path);
+            }
+        }
+        env
     }
 
     /// Starts `walbox run`.
@@ -361,7 +381,7 @@ pub fn check_copies(
 /// where the sink promises it.
 pub async fn kill_and_restart(sink: Sink, format: Format) {
     let rounds = if full() { 4 } else { 1 };
-    let cell = Cell::new(sink, format, "kill", "", "").await;
+    let cell = Cell::new(sink, format, "kill", "").await;
     setup(&cell.env);
     let writers = Writers::start(&cell.pg, 2).await;
     for _ in 0..rounds {
@@ -393,7 +413,7 @@ pub async fn kill_and_restart(sink: Sink, format: Format) {
 /// The destination's server killed -9 while walbox streams and writers
 /// write, back after a while: walbox goes on by itself, nothing is lost.
 pub async fn broker_restart(sink: Sink, format: Format) {
-    let mut cell = Cell::new(sink, format, "brokerrestart", "", "").await;
+    let mut cell = Cell::new(sink, format, "brokerrestart", "").await;
     setup(&cell.env);
     let start = current_lsn(&cell.db).await;
     let writers = Writers::start(&cell.pg, 2).await;
@@ -418,14 +438,7 @@ pub async fn broker_restart(sink: Sink, format: Format) {
 /// stored again once (a second copy with the same id and position), and a
 /// destination that deduplicates drops the second replay's copies.
 pub async fn replay_twice(sink: Sink, format: Format) {
-    let cell = Cell::new(
-        sink,
-        format,
-        "replay",
-        "[source]\nreplay_window = \"1h\"\n",
-        "",
-    )
-    .await;
+    let cell = Cell::new(sink, format, "replay", "[source]\nreplay_window = \"1h\"\n").await;
     setup(&cell.env);
     let from = current_lsn(&cell.db).await;
     let writers = Writers::start(&cell.pg, 2).await;
@@ -469,7 +482,7 @@ pub async fn replay_twice(sink: Sink, format: Format) {
 /// replay --from-table` publishes them, and a second run adds nothing where
 /// the destination deduplicates.
 pub async fn dead_letters_then_replay(sink: Sink, format: Format) {
-    let cell = Cell::new(sink, format, "dlq", "", "").await;
+    let cell = Cell::new(sink, format, "dlq", "").await;
     setup(&cell.env);
     let writers = Writers::start(&cell.pg, 1).await;
     let mut poison = Vec::new();
@@ -537,7 +550,6 @@ pub async fn interrupted_snapshot(sink: Sink, format: Format) {
         format,
         "snapshot",
         "[snapshot]\nmode = \"initial\"\norder_by = [\"seq\"]\n",
-        "max_in_flight = 2\n",
     )
     .await;
     // Rows before the slot: only a snapshot brings them, in the order of
@@ -560,7 +572,9 @@ pub async fn interrupted_snapshot(sink: Sink, format: Format) {
         .unwrap();
     // Killed once part of the snapshot was handed to the sink (walbox's
     // own debug line per event: the same for every sink, and cheap to read).
-    let mut env = cell.env.clone();
+    // Two events in flight at most: the snapshot is still being published
+    // when the kill comes.
+    let mut env = cell.env_with_sink_lines("max_in_flight = 2\n");
     env.push(("WALBOX_LOG", "info,walbox_core=debug".into()));
     let mut walbox = Walbox::spawn(&["run"], &env);
     walbox_testkit::wait_until(
