@@ -257,11 +257,16 @@ impl Destination {
                 let bootstrap = broker.bootstrap();
                 let topic = topic.to_owned();
                 let records = tokio::task::spawn_blocking(move || {
+                    // A topic never created (a dead-letter topic with no
+                    // letters) holds nothing.
+                    if !kafka_topic_exists(&bootstrap, &topic) {
+                        return Vec::new();
+                    }
                     walbox_testkit::kafka::read_all(&bootstrap, &topic, timeout)
+                        .unwrap_or_else(|e| panic!("reading {topic}: {e}"))
                 })
                 .await
-                .unwrap()
-                .unwrap_or_default();
+                .unwrap();
                 records.iter().map(|r| Copy::of_record(r, None)).collect()
             }
             Server::Nats(nats) => {
@@ -511,6 +516,21 @@ impl Copy {
             .find(|(k, _)| k.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
     }
+}
+
+/// Whether the broker knows `topic` (with partitions).
+fn kafka_topic_exists(bootstrap: &str, topic: &str) -> bool {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = walbox_testkit::kafka::client_config(bootstrap)
+        .create()
+        .expect("a metadata client");
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(20))
+        .unwrap_or_else(|e| panic!("the broker's metadata of {topic}: {e}"));
+    metadata
+        .topics()
+        .iter()
+        .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty())
 }
 
 fn parse(value: Option<&[u8]>) -> serde_json::Value {
