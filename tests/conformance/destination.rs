@@ -81,13 +81,19 @@ pub struct Destination {
 
 impl Destination {
     /// Starts the destination's server for the cell `name` (the RabbitMQ node
-    /// is the binary's, started once).
-    pub async fn start(sink: Sink, name: &str) -> Destination {
+    /// is the binary's, started once); `restartable`: the cell kills it and
+    /// starts it again.
+    pub async fn start(sink: Sink, name: &str, restartable: bool) -> Destination {
         let server = match sink {
             Sink::Kafka => Server::Kafka(
-                // SQLite storage: a broker killed keeps what it acknowledged.
+                // SQLite storage where the broker is killed: it keeps what it
+                // acknowledged. Memory storage otherwise, the lighter.
                 Broker::start_with(BrokerOptions {
-                    storage: BrokerStorage::Sqlite,
+                    storage: if restartable {
+                        BrokerStorage::Sqlite
+                    } else {
+                        BrokerStorage::Memory
+                    },
                 })
                 .expect("starting the broker"),
             ),
@@ -251,7 +257,10 @@ impl Destination {
 
     /// Every copy `topic` holds, in the destination's stored order.
     pub async fn read(&self, topic: &str) -> Vec<Copy> {
-        let timeout = Duration::from_secs(30);
+        // Reading ends at the end of what the destination holds; the limit
+        // is room for a broker just restarted on a machine running other
+        // test binaries beside this one.
+        let timeout = Duration::from_secs(120);
         match &self.server {
             Server::Kafka(broker) => {
                 let bootstrap = broker.bootstrap();

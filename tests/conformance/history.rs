@@ -58,7 +58,7 @@ impl Cell {
     /// top of the configuration file, `sink_lines` into its `[sink]` table.
     pub async fn new(sink: Sink, format: Format, history: &str, extra: &str) -> Cell {
         let name = format!("{}_{}_{history}", sink_name(sink), format.short());
-        let dest = Destination::start(sink, &name).await;
+        let dest = Destination::start(sink, &name, history == "brokerrestart").await;
         let pg = PgCluster::start().expect("starting PostgreSQL");
         let db = pg.connect("postgres").await.unwrap();
         db.batch_execute(OUTBOX_DDL).await.unwrap();
@@ -209,12 +209,24 @@ pub struct Writers {
 
 impl Writers {
     pub async fn start(pg: &PgCluster, writers: usize) -> Writers {
-        Writers::start_with(pg, writers, "w", event_sql).await
+        Writers::start_with(pg, writers, "w", event_sql, 10).await
+    }
+
+    /// [`Writers::start`], a transaction every `pace_ms` per writer.
+    pub async fn paced(pg: &PgCluster, writers: usize, pace_ms: u64) -> Writers {
+        Writers::start_with(pg, writers, "w", event_sql, pace_ms).await
     }
 
     /// Writers of outbox rows only, on keys `{prefix}{w}-k{k}`.
     pub async fn rows(pg: &PgCluster, writers: usize, prefix: &'static str) -> Writers {
-        Writers::start_with(pg, writers, prefix, |key, seq| row_sql("order", key, seq)).await
+        Writers::start_with(
+            pg,
+            writers,
+            prefix,
+            |key, seq| row_sql("order", key, seq),
+            10,
+        )
+        .await
     }
 
     async fn start_with(
@@ -222,6 +234,7 @@ impl Writers {
         writers: usize,
         prefix: &'static str,
         event: fn(&str, i64) -> String,
+        pace_ms: u64,
     ) -> Writers {
         let stop = Arc::new(AtomicBool::new(false));
         let mut handles = Vec::new();
@@ -241,7 +254,7 @@ impl Writers {
                     }
                     sql.push_str("COMMIT;");
                     db.batch_execute(&sql).await.unwrap();
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    tokio::time::sleep(Duration::from_millis(pace_ms)).await;
                 }
                 seq
             }));
@@ -416,7 +429,8 @@ pub async fn broker_restart(sink: Sink, format: Format) {
     let mut cell = Cell::new(sink, format, "brokerrestart", "").await;
     setup(&cell.env);
     let start = current_lsn(&cell.db).await;
-    let writers = Writers::start(&cell.pg, 2).await;
+    // Paced: what piles up while the server is away is read back in time.
+    let writers = Writers::paced(&cell.pg, 2, 40).await;
     let mut walbox = cell.run();
     // Streaming in earnest: events acknowledged, not just a checkpoint.
     cell.wait_progress(&walbox, Some(start));
