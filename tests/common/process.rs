@@ -190,8 +190,12 @@ pub fn rss_kb(pid: u32) -> u64 {
 
 /// The stdout sink's JSON lines in `output` (other lines skipped), parsed.
 pub fn json_lines(output: &str) -> Vec<serde_json::Value> {
+    // A last line without its newline is still being written (the output is
+    // read while walbox runs): not a line yet.
     output
-        .lines()
+        .split_inclusive('\n')
+        .filter(|l| l.ends_with('\n'))
+        .map(str::trim_end)
         .filter(|l| l.starts_with("{\"topic\""))
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
