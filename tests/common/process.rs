@@ -190,15 +190,23 @@ pub fn rss_kb(pid: u32) -> u64 {
 
 /// The stdout sink's JSON lines in `output` (other lines skipped), parsed.
 pub fn json_lines(output: &str) -> Vec<serde_json::Value> {
-    // A last line without its newline is still being written (the output is
-    // read while walbox runs): not a line yet.
-    output
-        .split_inclusive('\n')
-        .filter(|l| l.ends_with('\n'))
-        .map(str::trim_end)
-        .filter(|l| l.starts_with("{\"topic\""))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    // A last line without its newline may still be being written (the output
+    // is read while walbox runs): taken only if it is whole. Any other line
+    // must parse.
+    let mut out = Vec::new();
+    for l in output.split_inclusive('\n') {
+        let whole = l.ends_with('\n');
+        let l = l.trim_end();
+        if !l.starts_with("{\"topic\"") {
+            continue;
+        }
+        match serde_json::from_str(l) {
+            Ok(v) => out.push(v),
+            Err(_) if !whole => {}
+            Err(e) => panic!("a line of the stdout sink that is no JSON ({e})"),
+        }
+    }
+    out
 }
 
 /// The value of `field` (`field=value`) on the first text log line holding
