@@ -69,7 +69,7 @@ test-e2e:
 ## The conformance suite in full: every history in every envelope format, with
 ## more kill rounds (`make test` runs its short profile).
 test-conformance: deps
-	WALBOX_CONFORMANCE=full $(CARGO) test -p walbox --test conformance --no-fail-fast
+	WALBOX_CONFORMANCE=full RUST_TEST_THREADS=4 $(CARGO) test -p walbox --test conformance --no-fail-fast
 
 ## The whole suite on every supported major.
 test-matrix: fmt-check clippy
