@@ -11,8 +11,8 @@ use std::time::Duration;
 use walbox_testkit::{OUTBOX_DDL, PgCluster};
 
 use crate::common::{
-    Walbox, caught_up, checkpoint, checkpoint_path, config_file, current_lsn, emit, event_content,
-    message_id, random_below, setup, wait_slot_released, walbox_cmd,
+    Walbox, caught_up, checkpoint, checkpoint_path, config_file, current_lsn, message_id,
+    random_below, row_or_message, setup, wait_slot_released, walbox_cmd,
 };
 use crate::destination::{Copy, Destination, Promise, Sink};
 use crate::format::Format;
@@ -209,12 +209,12 @@ pub struct Writers {
 
 impl Writers {
     pub async fn start(pg: &PgCluster, writers: usize) -> Writers {
-        Writers::start_with(pg, writers, "w", event_sql, 10).await
+        Writers::start_with(pg, writers, "w", row_or_message, 10).await
     }
 
     /// [`Writers::start`], a transaction every `pace_ms` per writer.
     pub async fn paced(pg: &PgCluster, writers: usize, pace_ms: u64) -> Writers {
-        Writers::start_with(pg, writers, "w", event_sql, pace_ms).await
+        Writers::start_with(pg, writers, "w", row_or_message, pace_ms).await
     }
 
     /// Writers of outbox rows only, on keys `{prefix}{w}-k{k}`.
@@ -270,20 +270,6 @@ impl Writers {
             out.extend(h.await.unwrap());
         }
         out
-    }
-}
-
-/// The statement of event `seq` of `key`: a message for even seq, a row for
-/// odd.
-pub fn event_sql(key: &str, seq: i64) -> String {
-    if seq % 2 == 0 {
-        emit(
-            true,
-            "walbox",
-            &event_content(&message_id(key, seq), key, seq),
-        )
-    } else {
-        row_sql("order", key, seq)
     }
 }
 
