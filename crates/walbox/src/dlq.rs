@@ -33,8 +33,8 @@ use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{
-    DurableLetters, KafkaSink, NatsSink, QueueLetters, RabbitMqSink, RabbitStreamLetters,
-    RedisSink, Sink, StreamLetters, WebhookSink,
+    DurableLetters, KafkaSink, KinesisLetters, KinesisSink, NatsSink, QueueLetters, RabbitMqSink,
+    RabbitStreamLetters, RedisSink, Sink, StreamLetters, WebhookSink,
 };
 
 use crate::catalog::{self, ident};
@@ -359,6 +359,28 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                     );
                     run.gone += 1;
                 }
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
+            }
+        }
+        SinkKind::Kinesis => {
+            let sink_config = config.sink.kinesis_sink()?;
+            let (mut sink, mut deliveries) = KinesisSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // Kinesis keeps no consumer position: the replay's progress is
+                // a marker record in each shard of the dead-letter stream.
+                let Some(read) = KinesisLetters::read(&sink_config, dlq, &group, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
                 let mut letters = Vec::new();
                 read.each(|r| letters.push(parse(&r)));
                 let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;

@@ -37,7 +37,7 @@ const MAX_REQUEST_BYTES: usize = 5 * 1024 * 1024;
 const MAX_KEY_CHARS: usize = 256;
 
 /// The `[sink.kinesis]` table.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KinesisSinkConfig {
     /// The region (default: the AWS chain's).
@@ -75,6 +75,9 @@ pub struct KinesisSinkConfig {
     /// Shards of a created stream (from `[sink] topic_partitions`).
     #[serde(skip)]
     pub shards: i32,
+    /// Credentials given by the program instead of the chain's.
+    #[serde(skip)]
+    pub credentials: Option<aws_credential_types::Credentials>,
 }
 
 fn default_max_records() -> usize {
@@ -110,6 +113,7 @@ impl Default for KinesisSinkConfig {
             max_retry_ms: default_max_retry_ms(),
             create_streams: false,
             shards: 1,
+            credentials: None,
         }
     }
 }
@@ -122,6 +126,7 @@ impl KinesisSinkConfig {
             region: self.region.clone(),
             endpoint_url: self.endpoint_url.clone(),
             profile: self.profile.clone(),
+            credentials: self.credentials.clone(),
         }
     }
 
@@ -463,19 +468,24 @@ fn valid_stream_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }
 
-/// Reads `stream` from the start of each shard to its end (the shards in
-/// the order the stream lists them, a shard's index as the record's
-/// partition and its place in the shard as offset), calling `each` for
-/// every record walbox wrote; returns how many. `Ok(None)` when the stream
-/// does not exist.
-pub async fn read_kinesis_stream(
-    config: &KinesisSinkConfig,
+/// One record read back: its shard's index and id, its sequence number,
+/// its place in the shard, its data.
+struct Read {
+    partition: i32,
+    shard: String,
+    sequence: String,
+    offset: i64,
+    data: Vec<u8>,
+}
+
+/// Every record of `stream`, from the start of each shard to its end (the
+/// shards in the order the stream lists them, with their starting hash
+/// keys). `None` when the stream does not exist.
+async fn read_all(
+    client: &aws_sdk_kinesis::Client,
     stream: &str,
     timeout: Duration,
-    mut each: impl FnMut(RecordView<'_>),
-) -> Result<Option<usize>, SinkError> {
-    let sdk = config.connection().sdk_config("sink.kinesis").await?;
-    let client = aws_sdk_kinesis::Client::new(&sdk);
+) -> Result<Option<(Vec<(String, String)>, Vec<Read>)>, SinkError> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut shards = Vec::new();
     let mut next: Option<String> = None;
@@ -486,7 +496,13 @@ pub async fn read_kinesis_stream(
         };
         match call.send().await {
             Ok(out) => {
-                shards.extend(out.shards().iter().map(|s| s.shard_id().to_owned()));
+                shards.extend(out.shards().iter().map(|s| {
+                    let start = s
+                        .hash_key_range()
+                        .map(|r| r.starting_hash_key().to_owned())
+                        .unwrap_or_default();
+                    (s.shard_id().to_owned(), start)
+                }));
                 next = out.next_token().map(str::to_owned);
                 if next.is_none() {
                     break;
@@ -506,8 +522,8 @@ pub async fn read_kinesis_stream(
             }
         }
     }
-    let mut count = 0;
-    for (index, shard) in shards.iter().enumerate() {
+    let mut all = Vec::new();
+    for (index, (shard, _)) in shards.iter().enumerate() {
         let partition = i32::try_from(index).unwrap_or(i32::MAX);
         let mut iterator = client
             .get_shard_iterator()
@@ -528,9 +544,10 @@ pub async fn read_kinesis_stream(
         let mut offset = 0i64;
         while let Some(it) = iterator.take() {
             if tokio::time::Instant::now() > deadline {
-                return Err(SinkError::Aws(format!(
-                    "kinesis: reading {stream:?} took longer than {timeout:?}"
-                )));
+                return Err(SinkError::Read {
+                    topic: stream.to_owned(),
+                    reason: format!("reading took longer than {timeout:?}"),
+                });
             }
             let out = match client
                 .get_records()
@@ -553,10 +570,13 @@ pub async fn read_kinesis_stream(
                 }
             };
             for r in out.records() {
-                if let Some(record) = envelope::decode(r.data().as_ref(), partition, offset) {
-                    each(RecordView::owned(&record));
-                    count += 1;
-                }
+                all.push(Read {
+                    partition,
+                    shard: shard.clone(),
+                    sequence: r.sequence_number().to_owned(),
+                    offset,
+                    data: r.data().as_ref().to_vec(),
+                });
                 offset += 1;
             }
             let caught_up =
@@ -568,7 +588,186 @@ pub async fn read_kinesis_stream(
             };
         }
     }
+    Ok(Some((shards, all)))
+}
+
+/// Reads `stream` from the start of each shard to its end (a shard's index
+/// in the order the stream lists them as the record's partition, its place
+/// in the shard as offset), calling `each` for every record walbox wrote;
+/// returns how many. `Ok(None)` when the stream does not exist.
+pub async fn read_kinesis_stream(
+    config: &KinesisSinkConfig,
+    stream: &str,
+    timeout: Duration,
+    mut each: impl FnMut(RecordView<'_>),
+) -> Result<Option<u64>, SinkError> {
+    let sdk = config.connection().sdk_config("sink.kinesis").await?;
+    let client = aws_sdk_kinesis::Client::new(&sdk);
+    let Some((_, records)) = read_all(&client, stream, timeout).await? else {
+        return Ok(None);
+    };
+    let mut count = 0;
+    for r in &records {
+        if let Some(record) = envelope::decode(&r.data, r.partition, r.offset) {
+            each(RecordView::owned(&record));
+            count += 1;
+        }
+    }
     Ok(Some(count))
+}
+
+/// The field of a progress marker: a record `walbox dlq replay` writes into
+/// a dead-letter stream's shard once the letters of that shard up to a
+/// sequence number are replayed. Kinesis keeps no consumer position, so the
+/// stream keeps its own; readers of events skip it (it has no `event_id`).
+const REPLAYED_THROUGH: &str = "walbox_dlq_replayed_through";
+
+/// Whether sequence number `a` comes before `b` (decimal numbers of up to
+/// 128 bits, compared as such).
+fn sequence_before(a: &str, b: &str) -> bool {
+    (a.len(), a) < (b.len(), b)
+}
+
+/// The letters one run of `walbox dlq replay` read from a Kinesis
+/// dead-letter stream: those after the progress marker of its group in each
+/// shard.
+pub struct KinesisLetters {
+    client: aws_sdk_kinesis::Client,
+    stream: String,
+    group: String,
+    /// Each shard's id and starting hash key.
+    shards: Vec<(String, String)>,
+    letters: Vec<(Read, crate::OwnedRecord)>,
+}
+
+impl std::fmt::Debug for KinesisLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KinesisLetters")
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("letters", &self.letters.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KinesisLetters {
+    /// Reads the letters of `stream` the group `group` has not replayed.
+    /// `None` when the stream does not exist (nothing was dead-lettered).
+    pub async fn read(
+        config: &KinesisSinkConfig,
+        stream: &str,
+        group: &str,
+        timeout: Duration,
+    ) -> Result<Option<Self>, SinkError> {
+        let sdk = config.connection().sdk_config("sink.kinesis").await?;
+        let client = aws_sdk_kinesis::Client::new(&sdk);
+        let Some((shards, records)) = read_all(&client, stream, timeout).await? else {
+            return Ok(None);
+        };
+        // Per shard, the last sequence number the group's markers name.
+        let mut through: std::collections::HashMap<String, String> =
+            std::collections::HashMap::new();
+        for r in &records {
+            let Ok(serde_json::Value::Object(o)) = serde_json::from_slice(&r.data) else {
+                continue;
+            };
+            let Some(marker) = o.get(REPLAYED_THROUGH) else {
+                continue;
+            };
+            if marker["group"] == group
+                && marker["shard"] == r.shard.as_str()
+                && let Some(seq) = marker["sequence"].as_str()
+            {
+                let later = through
+                    .get(&r.shard)
+                    .is_none_or(|known| sequence_before(known, seq));
+                if later {
+                    through.insert(r.shard.clone(), seq.to_owned());
+                }
+            }
+        }
+        let mut letters = Vec::new();
+        for r in records {
+            let done = through
+                .get(&r.shard)
+                .is_some_and(|t| !sequence_before(t, &r.sequence));
+            if done {
+                continue;
+            }
+            if let Some(record) = envelope::decode(&r.data, r.partition, r.offset) {
+                letters.push((r, record));
+            }
+        }
+        Ok(Some(KinesisLetters {
+            client,
+            stream: stream.to_owned(),
+            group: group.to_owned(),
+            shards,
+            letters,
+        }))
+    }
+
+    /// Calls `each` for every letter read, in each shard's order, as
+    /// partition 0 and its place in this read as offset.
+    pub fn each(&self, mut each: impl FnMut(RecordView<'_>)) {
+        for (i, (_, record)) in self.letters.iter().enumerate() {
+            // Partition 0 and the place in this read: unique, as the
+            // replay's bookkeeping wants.
+            let mut record = record.clone();
+            record.partition = 0;
+            record.offset = i64::try_from(i).unwrap_or(i64::MAX);
+            each(RecordView::owned(&record));
+        }
+    }
+
+    /// Records the progress: in each shard, the letters before the first one
+    /// `done` does not take (by the offset [`KinesisLetters::each`] gave)
+    /// are replayed, and a marker naming the last of them is written into
+    /// that shard. A shard whose first letter is not done keeps its marker.
+    pub async fn settle(&self, done: impl Fn(i64) -> bool) -> Result<(), SinkError> {
+        let mut stopped: HashSet<&str> = HashSet::new();
+        let mut last: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+        for (i, (read, _)) in self.letters.iter().enumerate() {
+            let shard = read.shard.as_str();
+            if stopped.contains(shard) {
+                continue;
+            }
+            if done(i64::try_from(i).unwrap_or(i64::MAX)) {
+                last.insert(shard, read.sequence.as_str());
+            } else {
+                stopped.insert(shard);
+            }
+        }
+        for (shard, sequence) in last {
+            let start = self
+                .shards
+                .iter()
+                .find(|(id, _)| id == shard)
+                .map(|(_, start)| start.clone())
+                .unwrap_or_default();
+            let marker = serde_json::json!({
+                REPLAYED_THROUGH: {"group": self.group, "shard": shard, "sequence": sequence}
+            });
+            let mut put = self
+                .client
+                .put_record()
+                .stream_name(&self.stream)
+                .partition_key(&self.group)
+                .data(Blob::new(serde_json::to_vec(&marker).unwrap_or_default()));
+            // Into the shard whose letters it names.
+            if !start.is_empty() {
+                put = put.explicit_hash_key(start);
+            }
+            put.send().await.map_err(|e| {
+                setup_error(
+                    &e,
+                    "kinesis",
+                    &format!("recording the replay's progress in {:?}", self.stream),
+                )
+            })?;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

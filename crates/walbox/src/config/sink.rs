@@ -26,6 +26,8 @@ pub enum SinkKind {
     #[value(name = "rabbitmq")]
     #[serde(rename = "rabbitmq")]
     RabbitMq,
+    /// Amazon Kinesis Data Streams (`[sink.kinesis]`).
+    Kinesis,
 }
 
 impl SinkKind {
@@ -36,7 +38,11 @@ impl SinkKind {
     pub fn protocol(self) -> walbox_outbox::Protocol {
         match self {
             // A stream entry's fields carry headers as Kafka's do (unencoded).
-            SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis => walbox_outbox::Protocol::Kafka,
+            // A Kinesis record's JSON object carries headers as text, as
+            // Kafka's do.
+            SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis | SinkKind::Kinesis => {
+                walbox_outbox::Protocol::Kafka
+            }
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
             SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
@@ -48,7 +54,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook` or `stdout`.
+    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook`, `kinesis` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -81,6 +87,9 @@ pub struct SinkConfig {
     /// The RabbitMQ sink's settings (`type = "rabbitmq"`).
     #[serde(default)]
     pub rabbitmq: walbox_sink::RabbitMqSinkConfig,
+    /// The Kinesis sink's settings (`type = "kinesis"`).
+    #[serde(default)]
+    pub kinesis: walbox_sink::KinesisSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -110,6 +119,7 @@ impl Default for SinkConfig {
             webhook: walbox_sink::WebhookSinkConfig::default(),
             redis: walbox_sink::RedisSinkConfig::default(),
             rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
+            kinesis: walbox_sink::KinesisSinkConfig::default(),
         }
     }
 }
@@ -140,6 +150,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("webhook", &self.webhook)
             .field("redis", &self.redis)
             .field("rabbitmq", &self.rabbitmq)
+            .field("kinesis", &self.kinesis)
             .finish()
     }
 }
@@ -197,6 +208,16 @@ impl SinkConfig {
         {
             c.password = Some(p);
         }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The Kinesis sink's settings, with stream creation from
+    /// `create_topics` and `topic_partitions` (shards).
+    pub fn kinesis_sink(&self) -> Result<walbox_sink::KinesisSinkConfig> {
+        let mut c = self.kinesis.clone();
+        c.create_streams = self.create_topics;
+        c.shards = self.topic_partitions;
         c.validate()?;
         Ok(c)
     }

@@ -5,8 +5,8 @@ use std::time::Duration;
 use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, NatsSink, RabbitMqSink, RedisSink, Sink, SinkError,
-    StdoutSink, WebhookSink,
+    Deliveries, DeliveryError, KafkaSink, KinesisSink, NatsSink, RabbitMqSink, RedisSink, Sink,
+    SinkError, StdoutSink, WebhookSink,
 };
 
 use super::transient;
@@ -20,6 +20,7 @@ pub(super) enum AnySink {
     RabbitMq(Box<RabbitMqSink>),
     Stdout(StdoutSink),
     Webhook(Box<WebhookSink>),
+    Kinesis(Box<KinesisSink>),
 }
 
 /// Calls the same method on whichever sink `AnySink` holds.
@@ -32,6 +33,7 @@ macro_rules! each_sink {
             AnySink::RabbitMq($s) => $call,
             AnySink::Stdout($s) => $call,
             AnySink::Webhook($s) => $call,
+            AnySink::Kinesis($s) => $call,
         }
     };
 }
@@ -85,6 +87,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
             let (sink, deliveries) = WebhookSink::new(config.webhook_sink()?)?;
             (AnySink::Webhook(Box::new(sink)), deliveries)
         }
+        SinkKind::Kinesis => {
+            let (sink, deliveries) = KinesisSink::new(config.sink.kinesis_sink()?)?;
+            (AnySink::Kinesis(Box::new(sink)), deliveries)
+        }
     })
 }
 
@@ -97,6 +103,7 @@ pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
         | SinkError::Nats(_)
         | SinkError::Redis(_)
         | SinkError::RabbitMq(_)
+        | SinkError::Aws(_)
         | SinkError::TaskDied(_) => transient(e),
         other => anyhow!(other),
     }
