@@ -105,4 +105,5 @@ cells! {
     redis => Sink::Redis,
     webhook => Sink::Webhook,
     stdout => Sink::Stdout,
+    kinesis => Sink::Kinesis,
 }

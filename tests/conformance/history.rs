@@ -195,6 +195,7 @@ pub fn sink_name(sink: Sink) -> &'static str {
         Sink::Redis => "redis",
         Sink::Webhook => "webhook",
         Sink::Stdout => "stdout",
+        Sink::Kinesis => "kinesis",
     }
 }
 
