@@ -138,7 +138,7 @@ async fn records_failed_out_of_a_batch_go_again_before_anything_later_of_their_k
             if key == "order-1" {
                 *n <= 2
             } else {
-                *n == 1 && scattered.fetch_add(1, Ordering::SeqCst) % 5 == 0
+                *n == 1 && scattered.fetch_add(1, Ordering::SeqCst).is_multiple_of(5)
             }
         });
     }

@@ -10,8 +10,8 @@
 //!   `max_retry` of failures it is reported failed (not the message's
 //!   fault), and the relay ends the session and sends again from its
 //!   confirmed position;
-//! - refused for what it is: reported with its class, and its dead letter
-//!   takes its place;
+//! - refused for what it is before it is sent (the sink's own checks):
+//!   reported with its class, and its dead letter takes its place;
 //! - a failure of the session (refused credentials, a destination gone):
 //!   every entry of the call reports it and nothing more is sent.
 //!
@@ -40,8 +40,6 @@ pub(crate) enum Answer {
     Stored,
     /// Not stored; sending it again may work (throttled, an internal error).
     Retry(String),
-    /// Refused for what it is: it never will be stored.
-    Refused(DeliveryClass, String),
 }
 
 /// A call that got no answer per entry.
@@ -327,10 +325,6 @@ fn settle<E>(
             Answer::Stored => {
                 lanes.stored(&lane);
                 Ok(())
-            }
-            Answer::Refused(class, why) => {
-                lanes.settled(&lane);
-                Err(failure(&item.event, class, why))
             }
             Answer::Retry(why) => {
                 let (since, attempts) = item.failing.unwrap_or((now, 0));

@@ -172,13 +172,6 @@ impl<T> Lanes<T> {
         }
     }
 
-    /// The entry out of lane `id` is settled without being stored and
-    /// without a retry (refused, its dead letter takes its place): as
-    /// [`Lanes::stored`] for the lane.
-    pub(crate) fn settled(&mut self, id: &LaneId) {
-        self.stored(id);
-    }
-
     /// The entry out of lane `id` failed: it goes back to the head of its
     /// lane, which sends nothing before `until`, and then this entry first.
     pub(crate) fn retry(&mut self, id: LaneId, entry: T, until: Instant) {

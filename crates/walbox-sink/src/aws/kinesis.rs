@@ -338,7 +338,7 @@ fn partition_key(event: &Event) -> Result<String, (DeliveryClass, String)> {
         return Ok(event.event_id.clone());
     };
     let refused = match std::str::from_utf8(key) {
-        Ok(text) if text.is_empty() => "an empty key is no Kinesis partition key".to_owned(),
+        Ok("") => "an empty key is no Kinesis partition key".to_owned(),
         Ok(text) if text.chars().count() > MAX_KEY_CHARS => format!(
             "the key is {} characters, above Kinesis's {MAX_KEY_CHARS} for a partition key",
             text.chars().count()
