@@ -150,11 +150,19 @@ impl KinesisSinkConfig {
                 "sink.kinesis.max_requests: must be at least 1".into(),
             ));
         }
-        if self.retry_initial_ms == 0 || self.retry_max_ms < self.retry_initial_ms {
+        if self.retry_initial_ms == 0
+            || self.retry_max_ms < self.retry_initial_ms
+            || self.retry_max_ms > 3_600_000
+        {
             return Err(SinkError::Config(
-                "sink.kinesis: retry_initial_ms must be at least 1 and retry_max_ms at least \
-                 retry_initial_ms"
+                "sink.kinesis: retry_initial_ms must be at least 1, and retry_max_ms at least \
+                 retry_initial_ms and at most 3600000 (an hour)"
                     .into(),
+            ));
+        }
+        if self.max_retry_ms == 0 || self.max_retry_ms > 86_400_000 {
+            return Err(SinkError::Config(
+                "sink.kinesis.max_retry_ms: must be within 1 and 86400000 (a day)".into(),
             ));
         }
         Ok(())
@@ -228,12 +236,16 @@ impl Api for Kinesis {
         let answers: Vec<Answer> = out
             .records()
             .iter()
-            .map(|r| match r.error_code() {
-                None => Answer::Stored,
+            .map(|r| match (r.error_code(), r.sequence_number()) {
+                (None, Some(_)) => Answer::Stored,
+                (None, None) => Answer::Retry(format!(
+                    "kinesis answered a record of {dest:?} with neither a sequence number nor \
+                     an error code"
+                )),
                 // Throttled, an internal failure, a KMS key throttled or
                 // unusable: sent again; what does not pass ends the session
                 // at the retry ceiling, with the code in its reason.
-                Some(code) => Answer::Retry(format!(
+                (Some(code), _) => Answer::Retry(format!(
                     "kinesis answered {code} for a record of {dest:?}: {}",
                     r.error_message().unwrap_or("")
                 )),
@@ -335,21 +347,40 @@ impl KinesisSink {
 /// goes under its event id, so that the letter itself is never refused.
 fn partition_key(event: &Event) -> Result<String, (DeliveryClass, String)> {
     let Some(key) = &event.key else {
-        return Ok(event.event_id.clone());
+        return Ok(id_key(&event.event_id));
     };
     let refused = match std::str::from_utf8(key) {
         Ok("") => "an empty key is no Kinesis partition key".to_owned(),
-        Ok(text) if text.chars().count() > MAX_KEY_CHARS => format!(
-            "the key is {} characters, above Kinesis's {MAX_KEY_CHARS} for a partition key",
-            text.chars().count()
+        Ok(text) if key_units(text) > MAX_KEY_CHARS => format!(
+            "the key is {} UTF-16 units long, above Kinesis's {MAX_KEY_CHARS} for a partition \
+             key",
+            key_units(text)
         ),
         Ok(text) => return Ok(text.to_owned()),
         Err(_) => "the key is no UTF-8 text, which a Kinesis partition key must be".to_owned(),
     };
     if crate::kit::is_dead_letter(event) {
-        return Ok(event.event_id.clone());
+        return Ok(id_key(&event.event_id));
     }
     Err((DeliveryClass::InvalidRecord, refused))
+}
+
+/// A partition key's length as Kinesis counts it (UTF-16 units).
+fn key_units(text: &str) -> usize {
+    text.encode_utf16().count()
+}
+
+/// The partition key an event id gives: the id itself when Kinesis takes
+/// it, else its SHA-256 in hex (an id that is empty or too long).
+fn id_key(event_id: &str) -> String {
+    if !event_id.is_empty() && key_units(event_id) <= MAX_KEY_CHARS {
+        return event_id.to_owned();
+    }
+    use sha2::Digest as _;
+    sha2::Sha256::digest(event_id.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Checks that `stream` exists and is active (or updating), creating it
@@ -674,15 +705,18 @@ impl KinesisLetters {
             let Some(marker) = o.get(REPLAYED_THROUGH) else {
                 continue;
             };
+            // A marker names its shard: it counts wherever it landed (a
+            // closed shard takes no writes, so a split's marker lands in a
+            // child).
             if marker["group"] == group
-                && marker["shard"] == r.shard.as_str()
+                && let Some(shard) = marker["shard"].as_str()
                 && let Some(seq) = marker["sequence"].as_str()
             {
                 let later = through
-                    .get(&r.shard)
+                    .get(shard)
                     .is_none_or(|known| sequence_before(known, seq));
                 if later {
-                    through.insert(r.shard.clone(), seq.to_owned());
+                    through.insert(shard.to_owned(), seq.to_owned());
                 }
             }
         }
@@ -781,7 +815,7 @@ mod tests {
         event.key = Some(Bytes::from("x".repeat(257)));
         let (class, why) = partition_key(&event).unwrap_err();
         assert_eq!(class, DeliveryClass::InvalidRecord);
-        assert!(why.contains("257 characters"), "{why}");
+        assert!(why.contains("257 UTF-16 units"), "{why}");
         event.key = Some(Bytes::from_static(&[0xff]));
         assert!(partition_key(&event).is_err());
         event.headers.push((
@@ -791,6 +825,15 @@ mod tests {
         assert_eq!(partition_key(&event).unwrap(), "e1");
         event.key = None;
         assert_eq!(partition_key(&event).unwrap(), "e1");
+        // Ids Kinesis cannot take as they are go by their hash.
+        event.event_id = "x".repeat(300);
+        assert_eq!(partition_key(&event).unwrap().len(), 64);
+        event.event_id = String::new();
+        assert_eq!(partition_key(&event).unwrap().len(), 64);
+        // Lengths are counted in UTF-16 units, as Kinesis counts them.
+        event.key = Some(Bytes::from("😀".repeat(200)));
+        event.headers.clear();
+        assert!(partition_key(&event).is_err(), "400 UTF-16 units");
     }
 
     #[test]

@@ -110,6 +110,25 @@ pub(crate) fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// The part of a service's error message walbox shows: its first line,
+/// and nothing of a signature error's, whose message quotes the canonical
+/// request (with `x-amz-security-token`, the session token).
+fn shown_message(code: &str, message: Option<&str>) -> String {
+    let signature = matches!(
+        code,
+        "InvalidSignatureException" | "SignatureDoesNotMatch" | "IncompleteSignature"
+    );
+    let message = message.unwrap_or("");
+    if signature
+        || message
+            .to_ascii_lowercase()
+            .contains("x-amz-security-token")
+    {
+        return "(the service's message quotes the signed request and is not shown)".to_owned();
+    }
+    message.lines().next().unwrap_or("").to_owned()
+}
+
 /// What the answer to a whole call means, from the error code AWS gave
 /// (the same codes across Kinesis, SQS and SNS).
 pub(crate) fn call_error<E, R>(
@@ -127,7 +146,7 @@ where
     match e {
         SdkError::ServiceError(se) => {
             let code = se.err().code().unwrap_or("(no code)");
-            let message = se.err().message().unwrap_or("");
+            let message = shown_message(code, se.err().message());
             let said = format!("{service} answered {code} for {dest:?}: {message}");
             match code_class(code) {
                 Some(class) => CallError::Fail(class, said),
@@ -145,7 +164,8 @@ where
 }
 
 /// The class of an error code that ends the session; `None` for one that
-/// may pass (throttling, an internal error, one walbox does not know).
+/// may pass (throttling, an internal error, an expired token, which the
+/// chain refreshes for a new session, one walbox does not know).
 pub(crate) fn code_class(code: &str) -> Option<crate::DeliveryClass> {
     use crate::DeliveryClass;
     Some(match code {
@@ -160,8 +180,6 @@ pub(crate) fn code_class(code: &str) -> Option<crate::DeliveryClass> {
         | "MissingAuthenticationToken"
         | "MissingAuthenticationTokenException"
         | "InvalidClientTokenId"
-        | "ExpiredToken"
-        | "ExpiredTokenException"
         | "SignatureDoesNotMatch" => DeliveryClass::Authentication,
         "AccessDeniedException"
         | "AccessDenied"
@@ -192,7 +210,7 @@ where
     use aws_sdk_kinesis::error::SdkError;
     if let SdkError::ServiceError(se) = e {
         let code = se.err().code().unwrap_or("(no code)");
-        let message = se.err().message().unwrap_or("");
+        let message = shown_message(code, se.err().message());
         if code_class(code) == Some(crate::DeliveryClass::Authentication) {
             return SinkError::AwsAuthentication {
                 service: service.to_owned(),
@@ -205,4 +223,64 @@ where
         return SinkError::Aws(format!("{service}: {what}: {code}: {message}"));
     }
     SinkError::Aws(format!("{service}: {what}: {}", error_text(e)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aws_sdk_kinesis::error::{ErrorMetadata, SdkError};
+    use aws_sdk_kinesis::operation::put_records::PutRecordsError;
+    use aws_smithy_runtime_api::http::Response;
+    use aws_smithy_types::body::SdkBody;
+
+    fn answered(code: &str, message: &str) -> SdkError<PutRecordsError, Response> {
+        let error =
+            PutRecordsError::generic(ErrorMetadata::builder().code(code).message(message).build());
+        SdkError::service_error(
+            error,
+            Response::new(400.try_into().expect("a status"), SdkBody::empty()),
+        )
+    }
+
+    #[test]
+    fn a_signature_errors_message_never_reaches_walboxs_errors() {
+        let quoted = "The request signature we calculated does not match.\n\nThe Canonical \
+                      String for this request should have been\nPOST\n/\n\nhost:kinesis\n\
+                      x-amz-security-token:TOKEN-1b2c\n";
+        for code in [
+            "InvalidSignatureException",
+            "SignatureDoesNotMatch",
+            "SomethingNew",
+        ] {
+            let e = answered(code, quoted);
+            let call = format!("{:?}", call_error(&e, "kinesis", "s"));
+            let setup = setup_error(&e, "kinesis", "describing").to_string();
+            assert!(!call.contains("TOKEN-1b2c"), "{call}");
+            assert!(!setup.contains("TOKEN-1b2c"), "{setup}");
+            assert!(call.contains(code), "{call}");
+        }
+        let plain = format!(
+            "{:?}",
+            call_error(
+                &answered("ThrottlingException", "Rate exceeded\nmore"),
+                "kinesis",
+                "s"
+            )
+        );
+        assert!(
+            plain.contains("Rate exceeded") && !plain.contains("more"),
+            "{plain}"
+        );
+    }
+
+    #[test]
+    fn an_expired_token_may_pass_and_refused_keys_stop() {
+        assert_eq!(code_class("ExpiredTokenException"), None);
+        assert_eq!(code_class("ExpiredToken"), None);
+        assert_eq!(
+            code_class("UnrecognizedClientException"),
+            Some(crate::DeliveryClass::Authentication)
+        );
+        assert_eq!(code_class("ProvisionedThroughputExceededException"), None);
+    }
 }
