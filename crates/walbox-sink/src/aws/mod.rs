@@ -2,11 +2,14 @@
 //! a stand-in or a VPC endpoint), whose credentials (the standard chain,
 //! never printed), and the HTTPS client.
 //!
-//! - [`kinesis`]: Amazon Kinesis Data Streams, `PutRecords` batches.
+//! - [`kinesis`]: Amazon Kinesis Data Streams, `PutRecords` batches;
+//!   [`kinesis_read`]: reading a stream back, and a dead-letter stream's
+//!   letters after a replay's progress marker.
 //! - [`envelope`]: the JSON record a Kinesis record carries.
 
 pub(crate) mod envelope;
 pub(crate) mod kinesis;
+pub(crate) mod kinesis_read;
 
 use serde::Deserialize;
 
@@ -89,6 +92,24 @@ impl AwsConnection {
                 "{table}.region: no region is set; set it there, or AWS_REGION, or a region \
                  in the AWS profile"
             )));
+        }
+        // The chain is asked once now, so that no credentials at all stop
+        // walbox with the chain's own account of why, instead of every call
+        // failing as if the network did.
+        if let Some(provider) = config.credentials_provider() {
+            use aws_credential_types::provider::ProvideCredentials as _;
+            use aws_credential_types::provider::error::CredentialsError;
+            if let Err(e) = provider.provide_credentials().await {
+                let why = error_text(&e);
+                return Err(match e {
+                    CredentialsError::CredentialsNotLoaded(_)
+                    | CredentialsError::InvalidConfiguration(_) => SinkError::AwsAuthentication {
+                        service: table.trim_start_matches("sink.").to_owned(),
+                        reason: format!("no credentials from the AWS chain: {why}"),
+                    },
+                    _ => SinkError::Aws(format!("the AWS credential chain: {why}")),
+                });
+            }
         }
         Ok(config)
     }
