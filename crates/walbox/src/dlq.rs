@@ -34,7 +34,7 @@ use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_he
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{
     DurableLetters, KafkaSink, KinesisLetters, KinesisSink, NatsSink, QueueLetters, RabbitMqSink,
-    RabbitStreamLetters, RedisSink, Sink, StreamLetters, WebhookSink,
+    RabbitStreamLetters, RedisSink, Sink, SqsLetters, SqsSink, StreamLetters, WebhookSink,
 };
 
 use crate::catalog::{self, ident};
@@ -389,6 +389,41 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                     .await
                     .with_context(|| format!("recording progress on {dlq}"))?;
                 published?;
+            }
+        }
+        SinkKind::Sqs => {
+            let sink_config = config.sink.sqs_sink()?;
+            let (mut sink, mut deliveries) = SqsSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                let Some(mut read) = SqsLetters::open(&sink_config, dlq)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                // Round by round: a FIFO queue hands out a group's next
+                // letter once the one before it is deleted. A round with a
+                // letter that still fails (or a dry run) ends the replay of
+                // this queue: its letters go back.
+                while read
+                    .next_round()
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                    > 0
+                {
+                    let mut letters = Vec::new();
+                    read.each(|r| letters.push(parse(&r)));
+                    let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                    let clean = matches!(&published, Ok(failed) if failed.is_empty());
+                    let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                    read.settle(done)
+                        .await
+                        .with_context(|| format!("recording progress on {dlq}"))?;
+                    published?;
+                    if !clean || args.dry_run {
+                        break;
+                    }
+                }
             }
         }
         SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {

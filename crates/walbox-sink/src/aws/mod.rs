@@ -5,11 +5,16 @@
 //! - [`kinesis`]: Amazon Kinesis Data Streams, `PutRecords` batches;
 //!   [`kinesis_read`]: reading a stream back, and a dead-letter stream's
 //!   letters after a replay's progress marker.
+//! - [`sqs`]: Amazon SQS, FIFO queues by default, `SendMessageBatch`;
+//!   [`attributes`]: headers as message attributes, and the FIFO ids.
 //! - [`envelope`]: the JSON record a Kinesis record carries.
 
+pub(crate) mod attributes;
 pub(crate) mod envelope;
 pub(crate) mod kinesis;
 pub(crate) mod kinesis_read;
+pub(crate) mod sqs;
+pub(crate) mod sqs_read;
 
 use serde::Deserialize;
 
@@ -148,6 +153,18 @@ fn shown_message(code: &str, message: Option<&str>) -> String {
         return "(the service's message quotes the signed request and is not shown)".to_owned();
     }
     message.lines().next().unwrap_or("").to_owned()
+}
+
+/// Whether an SQS error says the queue does not exist (the modeled error,
+/// or its code, which an answer without the query-compatibility header
+/// carries only in the body).
+pub(crate) fn no_such_queue(e: &aws_sdk_sqs::operation::get_queue_url::GetQueueUrlError) -> bool {
+    use aws_sdk_sqs::error::ProvideErrorMetadata as _;
+    e.is_queue_does_not_exist()
+        || matches!(
+            e.code(),
+            Some("QueueDoesNotExist" | "AWS.SimpleQueueService.NonExistentQueue")
+        )
 }
 
 /// What the answer to a whole call means, from the error code AWS gave

@@ -28,6 +28,8 @@ pub enum SinkKind {
     RabbitMq,
     /// Amazon Kinesis Data Streams (`[sink.kinesis]`).
     Kinesis,
+    /// Amazon SQS, FIFO queues by default (`[sink.sqs]`).
+    Sqs,
 }
 
 impl SinkKind {
@@ -44,6 +46,8 @@ impl SinkKind {
                 walbox_outbox::Protocol::Kafka
             }
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
+            // Message attributes carry headers as text, as Kafka's do.
+            SinkKind::Sqs => walbox_outbox::Protocol::Kafka,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
             SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
         }
@@ -54,7 +58,8 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook`, `kinesis` or `stdout`.
+    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook`, `kinesis`, `sqs` or
+    /// `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -90,6 +95,9 @@ pub struct SinkConfig {
     /// The Kinesis sink's settings (`type = "kinesis"`).
     #[serde(default)]
     pub kinesis: walbox_sink::KinesisSinkConfig,
+    /// The SQS sink's settings (`type = "sqs"`).
+    #[serde(default)]
+    pub sqs: walbox_sink::SqsSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -120,6 +128,7 @@ impl Default for SinkConfig {
             redis: walbox_sink::RedisSinkConfig::default(),
             rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
             kinesis: walbox_sink::KinesisSinkConfig::default(),
+            sqs: walbox_sink::SqsSinkConfig::default(),
         }
     }
 }
@@ -151,6 +160,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("redis", &self.redis)
             .field("rabbitmq", &self.rabbitmq)
             .field("kinesis", &self.kinesis)
+            .field("sqs", &self.sqs)
             .finish()
     }
 }
@@ -218,6 +228,14 @@ impl SinkConfig {
         let mut c = self.kinesis.clone();
         c.create_streams = self.create_topics;
         c.shards = self.topic_partitions;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The SQS sink's settings, with queue creation from `create_topics`.
+    pub fn sqs_sink(&self) -> Result<walbox_sink::SqsSinkConfig> {
+        let mut c = self.sqs.clone();
+        c.create_queues = self.create_topics;
         c.validate()?;
         Ok(c)
     }
