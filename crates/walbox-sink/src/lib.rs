@@ -84,6 +84,7 @@ mod kafka;
 mod kit;
 mod nats;
 mod nats_reader;
+pub mod probe;
 mod rabbitmq;
 mod reader;
 mod redis_streams;

@@ -27,10 +27,14 @@
 //! - [`Receiver`]: a real HTTP receiver for webhooks (HTTP/1.1 and HTTP/2,
 //!   optionally TLS) on a free port that records each request and answers by
 //!   a script (2xx, a status, `Retry-After`, slow, a dropped connection).
+//! - [`demo`]: the demo's destinations (prepared as `make demo` prepares them,
+//!   with the address a configuration of `walbox init` needs filled in), its
+//!   writers and the checks of its summary.
 //! - [`wait_until`]: polls a condition with a deadline, so tests wait on conditions,
 //!   never on fixed sleeps.
 
 mod broker;
+pub mod demo;
 mod error;
 pub mod kafka;
 pub mod nats;

@@ -508,6 +508,23 @@ impl RabbitMq {
         conn.close(200, ShortString::from("done")).await
     }
 
+    /// Declares a classic `queue` that is not durable (it is lost when the
+    /// node restarts), bound to nothing.
+    pub async fn declare_transient_queue(
+        &self,
+        queue: &str,
+    ) -> std::result::Result<(), lapin::Error> {
+        let conn = self.connect().await?;
+        let ch = conn.create_channel().await?;
+        ch.queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+        conn.close(200, ShortString::from("done")).await
+    }
+
     /// Every message `queue` holds, in order, as [`crate::kafka::Record`]s
     /// (topic = routing key, partition 0, offset = place in the queue, key
     /// from the `walbox_key` header); the messages stay in the queue.

@@ -140,7 +140,7 @@ pub fn run(args: &Args) -> Result<()> {
         .with_context(|| format!("writing {file}"))?;
     println!(
         "wrote {file}: a configuration for {} (sink type {}).\nFill in {}{}, then:\n  \
-         walbox doctor --config {file}\n  walbox setup --config {file}\n  walbox run --config {file}",
+         walbox setup --config {file}\n  walbox doctor --config {file}\n  walbox run --config {file}",
         args.sink.destination(),
         args.sink.name(),
         addresses(args.sink),
