@@ -54,6 +54,35 @@ impl Sink {
     pub fn dead_letters_replayable(self) -> bool {
         !matches!(self, Sink::Stdout)
     }
+
+    /// Its `[sink] type`, with the mode where one type has two.
+    pub fn sink_type(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Sink::Kafka => ("kafka", None),
+            Sink::Nats => ("nats", None),
+            Sink::RabbitExchange => ("rabbitmq", None),
+            Sink::RabbitStream => ("rabbitmq", Some("stream")),
+            Sink::Redis => ("redis", None),
+            Sink::Webhook => ("webhook", None),
+            Sink::Stdout => ("stdout", None),
+        }
+    }
+
+    /// The time window its exactly-once holds within, where it has one.
+    pub fn window(self) -> Option<&'static str> {
+        match self {
+            Sink::Nats => Some("duplicate window"),
+            _ => None,
+        }
+    }
+
+    /// Its name for `make demo SINK=...` (`walbox_testkit::demo::SINKS`).
+    pub fn demo(self) -> &'static str {
+        match self {
+            Sink::RabbitStream => "rabbitmq-stream",
+            other => other.sink_type().0,
+        }
+    }
 }
 
 /// A server a cell has to itself, or the binary's RabbitMQ node (shared,

@@ -23,7 +23,16 @@ pub const TOPIC: &str = "outbox.order";
 /// The RabbitMQ queue the demo binds to the exchange (`#`) and reads back.
 pub const QUEUE: &str = "outbox.demo";
 /// The sink types the demo runs (`make demo SINK=...`).
-pub const SINKS: &[&str] = &["kafka", "nats", "rabbitmq", "redis", "webhook", "stdout"];
+/// `rabbitmq-stream` is the rabbitmq sink type in stream mode.
+pub const SINKS: &[&str] = &[
+    "kafka",
+    "nats",
+    "rabbitmq",
+    "rabbitmq-stream",
+    "redis",
+    "webhook",
+    "stdout",
+];
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -33,6 +42,8 @@ enum Server {
     Kafka(Broker),
     Nats(NatsServer),
     RabbitMq(RabbitMq),
+    /// RabbitMQ's stream mode: a stream per topic, declared by walbox.
+    RabbitStream(RabbitMq),
     Redis(RedisServer),
     Webhook(Receiver),
     /// The file walbox's standard output goes to.
@@ -59,6 +70,7 @@ impl Destination {
                 node.bind_queue(QUEUE, "outbox", "#").await?;
                 Server::RabbitMq(node)
             }
+            "rabbitmq-stream" => Server::RabbitStream(RabbitMq::start()?),
             "redis" => Server::Redis(RedisServer::start()?),
             "webhook" => Server::Webhook(Receiver::start()?),
             "stdout" => Server::Stdout(tempfile::tempdir()?),
@@ -76,6 +88,7 @@ impl Destination {
             Server::Kafka(_) => "a Kafka-protocol broker",
             Server::Nats(_) => "a JetStream server",
             Server::RabbitMq(_) => "a RabbitMQ node",
+            Server::RabbitStream(_) => "a RabbitMQ node with the stream plugin",
             Server::Redis(_) => "a Redis server (an fsynced append-only file)",
             Server::Webhook(_) => "an HTTP receiver",
             Server::Stdout(_) => "a file for walbox's standard output",
@@ -89,6 +102,7 @@ impl Destination {
             Server::Kafka(b) => b.bootstrap(),
             Server::Nats(n) => n.url(),
             Server::RabbitMq(r) => format!("amqp://127.0.0.1:{}", r.amqp_port()),
+            Server::RabbitStream(r) => format!("rabbitmq-stream://127.0.0.1:{}", r.stream_port()),
             Server::Redis(r) => r.url(),
             Server::Webhook(r) => r.base_url(),
             Server::Stdout(_) => self.stdout_path().display().to_string(),
@@ -108,7 +122,7 @@ impl Destination {
     #[must_use]
     pub fn rabbitmq(&self) -> Option<&RabbitMq> {
         match &self.server {
-            Server::RabbitMq(node) => Some(node),
+            Server::RabbitMq(node) | Server::RabbitStream(node) => Some(node),
             _ => None,
         }
     }
@@ -144,6 +158,32 @@ impl Destination {
                 "url = \"http://127.0.0.1:8080/".to_owned(),
                 format!("url = \"{}/", r.base_url()),
             ),
+            Server::RabbitStream(r) => {
+                // Stream mode, its port, and the streams declared: the demo
+                // shows the mode, not an operator's stream setup.
+                let mut out = config.to_owned();
+                for (default, ours) in [
+                    (
+                        "\nport = 5672\n".to_owned(),
+                        format!("\nport = {}\n", r.amqp_port()),
+                    ),
+                    (
+                        "# mode = \"exchange\"".to_owned(),
+                        "mode = \"stream\"".to_owned(),
+                    ),
+                    (
+                        "# stream_port = 5552   # example".to_owned(),
+                        format!("stream_port = {}", r.stream_port()),
+                    ),
+                    ("# declare = false".to_owned(), "declare = true".to_owned()),
+                ] {
+                    if out.matches(default.as_str()).count() != 1 {
+                        return Err(format!("the configuration holds no {default:?}").into());
+                    }
+                    out = out.replace(&default, &ours);
+                }
+                return Ok(out);
+            }
             Server::Stdout(_) => return Ok(config.to_owned()),
         };
         if config.matches(default.as_str()).count() != 1 {
@@ -159,6 +199,7 @@ impl Destination {
             Server::Kafka(_) => format!("topic {TOPIC}"),
             Server::Nats(_) => format!("subject {TOPIC} (stream OUTBOX)"),
             Server::RabbitMq(_) => format!("queue {QUEUE} (bound to exchange outbox)"),
+            Server::RabbitStream(_) => format!("stream {TOPIC}"),
             Server::Redis(_) => format!("stream {TOPIC}"),
             Server::Webhook(r) => format!("endpoint {}/hooks/{TOPIC}", r.base_url()),
             Server::Stdout(_) => "standard output".to_owned(),
@@ -172,6 +213,7 @@ impl Destination {
             Server::Kafka(_) => "in the topic",
             Server::Nats(_) => "in the subject",
             Server::RabbitMq(_) => "in the queue",
+            Server::RabbitStream(_) => "in the stream",
             Server::Redis(_) => "in the stream",
             Server::Webhook(_) => "at the endpoint (2xx)",
             Server::Stdout(_) => "on standard output",
@@ -206,6 +248,17 @@ impl Destination {
                 .map_err(|e| e.to_string().into()),
             Server::Redis(r) => {
                 Ok(crate::redis::read_at_least(&r.url(), TOPIC, wanted, limit).await?)
+            }
+            Server::RabbitStream(node) => {
+                wait_until_async("the stream's messages", limit, || async {
+                    let got = node
+                        .read_stream(TOPIC, wanted, Duration::from_secs(5))
+                        .await
+                        .ok()?;
+                    (got.len() >= wanted).then_some(got)
+                })
+                .await
+                .map_err(Into::into)
             }
             Server::RabbitMq(node) => wait_until_async("the queue's messages", limit, || async {
                 let got = node.read_queue(QUEUE).await.ok()?;
@@ -253,7 +306,7 @@ impl Destination {
         match &self.server {
             Server::Kafka(b) => b.log_tail(),
             Server::Nats(n) => n.log_tail(),
-            Server::RabbitMq(r) => r.log_tail(),
+            Server::RabbitMq(r) | Server::RabbitStream(r) => r.log_tail(),
             Server::Redis(r) => r.log_tail(),
             Server::Webhook(r) => format!(
                 "{} requests, {} answered 2xx",

@@ -3,6 +3,7 @@
 //! Starts a PostgreSQL cluster (`wal_level=logical`) and the destination of
 //! `--sink` (default kafka: a Kafka-protocol broker; nats: a JetStream server;
 //! rabbitmq: a RabbitMQ node with an exchange and a durable queue bound to it;
+//! rabbitmq-stream: a RabbitMQ node, walbox in stream mode;
 //! redis: a Redis server with an fsynced append-only file; webhook: an HTTP
 //! receiver that records each signed POST; stdout: a file for walbox's
 //! standard output), creates an outbox table, writes walbox's configuration
@@ -74,10 +75,12 @@ async fn main() -> Result<(), Error> {
     // webhook sink's dead-letter file) go there and are removed with it.
     let dir = pg.client_dir();
     let config = dir.join("walbox.toml");
-    println!("== walbox init --sink {sink}, then its address filled in");
+    // rabbitmq-stream: the rabbitmq sink type in stream mode.
+    let sink_type = sink.strip_suffix("-stream").unwrap_or(&sink);
+    println!("== walbox init --sink {sink_type}, then its address filled in");
     let out = Command::new(&walbox)
         .current_dir(&dir)
-        .args(["init", "--sink", &sink, "--output"])
+        .args(["init", "--sink", sink_type, "--output"])
         .arg(&config)
         .arg("--dsn")
         .arg(pg.conninfo("postgres"))
