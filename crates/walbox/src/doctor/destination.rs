@@ -61,6 +61,12 @@ pub(super) async fn check(r: &mut Report, config: &Config) {
     }
     match kind {
         SinkKind::Kafka => match sink.kafka_sink() {
+            Ok(k) if !k.properties.iter().any(|(p, _)| p == "bootstrap.servers") => r.add(
+                Verdict::Warn,
+                "sink.kafka \"bootstrap.servers\" is not set, so the destination was not \
+                 checked: set it (or --bootstrap-servers, WALBOX_BOOTSTRAP_SERVERS); walbox run \
+                 needs it",
+            ),
             Ok(k) => add(r, probe::kafka(&k, &fixed).await),
             Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
         },
