@@ -77,7 +77,13 @@ pub async fn kafka(config: &KafkaSinkConfig, names: &[String]) -> Vec<Finding> {
     }
     let consumer: BaseConsumer = match client.create() {
         Ok(c) => c,
-        Err(e) => return vec![fail(format!("sink.kafka: {e}: fix the property it names"))],
+        // Through SinkError, which names the property, never its value.
+        Err(e) => {
+            return vec![fail(format!(
+                "sink.kafka: {}: fix the property it names",
+                SinkError::from(e)
+            ))];
+        }
     };
     let metadata = tokio::task::spawn_blocking(move || {
         consumer.fetch_metadata(None, ANSWER_WITHIN).map(|m| {
@@ -92,6 +98,7 @@ pub async fn kafka(config: &KafkaSinkConfig, names: &[String]) -> Vec<Finding> {
     let topics = match metadata {
         Ok(Ok(topics)) => topics,
         Ok(Err(e)) => {
+            let e = SinkError::from(e);
             return vec![fail(format!(
                 "no Kafka broker answered at bootstrap.servers = {bootstrap} within {} s ({e}): \
                  check the addresses and that the brokers run, and security.protocol and the \
