@@ -101,12 +101,7 @@ BENCH_REPEAT ?= 3
 BENCH_ARGS ?=
 bench: bench-decoder bench-relay
 
-# The counting build differs from the release build by walbox's own
-# feature only: the dependencies are the release build's, and cargo keeps both
-# builds of walbox, so after the first time neither is compiled again.
 bench-relay: deps
-	$(RELEASE_BUILD) --features walbox/count-allocations
-	cp target/release/walbox target/release/walbox-count-allocations
 	$(RELEASE_BUILD)
 	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --repeat $(BENCH_REPEAT) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
 

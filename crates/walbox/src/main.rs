@@ -23,7 +23,6 @@
 //! ([`config`]). Row values are never logged.
 
 mod admin;
-#[cfg(feature = "count-allocations")]
 mod alloc_count;
 mod catalog;
 mod config;
@@ -49,14 +48,8 @@ mod verify;
 /// other threads than the ones that allocated them; with glibc that cost a
 /// fifth to a third of the CPU (arena locks, consolidation), jemalloc's thread
 /// caches take most of it away (docs/benchmarks.md, "Cost per event").
-/// Settings: [`MALLOC_CONF`].
-#[cfg(not(feature = "count-allocations"))]
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-/// The benchmark's build counts what the process allocates (alloc_count.rs),
-/// from the same allocator.
-#[cfg(feature = "count-allocations")]
+/// Settings: [`MALLOC_CONF`]. Counted for the benchmark when asked
+/// (`WALBOX_COUNT_ALLOCATIONS=1`, [`alloc_count`]).
 #[global_allocator]
 static ALLOCATOR: alloc_count::Counting<tikv_jemallocator::Jemalloc> =
     alloc_count::Counting(tikv_jemallocator::Jemalloc);
@@ -336,6 +329,7 @@ fn lossy(argv: &[std::ffi::OsString]) -> Vec<String> {
 }
 
 fn main() -> std::process::ExitCode {
+    alloc_count::start_if_asked();
     // One rustls provider for every TLS client in the process (see the function).
     walbox_sink::install_crypto_provider();
     let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -440,7 +434,6 @@ fn main() -> std::process::ExitCode {
             } => dlq::replay(args).await,
         }
     });
-    #[cfg(feature = "count-allocations")]
     alloc_count::report();
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
