@@ -248,6 +248,28 @@ async fn kafka_from_init_to_events_and_what_doctor_names() {
         |c| fixed(c, "true"),
         "topic front.door.fixed does not exist yet; walbox creates it",
     );
+    // A broker that wants a password walbox does not have.
+    let guarded = walbox_testkit::Broker::start_authenticated(&[walbox_testkit::BrokerUser::new(
+        "walbox",
+        "right-6c1f",
+        walbox_testkit::Scram::Sha512,
+    )])
+    .unwrap();
+    f.doctor_fails(
+        |c| {
+            let c = c.replace(&f.destination.address(), &guarded.bootstrap());
+            let c = set(
+                &c,
+                "sink.kafka",
+                "\"security.protocol\"",
+                "\"sasl_plaintext\"",
+            );
+            let c = set(&c, "sink.kafka", "\"sasl.mechanism\"", "\"SCRAM-SHA-512\"");
+            let c = set(&c, "sink.kafka", "\"sasl.username\"", "\"walbox\"");
+            set(&c, "sink.kafka", "\"sasl.password\"", "\"wrong-6c1f\"")
+        },
+        &["check sasl.username, sasl.password and sasl.mechanism in sink.kafka"],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -75,28 +75,49 @@ pub async fn kafka(config: &KafkaSinkConfig, names: &[String]) -> Vec<Finding> {
     ] {
         client.remove(producer_only);
     }
-    let consumer: BaseConsumer = match client.create() {
-        Ok(c) => c,
-        // Through SinkError, which names the property, never its value.
-        Err(e) => {
-            return vec![fail(format!(
-                "sink.kafka: {}: fix the property it names",
-                SinkError::from(e)
-            ))];
-        }
-    };
+    let auth = crate::secrets::AuthFailure::default();
+    let consumer: BaseConsumer<AuthWatch> =
+        match client.create_with_context(AuthWatch(auth.clone())) {
+            Ok(c) => c,
+            // Through SinkError, which names the property, never its value.
+            Err(e) => {
+                return vec![fail(format!(
+                    "sink.kafka: {}: fix the property it names",
+                    SinkError::from(e)
+                ))];
+            }
+        };
     let metadata = tokio::task::spawn_blocking(move || {
-        consumer.fetch_metadata(None, ANSWER_WITHIN).map(|m| {
+        let found = consumer.fetch_metadata(None, ANSWER_WITHIN).map(|m| {
             m.topics()
                 .iter()
                 .filter(|t| t.error().is_none())
                 .map(|t| t.name().to_owned())
                 .collect::<Vec<_>>()
-        })
+        });
+        if found.is_err() {
+            // The client's errors (a refusal of the credentials among them)
+            // reach its context when it is polled.
+            for _ in 0..10 {
+                if consumer.poll(Duration::from_millis(100)).is_none() && auth_seen(&consumer) {
+                    break;
+                }
+            }
+        }
+        found
     })
     .await;
     let topics = match metadata {
         Ok(Ok(topics)) => topics,
+        Ok(Err(_)) if auth.get().is_some() => {
+            let e = crate::secrets::authentication_error(
+                &config.properties,
+                auth.get().unwrap_or_default(),
+            );
+            return vec![fail(format!(
+                "{e}: check sasl.username, sasl.password and sasl.mechanism in sink.kafka"
+            ))];
+        }
         Ok(Err(e)) => {
             let e = SinkError::from(e);
             return vec![fail(format!(
@@ -130,6 +151,22 @@ pub async fn kafka(config: &KafkaSinkConfig, names: &[String]) -> Vec<Finding> {
     }
     out
 }
+
+fn auth_seen(consumer: &rdkafka::consumer::BaseConsumer<AuthWatch>) -> bool {
+    use rdkafka::consumer::Consumer as _;
+    consumer.context().0.get().is_some()
+}
+
+/// The probe's Kafka client: notes a refusal of the credentials.
+struct AuthWatch(crate::secrets::AuthFailure);
+
+impl rdkafka::ClientContext for AuthWatch {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        self.0.observe(&error, reason);
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for AuthWatch {}
 
 /// NATS: the servers answer and take the credentials, JetStream is on, and
 /// the stream exists or `create_stream` creates it.
