@@ -127,6 +127,12 @@ impl Destination {
         }
     }
 
+    /// Whether the destination keeps events in partitions (Kafka's).
+    #[must_use]
+    pub fn has_partitions(&self) -> bool {
+        matches!(self.server, Server::Kafka(_))
+    }
+
     /// Whether walbox writes its events to standard output.
     #[must_use]
     pub fn is_stdout(&self) -> bool {

@@ -160,16 +160,22 @@ async fn main() -> Result<(), Error> {
     )
     .await?;
 
+    let partitions = destination.has_partitions();
     println!(
-        "== the events, read back from {} (partition @position key event payload)",
-        destination.place()
+        "== the events, read back from {} ({}@position key event payload)",
+        destination.place(),
+        if partitions { "partition " } else { "" }
     );
     let mut sorted: Vec<&walbox_testkit::kafka::Record> = records.iter().collect();
     sorted.sort_by_key(|r| (r.partition, r.offset));
     for r in &sorted {
         println!(
-            "  p{} @{:<4} {:<9} {:<13} {}",
-            r.partition,
+            "  {}@{:<4} {:<9} {:<13} {}",
+            if partitions {
+                format!("p{} ", r.partition)
+            } else {
+                String::new()
+            },
             r.offset,
             r.key_str().unwrap_or("-"),
             r.header("event_type").unwrap_or("-"),
