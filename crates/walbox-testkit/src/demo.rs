@@ -66,11 +66,17 @@ impl Destination {
             "nats" => Server::Nats(NatsServer::start()?),
             "rabbitmq" => {
                 let node = RabbitMq::start()?;
+                // Gone with this process even when it is killed.
+                node.removed_when_this_process_ends()?;
                 node.declare_exchange("outbox", "topic").await?;
                 node.bind_queue(QUEUE, "outbox", "#").await?;
                 Server::RabbitMq(node)
             }
-            "rabbitmq-stream" => Server::RabbitStream(RabbitMq::start()?),
+            "rabbitmq-stream" => {
+                let node = RabbitMq::start()?;
+                node.removed_when_this_process_ends()?;
+                Server::RabbitStream(node)
+            }
             "redis" => Server::Redis(RedisServer::start()?),
             "webhook" => Server::Webhook(Receiver::start()?),
             "stdout" => Server::Stdout(tempfile::tempdir()?),
