@@ -12,7 +12,8 @@ FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
 # The build tools of scripts/deps.sh (librdkafka's bundled C build), then the
-# release binary exactly as `make release` builds it.
+# release binary exactly as `make release` builds it (the one release build of
+# `make demo` and `make bench` too; only walbox goes into the image).
 RUN scripts/deps.sh --build-only && rm -rf /var/lib/apt/lists/*
 RUN make release
 

@@ -19,16 +19,23 @@ all: build
 build:
 	$(CARGO) build --workspace --release
 
-## The walbox binary alone, as the Dockerfile builds it (target/release/walbox).
+# One release build serves `make release`, `make demo` and `make bench` (and
+# `make flamegraphs`): the same packages, so the same features unify and going
+# from one target to another compiles nothing. tests/deploy.rs checks that each
+# of them runs this very command.
+RELEASE_BUILD = $(CARGO) build --release --locked -p walbox -p walbox-testkit -p walbox-bench --bins
+
+## The walbox binary (target/release/walbox), as the Dockerfile builds it, with
+## the demo and the benchmark beside it.
 release:
-	$(CARGO) build --release --locked -p walbox
+	$(RELEASE_BUILD)
 
 deps:
 	@scripts/deps.sh $(PG_VERSIONS)
 
 ## The main job end to end on throwaway infrastructure.
 demo: deps
-	$(CARGO) build --release -p walbox -p walbox-testkit --bins
+	$(RELEASE_BUILD)
 	./target/release/walbox-demo --walbox ./target/release/walbox --sink $(or $(SINK),kafka)
 
 # Test binaries run side by side (scripts/run-tests.py): each starts its own
@@ -60,7 +67,7 @@ test-vendor:
 ## major only.
 PG_VERSION ?= 15
 E2E_SKIP ?=
-DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook kinesis sqs conformance
+DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook kinesis sqs conformance front_door
 E2E_TESTS = $(filter-out $(E2E_SKIP),$(basename $(notdir $(wildcard tests/*.rs crates/walbox-pgoutput/tests/*.rs))))
 test-e2e:
 	@echo "== end-to-end tests on PostgreSQL $(PG_VERSION)$(if $(E2E_SKIP), (not: $(E2E_SKIP)))"
@@ -95,15 +102,13 @@ BENCH_ARGS ?=
 bench: bench-decoder bench-relay
 
 bench-relay: deps
-	$(CARGO) build --release -p walbox --features count-allocations
-	cp target/release/walbox target/release/walbox-count-allocations
-	$(CARGO) build --release -p walbox -p walbox-bench
+	$(RELEASE_BUILD)
 	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --repeat $(BENCH_REPEAT) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
 
 ## Flame graphs of rows and messages to the broker and of rows to JetStream
 ## (docs/flame-*.svg), with perf and inferno.
 flamegraphs: deps
-	$(CARGO) build --release -p walbox -p walbox-bench
+	$(RELEASE_BUILD)
 	scripts/flamegraphs.sh docs
 
 bench-decoder:

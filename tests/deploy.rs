@@ -585,7 +585,7 @@ fn the_dockerfile_builds_with_the_tested_steps_and_runs_as_a_user_with_a_volume(
         .nth(1)
         .and_then(|r| r.lines().next())
         .expect("a release target");
-    assert_eq!(recipe.trim(), "$(CARGO) build --release --locked -p walbox");
+    assert_eq!(recipe.trim(), "$(RELEASE_BUILD)");
     let (ok, out) = run(Command::new(root().join("scripts/deps.sh")).arg("--build-only"));
     assert!(ok, "scripts/deps.sh --build-only:\n{out}");
     assert!(
@@ -642,6 +642,47 @@ fn the_dockerfile_builds_with_the_tested_steps_and_runs_as_a_user_with_a_volume(
         .expect("WALBOX_METRICS_LISTEN");
     assert!(listen.starts_with("0.0.0.0:"));
     assert_eq!(all("EXPOSE"), vec![port_of(listen).to_string()]);
+}
+
+/// The `cargo build` commands `make -n TARGET` prints, in order.
+fn cargo_builds(target: &str) -> Vec<String> {
+    let (ok, out) = run(Command::new("make").current_dir(root()).args([
+        "-n",
+        "-s",
+        "--no-print-directory",
+        "CARGO=cargo",
+        target,
+    ]));
+    assert!(ok, "make -n {target}:\n{out}");
+    out.lines()
+        .filter(|l| l.starts_with("cargo build"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn demo_bench_and_release_run_one_release_build() {
+    let release = cargo_builds("release");
+    assert_eq!(release.len(), 1, "{release:?}");
+    let build = &release[0];
+    for wanted in [
+        "--release",
+        "--locked",
+        "-p walbox ",
+        "-p walbox-testkit",
+        "-p walbox-bench",
+    ] {
+        assert!(format!("{build} ").contains(wanted), "{build}: no {wanted}");
+    }
+    assert!(!build.contains("--features"), "{build}");
+    for target in ["demo", "bench-relay", "flamegraphs"] {
+        assert_eq!(cargo_builds(target), release, "make {target}");
+    }
+    // No build of its own for the benchmark's allocation counts: no feature.
+    assert!(
+        !read("crates/walbox/Cargo.toml").contains("\n[features]"),
+        "a feature of walbox would make a second build"
+    );
 }
 
 #[test]

@@ -326,6 +326,62 @@ async fn a_400_dead_letters_the_event_to_the_local_file_and_dlq_replay_sends_it_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_run_out_into_a_dead_letter_that_counts_the_attempts_and_describes_the_event() {
+    let receiver = Receiver::start().unwrap();
+    receiver.set_script(|seen| {
+        if seen.key == Some("down-0") {
+            Reply::Status(503, String::new())
+        } else {
+            Reply::Ok
+        }
+    });
+    let (pg, db, env) = servers_webhook(&receiver, "max_retry_duration_s = 2").await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    insert_rounds(&db, "down-", 1, 1).await;
+    insert_rounds(&db, "up-", 2, 1).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let letters = walbox_sink::read_letters(&dead_letter_path(&pg)).unwrap();
+    assert_eq!(letters.len(), 1, "{}", walbox.log());
+    let (_, letter) = &letters[0];
+    assert_eq!(
+        letter.header("walbox_error_class"),
+        Some("retries_exhausted")
+    );
+    let sent = receiver
+        .arrivals()
+        .into_iter()
+        .filter(|a| a.key.as_deref() == Some("down-0"))
+        .count();
+    assert!(sent >= 2, "retried: {sent} requests");
+    let error = letter.header("walbox_error").unwrap();
+    assert!(
+        error.contains(&format!(", {sent} attempts)")),
+        "{sent} sent: {error}"
+    );
+    assert_eq!(
+        letter.header("walbox_attempts"),
+        Some(sent.to_string().as_str()),
+        "{error}"
+    );
+    // The letter's value describes the event; its body is not kept (dlq
+    // replay rebuilds it from the table).
+    let value: serde_json::Value = serde_json::from_str(&letter.value).unwrap();
+    let body_len = receiver
+        .arrivals()
+        .into_iter()
+        .find(|a| a.key.as_deref() == Some("down-0"))
+        .unwrap()
+        .body
+        .len();
+    assert_eq!(
+        value,
+        serde_json::json!({"topic": "outbox.order", "value": null, "value_bytes": body_len}),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_file_cut_in_place_by_copytruncate_is_replayed_from_its_first_letter() {
     let receiver = Receiver::start().unwrap();
     // Each bad- event refused when it first comes, taken when replayed.

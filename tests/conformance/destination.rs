@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use walbox_testkit::kafka::Record;
 use walbox_testkit::{
-    Broker, BrokerOptions, BrokerStorage, Kinesalite, NatsServer, Receiver, RedisServer,
+    Broker, BrokerOptions, BrokerStorage, Kinesalite, LocalStack, NatsServer, Receiver, RedisServer,
 };
 
 use crate::common::{SECRET, dead_letter_path, node};
@@ -22,6 +22,7 @@ pub enum Sink {
     Webhook,
     Stdout,
     Kinesis,
+    Sqs,
 }
 
 /// What a destination promises for the events of a session that ended by a
@@ -39,7 +40,7 @@ impl Sink {
     /// What `docs/guarantees.md` says of this sink after a crash.
     pub fn promise(self) -> Promise {
         match self {
-            Sink::Nats | Sink::RabbitStream | Sink::Redis => Promise::ExactlyOnce,
+            Sink::Nats | Sink::RabbitStream | Sink::Redis | Sink::Sqs => Promise::ExactlyOnce,
             Sink::Kafka | Sink::RabbitExchange | Sink::Webhook | Sink::Stdout | Sink::Kinesis => {
                 Promise::AtLeastOnce
             }
@@ -53,9 +54,48 @@ impl Sink {
         !matches!(self, Sink::Stdout)
     }
 
+    /// Whether the destination's server keeps what it acknowledged across
+    /// its own restart (LocalStack keeps everything in memory: a restart is
+    /// an empty server).
+    pub fn keeps_data_across_restart(self) -> bool {
+        !matches!(self, Sink::Sqs)
+    }
+
     /// Whether `walbox dlq replay` can read this sink's dead letters back.
     pub fn dead_letters_replayable(self) -> bool {
         !matches!(self, Sink::Stdout)
+    }
+
+    /// Its `[sink] type`, with the mode where one type has two.
+    pub fn sink_type(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Sink::Kafka => ("kafka", None),
+            Sink::Nats => ("nats", None),
+            Sink::RabbitExchange => ("rabbitmq", None),
+            Sink::RabbitStream => ("rabbitmq", Some("stream")),
+            Sink::Redis => ("redis", None),
+            Sink::Webhook => ("webhook", None),
+            Sink::Stdout => ("stdout", None),
+            Sink::Kinesis => ("kinesis", None),
+            Sink::Sqs => ("sqs", None),
+        }
+    }
+
+    /// The time window its exactly-once holds within, where it has one.
+    pub fn window(self) -> Option<&'static str> {
+        match self {
+            Sink::Nats => Some("duplicate window"),
+            Sink::Sqs => Some("deduplication window"),
+            _ => None,
+        }
+    }
+
+    /// Its name for `make demo SINK=...` (`walbox_testkit::demo::SINKS`).
+    pub fn demo(self) -> &'static str {
+        match self {
+            Sink::RabbitStream => "rabbitmq-stream",
+            other => other.sink_type().0,
+        }
     }
 }
 
@@ -70,6 +110,7 @@ enum Server {
     Webhook(Receiver),
     Stdout,
     Kinesis(Kinesalite),
+    Sqs(LocalStack),
 }
 
 /// One cell's destination: its server and the names the cell uses there.
@@ -81,6 +122,9 @@ pub struct Destination {
     server: Server,
     /// What the stdout sink printed, run by run.
     printed: std::sync::Mutex<Vec<String>>,
+    /// What was taken from each SQS queue so far (reading a queue takes
+    /// its messages).
+    drained: tokio::sync::Mutex<std::collections::HashMap<String, Vec<Copy>>>,
 }
 
 impl Destination {
@@ -119,12 +163,14 @@ impl Destination {
             Sink::Webhook => Server::Webhook(Receiver::start().expect("starting the receiver")),
             Sink::Stdout => Server::Stdout,
             Sink::Kinesis => Server::Kinesis(Kinesalite::start().expect("starting kinesalite")),
+            Sink::Sqs => Server::Sqs(LocalStack::start().expect("starting localstack")),
         };
         Destination {
             sink,
             name: name.to_owned(),
             server,
             printed: std::sync::Mutex::new(Vec::new()),
+            drained: tokio::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
 
@@ -211,6 +257,15 @@ impl Destination {
                 ),
                 Kinesalite::client_env(),
             ),
+            Server::Sqs(sqs) => (
+                format!(
+                    "[sink]\ntype = \"sqs\"\ncreate_topics = true\n\n[sink.sqs]\n\
+                     endpoint_url = \"{}\"\nregion = \"us-east-1\"\nretry_initial_ms = 50\n\
+                     retry_max_ms = 1000\n",
+                    sqs.endpoint()
+                ),
+                Kinesalite::client_env(),
+            ),
         }
     }
 
@@ -271,6 +326,12 @@ impl Destination {
                 while_down().await;
                 tokio::time::sleep(down).await;
                 kinesis.start_again().unwrap();
+            }
+            Server::Sqs(sqs) => {
+                sqs.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                sqs.start_again().unwrap();
             }
         }
     }
@@ -385,6 +446,39 @@ impl Destination {
                 .await
                 .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
                 out
+            }
+            Server::Sqs(sqs) => {
+                let config = walbox_sink::SqsSinkConfig {
+                    endpoint_url: Some(sqs.endpoint()),
+                    region: Some("us-east-1".into()),
+                    credentials: Some(Kinesalite::credentials()),
+                    ..Default::default()
+                };
+                if topic.ends_with(".dlq") {
+                    // Looked at, not taken: `walbox dlq replay` reads them.
+                    let Some(mut letters) = walbox_sink::SqsLetters::open(&config, topic)
+                        .await
+                        .unwrap_or_else(|e| panic!("reading {topic}: {e}"))
+                    else {
+                        return Vec::new();
+                    };
+                    letters.next_round().await.unwrap();
+                    let mut out = Vec::new();
+                    letters.each(|r| out.push(Copy::of_view(topic, &r, r.event_id())));
+                    letters.settle(|_| false).await.unwrap();
+                    return out;
+                }
+                let mut drained = self.drained.lock().await;
+                let held = drained.entry(topic.to_owned()).or_default();
+                let before = held.len();
+                walbox_sink::drain_sqs_queue(&config, topic, timeout, |r| {
+                    let mut copy = Copy::of_view(topic, &r, r.event_id());
+                    copy.offset += i64::try_from(before).unwrap();
+                    held.push(copy);
+                })
+                .await
+                .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
+                held.clone()
             }
             Server::Stdout => {
                 let printed = self.printed.lock().unwrap();

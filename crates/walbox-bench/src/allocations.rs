@@ -1,6 +1,6 @@
-//! Allocations per event: walbox built with a counting global allocator (cargo
-//! feature `count-allocations`, `make bench` builds it as
-//! `walbox-count-allocations`) drains `--alloc-events` events once per path:
+//! Allocations per event: walbox with its global allocator counting
+//! (`WALBOX_COUNT_ALLOCATIONS=1`, the release binary itself) drains
+//! `--alloc-events` events once per path:
 //! rows to the broker, messages to the broker and rows to JetStream. Its exit
 //! line gives the allocations, reallocations and bytes the Rust side of the
 //! process asked for, start-up included; librdkafka's and other C libraries'
@@ -22,7 +22,7 @@ pub struct Counted {
 
 impl Bench {
     /// Drains `events` rows (to the broker and to JetStream) and `events`
-    /// messages (to the broker) with the counting build at `counting`.
+    /// messages (to the broker) with the walbox at `counting`, counting.
     pub async fn allocations(&self, events: u64, counting: &Path) -> Result<Vec<Counted>, Error> {
         let rows = self
             .drain_slots_with(
@@ -72,7 +72,7 @@ pub fn print(counted: &[Counted], counting: &Path) {
     println!("### Allocations per event");
     println!();
     println!(
-        "{} (walbox built with `--features count-allocations`): one run per path, \
+        "{} (run with `WALBOX_COUNT_ALLOCATIONS=1`): one run per path, \
          start-up included; allocations by Rust code only (librdkafka's own `malloc`s \
          are not counted).",
         counting.display()

@@ -24,9 +24,9 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
   --svg-dir DIR       where a full run writes its charts
   --walbox PATH       the walbox binary (default: next to this one)
   --walbox-counting PATH
-                      walbox built with --features count-allocations, for the
-                      allocations scenario (default: walbox-count-allocations next
-                      to this one)
+                      the walbox that counts its allocations (run with
+                      WALBOX_COUNT_ALLOCATIONS=1) in the allocations scenario
+                      (default: --walbox)
   --baseline PATH     another walbox build (say, the previous release) to run
                       beside this one: its runs to the broker and to JetStream join
                       the backlog's rounds, its [[messages]] run the messages'";
@@ -47,8 +47,9 @@ pub struct Args {
     pub webhook_events: u64,
     /// Events of each run of the allocations scenario.
     pub alloc_events: u64,
-    /// The counting build of walbox.
-    pub walbox_counting: PathBuf,
+    /// The walbox that counts its allocations (`--walbox-counting`), when it
+    /// is not `--walbox`.
+    pub walbox_counting: Option<PathBuf>,
     /// Another build of walbox to compare with.
     pub baseline: Option<PathBuf>,
 }
@@ -113,7 +114,7 @@ pub fn args() -> Result<Option<Args>, Error> {
         steady_seconds: 60,
         svg_dir: None,
         walbox: beside("walbox"),
-        walbox_counting: beside("walbox-count-allocations"),
+        walbox_counting: None,
         alloc_events: 100_000,
         baseline: None,
         only: Scenario::ALL.to_vec(),
@@ -150,8 +151,9 @@ pub fn args() -> Result<Option<Args>, Error> {
                 a.baseline = Some(PathBuf::from(it.next().ok_or("--baseline needs a path")?));
             }
             "--walbox-counting" => {
-                a.walbox_counting =
-                    PathBuf::from(it.next().ok_or("--walbox-counting needs a path")?);
+                a.walbox_counting = Some(PathBuf::from(
+                    it.next().ok_or("--walbox-counting needs a path")?,
+                ));
             }
             "--alloc-events" => {
                 a.alloc_events = it.next().ok_or("--alloc-events needs a number")?.parse()?;
@@ -192,4 +194,13 @@ pub fn args() -> Result<Option<Args>, Error> {
 /// The items of a comma-separated flag value.
 fn comma_list<T>(list: &str, item: impl Fn(&str) -> Result<T, Error>) -> Result<Vec<T>, Error> {
     list.split(',').map(item).collect()
+}
+
+impl Args {
+    /// The walbox the allocations scenario runs with
+    /// `WALBOX_COUNT_ALLOCATIONS=1`: `--walbox-counting`, else `--walbox`.
+    #[must_use]
+    pub fn counting(&self) -> &std::path::Path {
+        self.walbox_counting.as_deref().unwrap_or(&self.walbox)
+    }
 }

@@ -176,6 +176,7 @@ impl Contender {
         topic: Option<&str>,
         target: &str,
         stderr: Stdio,
+        count_allocations: bool,
     ) -> Result<Child, Error> {
         // A baseline contender runs as its own, with the other build.
         let kind = self.base();
@@ -229,6 +230,9 @@ impl Contender {
             }
         };
         let mut cmd = Command::new(walbox);
+        if count_allocations {
+            cmd.env("WALBOX_COUNT_ALLOCATIONS", "1");
+        }
         // Every walbox contender reports positions every STATUS_INTERVAL_MS, so
         // that a drain's end is known to that.
         let mut config = format!("[source]\nstatus_interval_ms = {STATUS_INTERVAL_MS}\n\n");

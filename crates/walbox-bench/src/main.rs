@@ -160,8 +160,8 @@ async fn main() -> Result<(), Error> {
     let mut counted = Vec::new();
     if runs(Scenario::Allocations) {
         let n = bench.a.alloc_events;
-        println!("allocations: {n} events per path, walbox built to count its allocations");
-        counted = bench.allocations(n, &bench.a.walbox_counting).await?;
+        println!("allocations: {n} events per path, walbox counting its allocations");
+        counted = bench.allocations(n, bench.a.counting()).await?;
     }
 
     // 3. One transaction of `big` rows.
@@ -280,7 +280,7 @@ async fn main() -> Result<(), Error> {
         };
         messages::print_comparison(events, m, backlog);
     }
-    allocations::print(&counted, &bench.a.walbox_counting);
+    allocations::print(&counted, bench.a.counting());
     if !one_txn.is_empty() {
         report::print_table(
             &format!("One transaction of {big} events"),

@@ -137,8 +137,9 @@ impl Bench {
     }
 
     /// [`Bench::drain_slots`] in `rounds` rounds; with `counting`, the walbox
-    /// contenders run that build of walbox (cargo feature `count-allocations`)
-    /// and each run's allocations are read from its exit line.
+    /// contenders run that walbox counting its allocations
+    /// (`WALBOX_COUNT_ALLOCATIONS=1`) and each run's allocations are read from
+    /// its exit line.
     pub async fn drain_slots_with(
         &self,
         all: &[Contender],
@@ -197,6 +198,7 @@ impl Bench {
                     } else {
                         Stdio::inherit()
                     },
+                    counting.is_some(),
                 )?;
                 let summary = child.stderr.take().map(read_allocations);
                 let mut run = drain(c.name(), db, &slot, &target, child, started).await?;
@@ -204,8 +206,8 @@ impl Bench {
                     run.allocations = summary.join().map_err(|_| "the stderr reader panicked")?;
                     if run.allocations.is_none() {
                         return Err(format!(
-                            "{}: no allocation counts on exit: is {} built with \
-                             --features count-allocations?",
+                            "{}: no allocation counts on exit: does {} count them \
+                             (WALBOX_COUNT_ALLOCATIONS=1)?",
                             c.name(),
                             counting.unwrap_or(&self.a.walbox).display()
                         )

@@ -37,6 +37,8 @@ pub struct Rejected {
     pub headers: Vec<(String, Vec<u8>)>,
     /// Size of its value in bytes.
     pub value_len: usize,
+    /// How many times it was sent: the dead letter's `walbox_attempts`.
+    pub attempts: u32,
 }
 
 impl Rejected {
@@ -117,7 +119,10 @@ impl Failure {
             dl::SOURCE_TOPIC.into(),
             bytes::Bytes::from(self.topic.clone()),
         ));
-        headers.push((dl::ATTEMPTS.into(), bytes::Bytes::from_static(b"1")));
+        headers.push((
+            dl::ATTEMPTS.into(),
+            bytes::Bytes::from(record.attempts.to_string()),
+        ));
         let (name, origin) = match walbox_outbox::MessageConfig::prefix_of(source) {
             Some(prefix) => (walbox_outbox::SOURCE_MESSAGE_PREFIX, prefix),
             None => (dl::SOURCE_TABLE, source),
@@ -293,6 +298,7 @@ mod tests {
                     .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
                     .collect(),
                 value_len: 2_000_000,
+                attempts: 1,
             }),
         }
     }

@@ -22,6 +22,9 @@ pub struct RejectedRecord {
     pub headers: Vec<(String, Vec<u8>)>,
     /// Size of its value in bytes.
     pub value_len: usize,
+    /// How many times walbox sent it (a webhook's retries count; a broker's
+    /// client retries inside one send).
+    pub attempts: u32,
 }
 
 /// The kind of a failed delivery. Its text form ([`DeliveryClass::as_str`]) is

@@ -141,6 +141,7 @@ impl ProducerContext for Reports {
                             })
                             .unwrap_or_default(),
                         value_len: msg.payload_len(),
+                        attempts: 1,
                     });
                 }
                 Err(e)

@@ -33,6 +33,7 @@ pub(crate) fn rejected(event: &Event) -> RejectedRecord {
             .map(|(k, v)| (k.to_string(), v.to_vec()))
             .collect(),
         value_len: event.value.len(),
+        attempts: 1,
     }
 }
 

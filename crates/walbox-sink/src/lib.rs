@@ -87,6 +87,7 @@ mod kit;
 mod lanes;
 mod nats;
 mod nats_reader;
+pub mod probe;
 mod rabbitmq;
 mod reader;
 mod redis_streams;

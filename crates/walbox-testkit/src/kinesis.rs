@@ -288,3 +288,90 @@ fn node_program() -> Result<PathBuf> {
             hint: "run `scripts/aws.sh` (it installs Node.js with npm)".into(),
         })
 }
+
+/// A client of the test process for the stand-in at `endpoint`.
+pub(crate) async fn sdk_config(endpoint: &str) -> aws_config::SdkConfig {
+    aws_config::defaults(aws_config::BehaviorVersion::latest())
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .region(aws_config::Region::new("us-east-1"))
+        .endpoint_url(endpoint)
+        .credentials_provider(Kinesalite::credentials())
+        .load()
+        .await
+}
+
+/// A record walbox wrote (its data's JSON object: `event_id`, `key`,
+/// `headers`, `value`) as a [`crate::kafka::Record`].
+pub(crate) fn record_of(
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    data: &[u8],
+) -> Option<crate::kafka::Record> {
+    let v: serde_json::Value = serde_json::from_slice(data).ok()?;
+    v.get("event_id")?;
+    Some(crate::kafka::Record {
+        topic: topic.to_owned(),
+        partition,
+        offset,
+        key: v["key"].as_str().map(|k| k.as_bytes().to_vec()),
+        headers: v["headers"]
+            .as_object()
+            .map(|h| {
+                h.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().map(|s| s.as_bytes().to_vec())))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        value: Some(v["value"].to_string().into_bytes()),
+    })
+}
+
+/// Every record walbox wrote to `stream` on the stand-in at `endpoint`,
+/// shard by shard from its start (a shard's index as partition).
+pub async fn read_stream(
+    endpoint: &str,
+    stream: &str,
+) -> std::result::Result<Vec<crate::kafka::Record>, String> {
+    use aws_sdk_kinesis::types::ShardIteratorType;
+    let client = aws_sdk_kinesis::Client::new(&sdk_config(endpoint).await);
+    let shards = client
+        .list_shards()
+        .stream_name(stream)
+        .send()
+        .await
+        .map_err(|e| format!("listing the shards of {stream}: {e}"))?;
+    let mut out = Vec::new();
+    for (index, shard) in shards.shards().iter().enumerate() {
+        let partition = i32::try_from(index).unwrap_or(i32::MAX);
+        let mut iterator = client
+            .get_shard_iterator()
+            .stream_name(stream)
+            .shard_id(shard.shard_id())
+            .shard_iterator_type(ShardIteratorType::TrimHorizon)
+            .send()
+            .await
+            .map_err(|e| format!("reading {stream}: {e}"))?
+            .shard_iterator()
+            .map(str::to_owned);
+        let mut offset = 0;
+        while let Some(it) = iterator.take() {
+            let page = client
+                .get_records()
+                .shard_iterator(it)
+                .send()
+                .await
+                .map_err(|e| format!("reading {stream}: {e}"))?;
+            for r in page.records() {
+                if let Some(record) = record_of(stream, partition, offset, r.data().as_ref()) {
+                    out.push(record);
+                }
+                offset += 1;
+            }
+            if !(page.records().is_empty() && page.millis_behind_latest().unwrap_or(0) == 0) {
+                iterator = page.next_shard_iterator().map(str::to_owned);
+            }
+        }
+    }
+    Ok(out)
+}

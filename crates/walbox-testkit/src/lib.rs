@@ -36,10 +36,14 @@
 //!   chosen entries of a batch call (Kinesis `PutRecords`, SQS
 //!   `SendMessageBatch`) as failed without forwarding them, as AWS does
 //!   when it throttles part of a batch.
+//! - [`demo`]: the demo's destinations (prepared as `make demo` prepares them,
+//!   with the address a configuration of `walbox init` needs filled in), its
+//!   writers and the checks of its summary.
 //! - [`wait_until`]: polls a condition with a deadline, so tests wait on conditions,
 //!   never on fixed sleeps.
 
 mod broker;
+pub mod demo;
 mod error;
 pub mod fault_proxy;
 pub mod kafka;

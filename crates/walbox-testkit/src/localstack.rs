@@ -188,3 +188,83 @@ fn localstack_python() -> Result<PathBuf> {
             .into(),
     })
 }
+
+/// Takes every message queue `queue` of the LocalStack at `endpoint` hands
+/// out now (deleting each), as [`crate::kafka::Record`]s: the group id as
+/// key, the attributes as headers (those in `walbox_headers` in their own
+/// names), the body as value. Nothing while the queue does not exist yet.
+pub async fn drain(
+    endpoint: &str,
+    queue: &str,
+) -> std::result::Result<Vec<crate::kafka::Record>, String> {
+    use aws_sdk_sqs::types::MessageSystemAttributeName;
+    let client = aws_sdk_sqs::Client::new(&crate::kinesis::sdk_config(endpoint).await);
+    let url = match client.get_queue_url().queue_name(queue).send().await {
+        Ok(out) => out.queue_url().unwrap_or_default().to_owned(),
+        Err(e) => {
+            use aws_sdk_sqs::error::ProvideErrorMetadata as _;
+            let missing = e.as_service_error().is_some_and(|se| {
+                se.is_queue_does_not_exist()
+                    || matches!(
+                        se.code(),
+                        Some("QueueDoesNotExist" | "AWS.SimpleQueueService.NonExistentQueue")
+                    )
+            });
+            if missing {
+                return Ok(Vec::new());
+            }
+            return Err(format!("finding {queue}: {e:?}"));
+        }
+    };
+    let mut out = Vec::new();
+    loop {
+        let got = client
+            .receive_message()
+            .queue_url(&url)
+            .max_number_of_messages(10)
+            .wait_time_seconds(1)
+            .message_attribute_names("All")
+            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
+            .send()
+            .await
+            .map_err(|e| format!("receiving from {queue}: {e}"))?;
+        if got.messages().is_empty() {
+            return Ok(out);
+        }
+        for m in got.messages() {
+            let mut headers: Vec<(String, Option<Vec<u8>>)> = Vec::new();
+            for (name, v) in m.message_attributes().into_iter().flatten() {
+                let text = v.string_value().unwrap_or_default();
+                if name == "walbox_headers" {
+                    if let Ok(serde_json::Value::Object(more)) = serde_json::from_str(text) {
+                        for (k, v) in more {
+                            headers.push((k, v.as_str().map(|s| s.as_bytes().to_vec())));
+                        }
+                    }
+                } else {
+                    headers.push((name.clone(), Some(text.as_bytes().to_vec())));
+                }
+            }
+            out.push(crate::kafka::Record {
+                topic: queue.to_owned(),
+                partition: 0,
+                offset: i64::try_from(out.len()).unwrap_or(i64::MAX),
+                key: m
+                    .attributes()
+                    .and_then(|a| a.get(&MessageSystemAttributeName::MessageGroupId))
+                    .map(|g| g.as_bytes().to_vec()),
+                headers,
+                value: m.body().map(|b| b.as_bytes().to_vec()),
+            });
+            if let Some(handle) = m.receipt_handle() {
+                client
+                    .delete_message()
+                    .queue_url(&url)
+                    .receipt_handle(handle)
+                    .send()
+                    .await
+                    .map_err(|e| format!("deleting from {queue}: {e}"))?;
+            }
+        }
+    }
+}

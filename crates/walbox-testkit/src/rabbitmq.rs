@@ -436,6 +436,63 @@ impl RabbitMq {
         Ok(n)
     }
 
+    /// The messages of `stream` from its first, as [`crate::kafka::Record`]s
+    /// (offset = the stream's, application properties as headers, the key
+    /// from `walbox_key`), once at least `wanted` came or `limit` passed.
+    pub async fn read_stream(
+        &self,
+        stream: &str,
+        wanted: usize,
+        limit: Duration,
+    ) -> std::result::Result<Vec<crate::kafka::Record>, Box<dyn std::error::Error + Send + Sync>>
+    {
+        use futures_util::StreamExt;
+        use rabbitmq_stream_client::types::{OffsetSpecification, SimpleValue};
+        let env = self.stream_environment().await?;
+        let mut consumer = env
+            .consumer()
+            .offset(OffsetSpecification::First)
+            .build(stream)
+            .await?;
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut out = Vec::new();
+        while out.len() < wanted {
+            let Ok(Some(d)) = tokio::time::timeout_at(deadline, consumer.next()).await else {
+                break;
+            };
+            let d = d?;
+            let m = d.message();
+            let headers: Vec<(String, Option<Vec<u8>>)> = m
+                .application_properties()
+                .map(|p| {
+                    p.iter()
+                        .filter_map(|(k, v)| match v {
+                            SimpleValue::String(s) => {
+                                Some((k.clone(), Some(s.clone().into_bytes())))
+                            }
+                            SimpleValue::Binary(b) => Some((k.clone(), Some(b.clone()))),
+                            _ => None,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let key = headers
+                .iter()
+                .find(|(k, _)| k == "walbox_key")
+                .and_then(|(_, v)| v.clone());
+            out.push(crate::kafka::Record {
+                topic: stream.to_owned(),
+                partition: 0,
+                offset: i64::try_from(d.offset()).unwrap_or(i64::MAX),
+                key,
+                headers,
+                value: m.data().map(<[u8]>::to_vec),
+            });
+        }
+        let _ = consumer.handle().close().await;
+        Ok(out)
+    }
+
     /// Deletes `stream`.
     pub async fn delete_stream(
         &self,
@@ -502,6 +559,23 @@ impl RabbitMq {
             ShortString::from(exchange),
             ShortString::from(binding_key),
             QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+        conn.close(200, ShortString::from("done")).await
+    }
+
+    /// Declares a classic `queue` that is not durable (it is lost when the
+    /// node restarts), bound to nothing.
+    pub async fn declare_transient_queue(
+        &self,
+        queue: &str,
+    ) -> std::result::Result<(), lapin::Error> {
+        let conn = self.connect().await?;
+        let ch = conn.create_channel().await?;
+        ch.queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions::default(),
             FieldTable::default(),
         )
         .await?;

@@ -1,6 +1,8 @@
-//! `walbox doctor`: checks a server before first use and says what to fix;
-//! with `--standby`, a standby for a failover too ([`standby`]).
+//! `walbox doctor`: checks a server and the destination ([`destination`])
+//! before first use and says what to fix; with `--standby`, a standby for a
+//! failover too ([`standby`]).
 
+mod destination;
 mod standby;
 
 use std::fmt;
@@ -293,6 +295,7 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
         }
     }
 
+    destination::check(&mut r, config).await;
     if config.sink.kind == crate::config::SinkKind::Nats {
         let window = config.sink.nats.duplicate_window_s();
         match duplicate_window_risk(window) {
@@ -362,7 +365,17 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
                     d.describe()
                 ),
             ),
-            Err(e) => r.add(Verdict::Fail, format!("sink.redis: {e}")),
+            Err(e @ walbox_sink::SinkError::RedisAuthentication { .. }) => r.add(
+                Verdict::Fail,
+                format!(
+                    "sink.redis: {e}: check sink.redis.username and password (or the URL's, or \
+                     WALBOX_REDIS_PASSWORD)"
+                ),
+            ),
+            Err(e) => r.add(
+                Verdict::Fail,
+                format!("sink.redis: {e}: check sink.redis.url and that the server runs"),
+            ),
         }
     }
     if config.sink.kind == crate::config::SinkKind::RabbitMq {

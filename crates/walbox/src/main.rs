@@ -1,8 +1,9 @@
 //! The `walbox` command line.
 //!
 //! - `walbox run`: the relay. Streams committed outbox inserts from a logical
-//!   replication slot to Kafka or NATS JetStream (or stdout) and confirms the
-//!   slot's position only over events the sink has acknowledged.
+//!   replication slot to the destination (every sink type:
+//!   [`config::SinkKind::all`]) and confirms the slot's position only over
+//!   events the sink has acknowledged.
 //! - `walbox setup`: creates the publication and the slot, idempotently;
 //!   `--snapshot` creates the slot with a snapshot and publishes the rows already
 //!   in the outbox; with `snapshot.mode = "initial"` and a slot without one,
@@ -13,21 +14,22 @@
 //!   shows its position, the WAL it retains and its lag (`--json` for scripts).
 //! - `walbox doctor`: checks a server before first use and says what to fix.
 //! - `walbox inspect`: what a slot holds, decoded, without consuming it.
-//! - `walbox verify`: the outbox table against the topics (missing, duplicated,
-//!   out-of-order events).
-//! - `walbox dlq replay`: dead letters again to their topics after a fix.
+//! - `walbox verify`: the outbox table against what the destination holds
+//!   (missing, duplicated, out-of-order events).
+//! - `walbox dlq replay`: dead letters again to their destination after a fix.
+//! - `walbox init`: a commented configuration for one sink type ([`init`]).
 //!
 //! Configuration comes from a TOML file, `WALBOX_*` variables and flags
 //! ([`config`]). Row values are never logged.
 
 mod admin;
-#[cfg(feature = "count-allocations")]
 mod alloc_count;
 mod catalog;
 mod config;
 mod dlq;
 mod doctor;
 mod failover;
+mod init;
 mod inspect;
 mod metrics;
 mod pg;
@@ -46,14 +48,8 @@ mod verify;
 /// other threads than the ones that allocated them; with glibc that cost a
 /// fifth to a third of the CPU (arena locks, consolidation), jemalloc's thread
 /// caches take most of it away (docs/benchmarks.md, "Cost per event").
-/// Settings: [`MALLOC_CONF`].
-#[cfg(not(feature = "count-allocations"))]
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-
-/// The benchmark's build counts what the process allocates (alloc_count.rs),
-/// from the same allocator.
-#[cfg(feature = "count-allocations")]
+/// Settings: [`MALLOC_CONF`]. Counted for the benchmark when asked
+/// (`WALBOX_COUNT_ALLOCATIONS=1`, [`alloc_count`]).
 #[global_allocator]
 static ALLOCATOR: alloc_count::Counting<tikv_jemallocator::Jemalloc> =
     alloc_count::Counting(tikv_jemallocator::Jemalloc);
@@ -72,11 +68,7 @@ pub static MALLOC_CONF: &[u8; 46] = b"narenas:1,dirty_decay_ms:500,muzzy_decay_m
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(
-    name = "walbox",
-    version,
-    about = "Transactional-outbox relay from the PostgreSQL WAL to Kafka or NATS JetStream"
-)]
+#[command(name = "walbox", version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -84,7 +76,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Stream outbox inserts to the sink.
+    /// Stream outbox inserts to the destination the configuration names.
     Run(RunArgs),
     /// Create the publication and the replication slot (idempotent); with
     /// snapshot.mode = "initial", `run` then publishes the rows already in the
@@ -98,14 +90,20 @@ enum Command {
         #[command(subcommand)]
         action: SlotAction,
     },
-    /// Check a server before first use and say what to fix.
+    /// Check the PostgreSQL server and the destination before first use and say
+    /// what to fix.
     Doctor(DoctorArgs),
     /// Show the changes a slot holds, without consuming them.
     Inspect(inspect::Args),
-    /// Audit the outbox table against the topics: missing, duplicated and
-    /// out-of-order events.
+    /// Audit the outbox table against what the destination holds: missing,
+    /// duplicated and out-of-order events (not for type = webhook: a receiver
+    /// keeps nothing walbox can read back).
     Verify(verify::Args),
-    /// Dead-letter topics.
+    /// Write a commented configuration for one sink type: every key it takes,
+    /// its default and what it means (never over an existing file).
+    Init(init::Args),
+    /// Dead letters: where the destination keeps them (a topic, subject,
+    /// stream or queue; a file for type = webhook).
     Dlq {
         #[command(subcommand)]
         action: DlqAction,
@@ -126,8 +124,8 @@ enum SlotAction {
 
 #[derive(Debug, Subcommand)]
 enum DlqAction {
-    /// Publish dead letters again to the topic they were meant for, after the
-    /// cause was fixed; nothing is deleted from the dead-letter topic.
+    /// Publish dead letters again to where they were meant for, after the cause
+    /// was fixed; nothing is deleted from where the dead letters are kept.
     Replay(dlq::ReplayArgs),
 }
 
@@ -213,7 +211,44 @@ fn command_line() -> clap::Command {
         cmd.mut_args(|a| a.hide_env_values(true))
             .mut_subcommands(hide)
     }
-    hide(Cli::command())
+    hide(Cli::command().about(about()).long_about(long_about()))
+}
+
+/// The destinations in one phrase, from every sink type the configuration
+/// accepts: "Kafka, NATS JetStream, ... or standard output (stdout)".
+fn destinations() -> String {
+    // Standard output, for a look at the events, last.
+    let mut kinds = config::SinkKind::all().to_vec();
+    kinds.sort_by_key(|k| *k == config::SinkKind::Stdout);
+    let names: Vec<&str> = kinds.iter().map(|k| k.destination()).collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => names.concat(),
+    }
+}
+
+/// The one-line description: every destination.
+fn about() -> String {
+    format!(
+        "Transactional-outbox relay from the PostgreSQL WAL to {}",
+        destinations()
+    )
+}
+
+/// `--help`'s description: every destination, and what "topic" means at each.
+fn long_about() -> String {
+    let topics: Vec<String> = config::SinkKind::all()
+        .iter()
+        .map(|k| format!("  {:<9} {}", k.name(), k.topic_names()))
+        .collect();
+    format!(
+        "{}.\n\nEach outbox table's topic template names where an event goes; the \
+         commands' \"topic\" is, by sink type ([sink] type, --sink):\n{}\n\n\
+         Start with `walbox init --sink TYPE`, then `walbox doctor`, `walbox setup` \
+         and `walbox run`.",
+        about(),
+        topics.join("\n")
+    )
 }
 
 impl Cli {
@@ -228,7 +263,9 @@ impl Cli {
                 SlotAction::Status(s) | SlotAction::List(s) => &s.overrides,
             },
             Command::Doctor(d) => &d.overrides,
-            Command::Inspect(_) | Command::Verify(_) | Command::Dlq { .. } => return None,
+            Command::Inspect(_) | Command::Verify(_) | Command::Dlq { .. } | Command::Init(_) => {
+                return None;
+            }
         };
         o.config.as_deref()
     }
@@ -292,6 +329,7 @@ fn lossy(argv: &[std::ffi::OsString]) -> Vec<String> {
 }
 
 fn main() -> std::process::ExitCode {
+    alloc_count::start_if_asked();
     // One rustls provider for every TLS client in the process (see the function).
     walbox_sink::install_crypto_provider();
     let argv_os: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -389,13 +427,13 @@ fn main() -> std::process::ExitCode {
                 .await
             }
             Command::Inspect(args) => inspect::run(args).await,
+            Command::Init(args) => init::run(&args),
             Command::Verify(args) => verify::run(args).await,
             Command::Dlq {
                 action: DlqAction::Replay(args),
             } => dlq::replay(args).await,
         }
     });
-    #[cfg(feature = "count-allocations")]
     alloc_count::report();
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -415,6 +453,95 @@ mod tests {
         for sub in cmd.get_subcommands() {
             every_command(sub, out);
         }
+    }
+
+    #[test]
+    fn the_help_names_every_sink_type_the_configuration_accepts() {
+        let kinds = config::SinkKind::all();
+        assert!(kinds.len() >= 6, "{kinds:?}");
+        let mut cmd = command_line();
+        let help = cmd.render_long_help().to_string();
+        let short = cmd.render_help().to_string();
+        for &kind in kinds {
+            // The configuration takes it...
+            let c = config::Config::parse(
+                &format!("[sink]\ntype = \"{}\"\n", kind.name()),
+                std::path::Path::new("t.toml"),
+            )
+            .unwrap_or_else(|e| panic!("{kind:?}: {e:#}"));
+            assert_eq!(c.sink.kind, kind);
+            // ... and the help says so, and what a topic is there.
+            assert!(short.contains(kind.destination()), "{kind:?}: {short}");
+            assert!(help.contains(kind.topic_names()), "{kind:?}: {help}");
+            let run = cmd
+                .find_subcommand_mut("run")
+                .unwrap()
+                .render_long_help()
+                .to_string();
+            assert!(
+                run.contains(&format!("- {}:", kind.name())),
+                "{kind:?}: {run}"
+            );
+            let init = cmd
+                .find_subcommand_mut("init")
+                .unwrap()
+                .render_long_help()
+                .to_string();
+            assert!(
+                init.contains(&format!("- {}:", kind.name())),
+                "{kind:?}: {init}"
+            );
+        }
+        assert!(
+            config::Config::parse(
+                "[sink]\ntype = \"kafkaa\"\n",
+                std::path::Path::new("t.toml")
+            )
+            .is_err()
+        );
+    }
+
+    /// A help line that names one destination is about that sink type only
+    /// when it says so (`type = kafka`), or names them all.
+    #[test]
+    fn no_help_text_speaks_of_one_destination_as_if_it_were_the_only_one() {
+        let kinds = config::SinkKind::all();
+        let mut all = Vec::new();
+        every_command(&command_line(), &mut all);
+        let mut checked = 0;
+        for mut cmd in all {
+            let help = cmd.render_long_help().to_string();
+            for line in help.lines() {
+                let trimmed = line.trim_start();
+                // The --sink values and the topic list: one sink type a line,
+                // by name.
+                if kinds.iter().any(|k| {
+                    trimmed.starts_with(&format!("- {}:", k.name()))
+                        || trimmed.starts_with(&format!("{} ", k.name()))
+                }) {
+                    continue;
+                }
+                let named: Vec<_> = kinds
+                    .iter()
+                    .filter(|k| line.to_lowercase().contains(k.name()))
+                    .collect();
+                if named.is_empty() || named.len() == kinds.len() {
+                    continue;
+                }
+                checked += 1;
+                for k in named {
+                    assert!(
+                        line.contains(&format!("type = {}", k.name())),
+                        "walbox {}: {line:?} names {} alone; say `type = {}` or name every \
+                         destination",
+                        cmd.get_name(),
+                        k.destination(),
+                        k.name()
+                    );
+                }
+            }
+        }
+        assert!(checked > 0, "the rule was applied to no line");
     }
 
     #[test]

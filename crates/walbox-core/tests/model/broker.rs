@@ -204,6 +204,7 @@ fn refused(event: &Event) -> Failure {
                 .map(|(k, v)| (k.to_string(), v.to_vec()))
                 .collect(),
             value_len: event.value.len(),
+            attempts: 1,
         }),
     }
 }

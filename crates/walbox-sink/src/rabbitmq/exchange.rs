@@ -111,7 +111,7 @@ fn refused_credentials(e: &lapin::Error) -> bool {
 }
 
 /// Connects with the settings (TLS, credentials) and opens a channel.
-pub(super) async fn connect(
+pub(crate) async fn connect(
     config: &RabbitMqSinkConfig,
 ) -> Result<(Connection, Channel), SinkError> {
     let uri = AMQPUri {

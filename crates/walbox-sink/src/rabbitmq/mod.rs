@@ -21,7 +21,9 @@ use std::time::Duration;
 use walbox_outbox::Event;
 
 pub use config::{PASSWORD_ENV, RabbitMqMode, RabbitMqSinkConfig, USER_ENV};
+pub(crate) use exchange::connect as connect_amqp;
 pub use reader::{QueueLetters, StreamLetters, read_queue, read_stream};
+pub(crate) use stream::connect as connect_streams;
 
 use crate::{Deliveries, Sink, SinkError};
 

@@ -166,7 +166,7 @@ fn tls(config: &RabbitMqSinkConfig) -> rabbitmq_stream_client::TlsConfiguration 
 }
 
 /// Connects an environment (producers, consumers) and a client (queries).
-pub(super) async fn connect(
+pub(crate) async fn connect(
     config: &RabbitMqSinkConfig,
 ) -> Result<(Environment, Client), SinkError> {
     let refused = |e: &dyn std::fmt::Display| {

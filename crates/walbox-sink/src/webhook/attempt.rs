@@ -252,15 +252,33 @@ fn error(event: &Event, class: DeliveryClass, reason: String) -> DeliveryError {
 }
 
 /// Delivers `event`: `Ok` on a 2xx, else the failure (a refusal or retries
-/// run out: about the event; a gone or moved endpoint: final).
+/// run out: about the event; a gone or moved endpoint: final). A refused
+/// record carries the number of requests sent for it, its dead letter's
+/// `walbox_attempts` (1 for one that could not become a request).
 pub(super) async fn deliver(shared: &Shared, event: &Event) -> Result<(), DeliveryError> {
+    let mut attempts = 0u32;
+    let result = try_deliver(shared, event, &mut attempts).await;
+    result.map_err(|mut e| {
+        if let Some(r) = &mut e.rejected {
+            r.attempts = attempts.max(1);
+        }
+        e
+    })
+}
+
+/// [`deliver`], counting the requests sent in `attempts`.
+async fn try_deliver(
+    shared: &Shared,
+    event: &Event,
+    attempts: &mut u32,
+) -> Result<(), DeliveryError> {
     let id = webhook_id(event, event.origin.replay_name().as_deref());
     let prepared = prepare(event, id, &shared.template)
         .map_err(|why| error(event, DeliveryClass::InvalidRecord, why))?;
     let started = Instant::now();
-    let mut attempts = 0u32;
     loop {
-        attempts += 1;
+        *attempts += 1;
+        let attempts = *attempts;
         let (why, after) = match attempt(shared, &prepared).await {
             Answer::Delivered => return Ok(()),
             Answer::Refused { status, excerpt } => {

@@ -1,31 +1,27 @@
 //! `make demo`: walbox end to end on throwaway infrastructure.
 //!
-//! Starts a PostgreSQL cluster (`wal_level=logical`) and a Kafka-protocol broker
-//! (or, with `--sink nats`, a JetStream server; with `--sink redis`, a Redis
-//! server with an fsynced append-only file; with `--sink rabbitmq`, a RabbitMQ
-//! node, an exchange and a durable queue bound to it; with `--sink webhook`, an
-//! HTTP receiver that records each signed POST),
-//! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
-//! concurrent writers commit a few hundred outbox events, reads them back from the
-//! topic and prints them with a summary: events, keys, per-key order, and the slot's
-//! confirmed position against the last commit. Everything is removed on exit.
+//! Starts a PostgreSQL cluster (`wal_level=logical`) and the destination of
+//! `--sink` (default kafka: a Kafka-protocol broker; nats: a JetStream server;
+//! rabbitmq: a RabbitMQ node with an exchange and a durable queue bound to it;
+//! rabbitmq-stream: a RabbitMQ node, walbox in stream mode;
+//! redis: a Redis server with an fsynced append-only file; webhook: an HTTP
+//! receiver that records each signed POST; stdout: a file for walbox's
+//! standard output), creates an outbox table, writes walbox's configuration
+//! with `walbox init` and fills in the destination's address, runs `walbox
+//! setup` and `walbox run`, lets four concurrent writers commit a few hundred
+//! outbox events, reads them back from the destination and prints them with a
+//! summary in the destination's words: events, keys, per-key order, and the
+//! slot's confirmed position against the last commit. Everything is removed
+//! on exit.
 
 #![allow(clippy::print_stdout)] // this program's output is its purpose
 
-use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use walbox_testkit::{
-    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RabbitMq, Receiver, RedisServer, kafka,
-    wait_until_async,
-};
-
-const WRITERS: usize = 4;
-const EVENTS_PER_WRITER: usize = 75;
-const KEYS: usize = 20;
-const TOPIC: &str = "outbox.order";
+use walbox_testkit::demo::{self, Destination, WRITERS};
+use walbox_testkit::{OUTBOX_DDL, PgCluster, PgOptions, wait_until_async};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -38,69 +34,6 @@ fn arg(name: &str) -> Option<String> {
         }
     }
     None
-}
-
-/// The broker the demo publishes to, kept running until the end.
-#[derive(Debug)]
-enum Destination {
-    Kafka(Broker),
-    Nats(NatsServer),
-    Webhook(Receiver),
-    Redis(RedisServer),
-    RabbitMq(RabbitMq),
-}
-
-impl Destination {
-    fn is_nats(&self) -> bool {
-        matches!(self, Destination::Nats(_))
-    }
-
-    /// The receiver's 2xx arrivals as records (partition 0, arrival order as
-    /// offset), once at least `wanted` came.
-    async fn delivered(&self, wanted: usize) -> Result<Option<Vec<kafka::Record>>, Error> {
-        let Destination::Webhook(r) = self else {
-            return Ok(None);
-        };
-        wait_until_async(
-            "the receiver's 2xx arrivals",
-            Duration::from_secs(120),
-            || async { (r.delivered().len() >= wanted).then_some(()) },
-        )
-        .await?;
-        Ok(Some(
-            r.delivered()
-                .into_iter()
-                .enumerate()
-                .map(|(i, a)| kafka::Record {
-                    topic: a.path.clone(),
-                    partition: 0,
-                    offset: i64::try_from(i).unwrap_or(i64::MAX),
-                    key: a.key.clone().map(String::into_bytes),
-                    headers: a
-                        .headers
-                        .iter()
-                        .map(|(k, v)| (k.clone(), Some(v.clone().into_bytes())))
-                        .collect(),
-                    value: Some(a.body.to_vec()),
-                })
-                .collect(),
-        ))
-    }
-
-    /// The broker's log so far, for a failed demo.
-    fn log_tail(&self) -> String {
-        match self {
-            Destination::Kafka(b) => b.log_tail(),
-            Destination::Nats(n) => n.log_tail(),
-            Destination::Webhook(r) => format!(
-                "{} requests, {} answered 2xx",
-                r.count(),
-                r.delivered().len()
-            ),
-            Destination::Redis(r) => r.log_tail(),
-            Destination::RabbitMq(r) => r.log_tail(),
-        }
-    }
 }
 
 fn walbox_binary() -> PathBuf {
@@ -119,96 +52,58 @@ async fn lsn(db: &tokio_postgres::Client, sql: &str) -> Result<String, Error> {
 
 #[tokio::main]
 async fn main() -> Result<(), Error> {
-    let walbox = walbox_binary();
+    // walbox's paths (the configuration's) are made absolute, since walbox
+    // runs in the demo's own directory.
+    let walbox = std::path::absolute(walbox_binary())?;
     let sink = arg("--sink").unwrap_or_else(|| "kafka".into());
-    let nats = match sink.as_str() {
-        "kafka" | "rabbitmq" | "redis" | "webhook" => false,
-        "nats" => true,
-        other => {
-            return Err(
-                format!("--sink {other}: use kafka, nats, rabbitmq, redis or webhook").into(),
-            );
-        }
-    };
-    let redis = sink == "redis";
     let pg = PgCluster::start_with(PgOptions::default().setting("timezone", "UTC"))?;
-    let (destination, address) = if sink == "webhook" {
-        println!("== starting a throwaway PostgreSQL (wal_level=logical) and an HTTP receiver");
-        let receiver = Receiver::start()?;
-        let url = receiver.base_url();
-        (Destination::Webhook(receiver), url)
-    } else if redis {
-        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a Redis server");
-        let server = RedisServer::start()?;
-        let url = server.url();
-        (Destination::Redis(server), url)
-    } else if sink == "rabbitmq" {
-        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a RabbitMQ node");
-        let node = RabbitMq::start()?;
-        node.declare_exchange("outbox", "topic").await?;
-        node.bind_queue("outbox.demo", "outbox", "#").await?;
-        let url = format!("amqp://127.0.0.1:{}", node.amqp_port());
-        (Destination::RabbitMq(node), url)
-    } else if nats {
-        println!("== starting a throwaway PostgreSQL (wal_level=logical) and a JetStream server");
-        let server = NatsServer::start()?;
-        let url = server.url();
-        (Destination::Nats(server), url)
-    } else {
-        println!(
-            "== starting a throwaway PostgreSQL (wal_level=logical) and a Kafka-protocol broker"
-        );
-        let broker = Broker::start()?;
-        let bootstrap = broker.bootstrap();
-        (Destination::Kafka(broker), bootstrap)
-    };
-    println!("   postgres {}:{}   broker {address}", pg.host(), pg.port());
+    let destination = Destination::start(&sink).await?;
+    println!(
+        "== started a throwaway PostgreSQL (wal_level=logical) and {}",
+        destination.describe()
+    );
+    println!(
+        "   postgres {}:{}   {sink} {}",
+        pg.host(),
+        pg.port(),
+        destination.address()
+    );
     let db = pg.connect("postgres").await?;
     db.batch_execute(OUTBOX_DDL).await?;
-    let config = pg.client_dir().join("walbox-demo.toml");
-    std::fs::write(
-        &config,
-        if redis {
-            format!("[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{address}\"\n")
-        } else if sink == "rabbitmq" {
-            format!(
-                "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nport = {}\n\
-                 exchange = \"outbox\"\nverify_queue = \"outbox.demo\"\n",
-                address.rsplit(':').next().unwrap_or_default()
-            )
-        } else if nats {
-            format!(
-                "[sink]\ntype = \"nats\"\n\n[sink.nats]\nservers = [\"{address}\"]\n\
-                 create_stream = true\nsubjects = [\"outbox.>\"]\n"
-            )
-        } else if sink == "webhook" {
-            format!(
-                "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\nurl = \"{address}/hooks/{{topic}}\"\n\
-                 secrets = [\"whsec_ZGVtbyBzZWNyZXQgb25seSBmb3IgdGhlIGRlbW8=\"]\n\
-                 dead_letter_file = \"{}\"\n",
-                pg.client_dir().join("dead-letters.jsonl").display()
-            )
-        } else {
-            String::new()
-        },
-    )?;
-    let env = [
-        ("WALBOX_DSN", pg.conninfo("postgres")),
+
+    // walbox runs in a directory of the cluster's: its checkpoint (and the
+    // webhook sink's dead-letter file) go there and are removed with it.
+    let dir = pg.client_dir();
+    let config = dir.join("walbox.toml");
+    // rabbitmq-stream: the rabbitmq sink type in stream mode.
+    let sink_type = sink.strip_suffix("-stream").unwrap_or(&sink);
+    println!("== walbox init --sink {sink_type}, then its address filled in");
+    let out = Command::new(&walbox)
+        .current_dir(&dir)
+        .args(["init", "--sink", sink_type, "--output"])
+        .arg(&config)
+        .arg("--dsn")
+        .arg(pg.conninfo("postgres"))
+        .output()?;
+    if !out.status.success() {
+        return Err(format!(
+            "walbox init failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    let written = std::fs::read_to_string(&config)?;
+    std::fs::write(&config, destination.fill_in(&written)?)?;
+    let mut env = vec![
         ("WALBOX_CONFIG", config.display().to_string()),
-        ("WALBOX_BOOTSTRAP_SERVERS", address.clone()),
-        ("WALBOX_CREATE_TOPICS", "true".into()),
         ("WALBOX_PRODUCER", "walbox-demo".into()),
-        (
-            "WALBOX_CHECKPOINT",
-            pg.client_dir()
-                .join("walbox.checkpoint.json")
-                .display()
-                .to_string(),
-        ),
     ];
+    // The AWS stand-ins' region and credentials, from the AWS chain.
+    env.extend(destination.env());
 
     println!("== walbox setup");
     let out = Command::new(&walbox)
+        .current_dir(&dir)
         .arg("setup")
         .envs(env.clone())
         .output()?;
@@ -225,41 +120,20 @@ async fn main() -> Result<(), Error> {
     let log_dir = tempfile::tempdir()?;
     let log_path = log_dir.path().join("walbox.log");
     let log = std::fs::File::create(&log_path)?;
+    let stdout = if destination.is_stdout() {
+        Stdio::from(std::fs::File::create(destination.stdout_path())?)
+    } else {
+        Stdio::from(log.try_clone()?)
+    };
     let mut relay = Command::new(&walbox)
+        .current_dir(&dir)
         .arg("run")
         .envs(env.clone())
-        .stdout(Stdio::from(log.try_clone()?))
+        .stdout(stdout)
         .stderr(Stdio::from(log))
         .spawn()?;
 
-    let mut writers = Vec::new();
-    for w in 0..WRITERS {
-        let client = pg.connect("postgres").await?;
-        writers.push(tokio::spawn(async move {
-            for n in 0..EVENTS_PER_WRITER {
-                // Writer w owns the keys k with k % WRITERS == w, so each key's
-                // commit order is this loop's order, numbered by `step`.
-                let key = w + WRITERS * (n % (KEYS / WRITERS));
-                let step = n / (KEYS / WRITERS);
-                let payload = format!(
-                    r#"{{"order": "order-{key}", "step": {step}, "total_cents": {}}}"#,
-                    1000 + n * 17
-                );
-                client
-                    .execute(
-                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, schema_version)
-                         VALUES ('order', $1, $2, $3::text::jsonb,
-                                 jsonb_build_object('traceparent', '00-' || md5($1 || $2) || '-00f067aa0ba902b7-01'), 1)",
-                        &[&format!("order-{key}"), &if step == 0 { "OrderPlaced" } else { "OrderUpdated" }, &payload],
-                    )
-                    .await?;
-            }
-            Ok::<_, tokio_postgres::Error>(())
-        }));
-    }
-    for w in writers {
-        w.await??;
-    }
+    demo::write_events(&pg).await?;
     let rows: i64 = db
         .query_one("SELECT count(*) FROM outbox", &[])
         .await?
@@ -270,32 +144,7 @@ async fn main() -> Result<(), Error> {
     );
 
     let wanted = usize::try_from(rows)?;
-    let records = if let Some(records) = destination.delivered(wanted).await? {
-        records
-    } else if redis {
-        walbox_testkit::redis::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
-            .await?
-    } else if let Destination::RabbitMq(node) = &destination {
-        let mut got = Vec::new();
-        for _ in 0..240 {
-            got = node.read_queue("outbox.demo").await?;
-            if got.len() >= wanted {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        got
-    } else if destination.is_nats() {
-        walbox_testkit::nats::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
-            .await
-            .map_err(|e| e.to_string())?
-    } else {
-        let bootstrap = address.clone();
-        tokio::task::spawn_blocking(move || {
-            kafka::read_at_least(&bootstrap, TOPIC, wanted, Duration::from_secs(120))
-        })
-        .await??
-    };
+    let records = destination.read_back(wanted).await?;
     wait_until_async("the slot to confirm the last commit", Duration::from_secs(60), || async {
         let row = db
             .query_one(
@@ -313,41 +162,29 @@ async fn main() -> Result<(), Error> {
     )
     .await?;
 
-    let place = if sink == "webhook" {
-        format!("as the receiver took them (2xx) at {address}/hooks/{TOPIC}")
-    } else {
-        format!("read back from topic {TOPIC}")
-    };
-    println!("== the events, {place} (partition @offset key event payload)");
-    let mut sorted: Vec<&kafka::Record> = records.iter().collect();
+    let partitions = destination.has_partitions();
+    println!(
+        "== the events, read back from {} ({}@position key event payload)",
+        destination.place(),
+        if partitions { "partition " } else { "" }
+    );
+    let mut sorted: Vec<&walbox_testkit::kafka::Record> = records.iter().collect();
     sorted.sort_by_key(|r| (r.partition, r.offset));
-    let mut per_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for r in &sorted {
-        let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap_or_default())?;
-        let key = r.key_str().unwrap_or("-").to_owned();
         println!(
-            "  p{} @{:<4} {:<9} {:<13} {}",
-            r.partition,
+            "  {}@{:<4} {:<9} {:<13} {}",
+            if partitions {
+                format!("p{} ", r.partition)
+            } else {
+                String::new()
+            },
             r.offset,
-            key,
+            r.key_str().unwrap_or("-"),
             r.header("event_type").unwrap_or("-"),
-            v["payload"]
+            demo::envelope(r)?["payload"]
         );
-        per_key
-            .entry(key)
-            .or_default()
-            .push(v["payload"]["step"].as_i64().unwrap_or(-1));
     }
-    let ids: HashSet<&str> = records
-        .iter()
-        .filter_map(|r| r.header("event_id"))
-        .collect();
-    let in_order = per_key.values().all(|steps| {
-        steps
-            .iter()
-            .enumerate()
-            .all(|(i, s)| i64::try_from(i) == Ok(*s))
-    });
+    let checked = demo::check(&records)?;
 
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(i32::try_from(relay.id())?),
@@ -359,25 +196,26 @@ async fn main() -> Result<(), Error> {
         println!("  {line}");
     }
     println!("== summary");
+    let events = format!("events {}:", destination.events_where());
     println!(
-        "  events {:<19}{} ({} distinct event ids) of {rows} committed",
-        if sink == "webhook" {
-            "received (2xx):"
-        } else {
-            "in the topic:"
-        },
+        "  {events:<30}{} ({} distinct event ids) of {rows} committed",
         records.len(),
-        ids.len()
+        checked.ids
     );
     println!(
-        "  keys:                     {} (each on one partition, in commit order: {})",
-        per_key.len(),
-        if in_order { "yes" } else { "NO" }
+        "  {:<30}{} ({}: {})",
+        "keys:",
+        checked.per_key.len(),
+        destination.key_order(),
+        if checked.in_order { "yes" } else { "NO" }
     );
-    println!("  slot confirmed_flush_lsn: {confirmed} (last commit at or before {last_commit})");
-    println!("  walbox stopped on SIGTERM: {status}");
-    if records.len() != wanted || ids.len() != wanted || !in_order || !status.success() {
-        println!("== broker log\n{}", destination.log_tail());
+    println!(
+        "  {:<30}{confirmed} (last commit at or before {last_commit})",
+        "slot confirmed_flush_lsn:"
+    );
+    println!("  {:<30}{status}", "walbox stopped on SIGTERM:");
+    if records.len() != wanted || checked.ids != wanted || !checked.in_order || !status.success() {
+        println!("== {sink} log\n{}", destination.log_tail());
         return Err("the demo's checks failed".into());
     }
     Ok(())

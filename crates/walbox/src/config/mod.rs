@@ -377,16 +377,18 @@ pub struct Overrides {
     /// Outbox table (`schema.name`), when the file names none.
     #[arg(long, env = "WALBOX_TABLE")]
     pub table: Option<String>,
-    /// Topic template for that table, e.g. `outbox.{aggregate_type}`.
+    /// Topic template for that table, e.g. `outbox.{aggregate_type}`: the
+    /// Kafka topic, NATS subject, RabbitMQ routing key or stream, Redis stream
+    /// key, the webhook URL's {topic} or the stdout line's topic.
     #[arg(long, env = "WALBOX_TOPIC")]
     pub topic: Option<String>,
-    /// Sink type.
+    /// Sink type: where events go.
     #[arg(long, env = "WALBOX_SINK", value_enum)]
     pub sink: Option<SinkKind>,
-    /// Kafka bootstrap servers.
+    /// Kafka bootstrap servers (type = kafka).
     #[arg(long, env = "WALBOX_BOOTSTRAP_SERVERS")]
     pub bootstrap_servers: Option<String>,
-    /// Create missing topics.
+    /// Create missing Kafka topics (type = kafka).
     #[arg(long, env = "WALBOX_CREATE_TOPICS")]
     pub create_topics: Option<bool>,
     /// Producer name in envelopes.

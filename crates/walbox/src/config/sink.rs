@@ -33,6 +33,61 @@ pub enum SinkKind {
 }
 
 impl SinkKind {
+    /// Every sink type the configuration accepts (`[sink] type`, `--sink`).
+    #[must_use]
+    pub fn all() -> &'static [SinkKind] {
+        <SinkKind as clap::ValueEnum>::value_variants()
+    }
+
+    /// The name `type` takes (`kafka`, `rabbitmq`, ...).
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            SinkKind::Kafka => "kafka",
+            SinkKind::Stdout => "stdout",
+            SinkKind::Nats => "nats",
+            SinkKind::Webhook => "webhook",
+            SinkKind::Redis => "redis",
+            SinkKind::RabbitMq => "rabbitmq",
+            SinkKind::Kinesis => "kinesis",
+            SinkKind::Sqs => "sqs",
+        }
+    }
+
+    /// The destination in words, as help texts and `walbox init` name it.
+    #[must_use]
+    pub fn destination(self) -> &'static str {
+        match self {
+            SinkKind::Kafka => "Kafka",
+            SinkKind::Stdout => "standard output (stdout)",
+            SinkKind::Nats => "NATS JetStream",
+            SinkKind::Webhook => "HTTP webhooks",
+            SinkKind::Redis => "Redis Streams",
+            SinkKind::RabbitMq => "RabbitMQ (an exchange or streams)",
+            SinkKind::Kinesis => "Amazon Kinesis Data Streams",
+            SinkKind::Sqs => "Amazon SQS (FIFO queues)",
+        }
+    }
+
+    /// What the topic template names at this destination.
+    #[must_use]
+    pub fn topic_names(self) -> &'static str {
+        match self {
+            SinkKind::Kafka => "the Kafka topic",
+            SinkKind::Stdout => "the line's topic field",
+            SinkKind::Nats => "the NATS subject",
+            SinkKind::Webhook => "the webhook URL's {topic}",
+            SinkKind::Redis => "the Redis stream key",
+            SinkKind::RabbitMq => {
+                "the RabbitMQ routing key (exchange mode) or stream (stream mode)"
+            }
+            SinkKind::Kinesis => "the Kinesis stream",
+            SinkKind::Sqs => {
+                "the SQS queue (each character but A-Z a-z 0-9 _ - made -, and .fifo added)"
+            }
+        }
+    }
+
     /// The protocol whose CloudEvents binding this sink's records follow (the
     /// stdout sink prints records as Kafka carries them). A new sink names its
     /// protocol here; [`walbox_outbox::Protocol::cloudevents`] says the rest.

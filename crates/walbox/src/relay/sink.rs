@@ -128,6 +128,7 @@ pub(super) fn failure(e: DeliveryError) -> walbox_core::Failure {
             key: r.key,
             headers: r.headers,
             value_len: r.value_len,
+            attempts: r.attempts,
         }),
     }
 }

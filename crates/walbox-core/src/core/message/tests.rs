@@ -543,6 +543,7 @@ fn a_non_transactional_message_whose_dead_letter_is_refused_is_dead_lettered_wit
                 .map(|(k, v)| (k.to_string(), v.to_vec()))
                 .collect(),
             value_len: dead.value.len(),
+            attempts: 1,
         }),
     };
     c.on_delivery(token, Outcome::Failed(refused))
