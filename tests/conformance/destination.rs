@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use walbox_testkit::kafka::Record;
-use walbox_testkit::{Broker, BrokerOptions, BrokerStorage, NatsServer, Receiver, RedisServer};
+use walbox_testkit::{
+    Broker, BrokerOptions, BrokerStorage, NatsServer, PubSubEmulator, Receiver, RedisServer,
+};
 
 use crate::common::{SECRET, dead_letter_path, node};
 
@@ -17,6 +19,7 @@ pub enum Sink {
     RabbitExchange,
     RabbitStream,
     Redis,
+    PubSub,
     Webhook,
     Stdout,
 }
@@ -37,7 +40,7 @@ impl Sink {
     pub fn promise(self) -> Promise {
         match self {
             Sink::Nats | Sink::RabbitStream | Sink::Redis => Promise::ExactlyOnce,
-            Sink::Kafka | Sink::RabbitExchange | Sink::Webhook | Sink::Stdout => {
+            Sink::Kafka | Sink::RabbitExchange | Sink::PubSub | Sink::Webhook | Sink::Stdout => {
                 Promise::AtLeastOnce
             }
         }
@@ -48,6 +51,13 @@ impl Sink {
     /// played by refusing every request for a while).
     pub fn has_server(self) -> bool {
         !matches!(self, Sink::Stdout)
+    }
+
+    /// Whether the destination's server keeps what it acknowledged across
+    /// its own restart (the Pub/Sub emulator keeps everything in memory: a
+    /// restart is an empty server).
+    pub fn keeps_data_across_restart(self) -> bool {
+        !matches!(self, Sink::PubSub)
     }
 
     /// Whether `walbox dlq replay` can read this sink's dead letters back.
@@ -64,8 +74,47 @@ enum Server {
     Nats(NatsServer),
     Rabbit(Option<tokio::sync::RwLockReadGuard<'static, walbox_testkit::RabbitMq>>),
     Redis(RedisServer),
+    /// The binary's emulator, or one of the cell's own (a cell that
+    /// restarts it).
+    PubSub(PubSubServer),
     Webhook(Receiver),
     Stdout,
+}
+
+enum PubSubServer {
+    Shared(&'static PubSubEmulator),
+    Own(PubSubEmulator),
+}
+
+impl PubSubServer {
+    fn get(&self) -> &PubSubEmulator {
+        match self {
+            PubSubServer::Shared(e) => e,
+            PubSubServer::Own(e) => e,
+        }
+    }
+}
+
+/// The binary's Pub/Sub emulator, started on first use, gone when the
+/// binary ends.
+fn pubsub_emulator() -> &'static PubSubEmulator {
+    static EMULATOR: std::sync::OnceLock<PubSubEmulator> = std::sync::OnceLock::new();
+    EMULATOR.get_or_init(|| {
+        let e = PubSubEmulator::start().expect("starting the pubsub emulator");
+        e.removed_when_this_process_ends().unwrap();
+        e
+    })
+}
+
+/// The subscriptions a Pub/Sub cell reads its topics back through, made
+/// before walbox publishes (a subscription holds only what comes after
+/// it), with message ordering.
+fn pubsub_subscriptions(emulator: &PubSubEmulator, name: &str) {
+    for topic in [format!("{name}.order"), format!("{name}.dlq")] {
+        emulator
+            .create_subscription(&format!("{topic}.sub"), &topic, true)
+            .expect("creating the cell's subscriptions");
+    }
 }
 
 /// One cell's destination: its server and the names the cell uses there.
@@ -77,6 +126,8 @@ pub struct Destination {
     server: Server,
     /// What the stdout sink printed, run by run.
     printed: std::sync::Mutex<Vec<String>>,
+    /// What was read of each Pub/Sub topic so far (reading acknowledges).
+    pulled: tokio::sync::Mutex<std::collections::HashMap<String, Vec<Copy>>>,
 }
 
 impl Destination {
@@ -112,6 +163,19 @@ impl Destination {
                 Server::Rabbit(Some(node))
             }
             Sink::Redis => Server::Redis(RedisServer::start().expect("starting redis-server")),
+            Sink::PubSub => {
+                let server = if restartable {
+                    PubSubServer::Own(PubSubEmulator::start().expect("starting the emulator"))
+                } else {
+                    PubSubServer::Shared(
+                        tokio::task::spawn_blocking(pubsub_emulator)
+                            .await
+                            .unwrap(),
+                    )
+                };
+                pubsub_subscriptions(server.get(), name);
+                Server::PubSub(server)
+            }
             Sink::Webhook => Server::Webhook(Receiver::start().expect("starting the receiver")),
             Sink::Stdout => Server::Stdout,
         };
@@ -120,6 +184,7 @@ impl Destination {
             name: name.to_owned(),
             server,
             printed: std::sync::Mutex::new(Vec::new()),
+            pulled: tokio::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
 
@@ -185,6 +250,16 @@ impl Destination {
                 ),
                 Vec::new(),
             ),
+            Server::PubSub(emulator) => (
+                format!(
+                    "[sink]\ntype = \"pubsub\"\ncreate_topics = true\n\n[sink.pubsub]\n\
+                     project = \"{}\"\nemulator_host = \"{}\"\nretry_initial_ms = 50\n\
+                     retry_max_ms = 1000\nrequest_timeout_ms = 5000\n",
+                    PubSubEmulator::PROJECT,
+                    emulator.get().host()
+                ),
+                Vec::new(),
+            ),
             Server::Webhook(receiver) => (
                 format!(
                     "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\n\
@@ -244,6 +319,18 @@ impl Destination {
                 while_down().await;
                 tokio::time::sleep(down).await;
                 redis.start_again().unwrap();
+            }
+            Server::PubSub(PubSubServer::Own(emulator)) => {
+                // Back empty: the cell's subscriptions are made again (what
+                // walbox publishes before they are is kept nowhere).
+                emulator.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                emulator.start_again().unwrap();
+                pubsub_subscriptions(emulator, &self.name);
+            }
+            Server::PubSub(PubSubServer::Shared(_)) => {
+                panic!("the binary's emulator is shared: a cell that restarts it has its own")
             }
             Server::Webhook(receiver) => {
                 receiver.set_script(|_| walbox_testkit::webhook::Reply::Reset);
@@ -338,6 +425,33 @@ impl Destination {
                 .await
                 .unwrap();
                 out
+            }
+            Server::PubSub(emulator) => {
+                let config = walbox_sink::PubSubSinkConfig {
+                    project: PubSubEmulator::PROJECT.into(),
+                    emulator_host: Some(emulator.get().host()),
+                    ..Default::default()
+                };
+                // Reading acknowledges: what was read before is kept here,
+                // and what came since is added after it.
+                let mut pulled = self.pulled.lock().await;
+                let held = pulled.entry(topic.to_owned()).or_default();
+                let before = held.len() as i64;
+                let mut new = Vec::new();
+                walbox_sink::read_subscription(
+                    &config,
+                    &format!("{topic}.sub"),
+                    Duration::from_secs(5),
+                    |r| {
+                        let mut copy = Copy::of_view(topic, &r, r.event_id());
+                        copy.offset += before;
+                        new.push(copy);
+                    },
+                )
+                .await
+                .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
+                held.extend(new);
+                held.clone()
             }
             Server::Webhook(receiver) => {
                 let path = format!("/hooks/{topic}");

@@ -570,6 +570,9 @@ impl Config {
         if self.sink.kind == SinkKind::RabbitMq {
             self.sink.rabbitmq_sink(&self.source.slot)?;
         }
+        if self.sink.kind == SinkKind::PubSub {
+            self.sink.pubsub_sink()?;
+        }
         self.dead_letter.template()?;
         walbox_outbox::check_prefixes(&self.messages)
             .map_err(|e| anyhow::anyhow!("[[messages]]: {e}"))?;

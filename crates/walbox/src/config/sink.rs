@@ -26,6 +26,10 @@ pub enum SinkKind {
     #[value(name = "rabbitmq")]
     #[serde(rename = "rabbitmq")]
     RabbitMq,
+    /// Google Cloud Pub/Sub (`[sink.pubsub]`).
+    #[value(name = "pubsub")]
+    #[serde(rename = "pubsub")]
+    PubSub,
 }
 
 impl SinkKind {
@@ -40,6 +44,7 @@ impl SinkKind {
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
             SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
+            SinkKind::PubSub => walbox_outbox::Protocol::PubSub,
         }
     }
 }
@@ -48,7 +53,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook` or `stdout`.
+    /// `kafka`, `nats`, `rabbitmq`, `redis`, `pubsub`, `webhook` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -81,6 +86,9 @@ pub struct SinkConfig {
     /// The RabbitMQ sink's settings (`type = "rabbitmq"`).
     #[serde(default)]
     pub rabbitmq: walbox_sink::RabbitMqSinkConfig,
+    /// The Google Cloud Pub/Sub sink's settings (`type = "pubsub"`).
+    #[serde(default)]
+    pub pubsub: walbox_sink::PubSubSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -110,6 +118,7 @@ impl Default for SinkConfig {
             webhook: walbox_sink::WebhookSinkConfig::default(),
             redis: walbox_sink::RedisSinkConfig::default(),
             rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
+            pubsub: walbox_sink::PubSubSinkConfig::default(),
         }
     }
 }
@@ -140,6 +149,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("webhook", &self.webhook)
             .field("redis", &self.redis)
             .field("rabbitmq", &self.rabbitmq)
+            .field("pubsub", &self.pubsub)
             .finish()
     }
 }
@@ -208,6 +218,28 @@ impl SinkConfig {
         c.max_in_flight = self.max_in_flight;
         if c.producer.is_none() {
             c.producer = Some(format!("walbox.{slot}"));
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The Pub/Sub sink's settings, with the in-flight bound, topic
+    /// creation, the project from `GOOGLE_CLOUD_PROJECT` and the emulator
+    /// from `PUBSUB_EMULATOR_HOST` when the file gives neither.
+    pub fn pubsub_sink(&self) -> Result<walbox_sink::PubSubSinkConfig> {
+        let mut c = self.pubsub.clone();
+        c.max_in_flight = self.max_in_flight;
+        c.create_topics = self.create_topics;
+        if c.project.is_empty()
+            && let Ok(p) = std::env::var("GOOGLE_CLOUD_PROJECT")
+        {
+            c.project = p;
+        }
+        if c.emulator_host.is_none()
+            && let Ok(h) = std::env::var(walbox_sink::EMULATOR_HOST_ENV)
+            && !h.is_empty()
+        {
+            c.emulator_host = Some(h);
         }
         c.validate()?;
         Ok(c)

@@ -5,7 +5,7 @@ use std::time::Duration;
 use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, NatsSink, RabbitMqSink, RedisSink, Sink, SinkError,
+    Deliveries, DeliveryError, KafkaSink, NatsSink, PubSubSink, RabbitMqSink, RedisSink, Sink, SinkError,
     StdoutSink, WebhookSink,
 };
 
@@ -18,6 +18,7 @@ pub(super) enum AnySink {
     Nats(Box<NatsSink>),
     Redis(Box<RedisSink>),
     RabbitMq(Box<RabbitMqSink>),
+    PubSub(Box<PubSubSink>),
     Stdout(StdoutSink),
     Webhook(Box<WebhookSink>),
 }
@@ -30,6 +31,7 @@ macro_rules! each_sink {
             AnySink::Nats($s) => $call,
             AnySink::Redis($s) => $call,
             AnySink::RabbitMq($s) => $call,
+            AnySink::PubSub($s) => $call,
             AnySink::Stdout($s) => $call,
             AnySink::Webhook($s) => $call,
         }
@@ -77,6 +79,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
                 RabbitMqSink::new(config.sink.rabbitmq_sink(&config.source.slot)?)?;
             (AnySink::RabbitMq(Box::new(sink)), deliveries)
         }
+        SinkKind::PubSub => {
+            let (sink, deliveries) = PubSubSink::new(config.sink.pubsub_sink()?)?;
+            (AnySink::PubSub(Box::new(sink)), deliveries)
+        }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
             (AnySink::Stdout(sink), deliveries)
@@ -89,7 +95,7 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
 }
 
 /// A sink that could not take an event: a Kafka client error or an unreachable
-/// NATS, Redis or RabbitMQ server may pass (a new session retries), anything else (a
+/// NATS, Redis, RabbitMQ or Pub/Sub server may pass (a new session retries), anything else (a
 /// missing topic or stream, refused credentials, configuration) would repeat.
 pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
     match e {
@@ -97,6 +103,7 @@ pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
         | SinkError::Nats(_)
         | SinkError::Redis(_)
         | SinkError::RabbitMq(_)
+        | SinkError::PubSub(_)
         | SinkError::TaskDied(_) => transient(e),
         other => anyhow!(other),
     }
