@@ -168,9 +168,7 @@ impl Destination {
                     PubSubServer::Own(PubSubEmulator::start().expect("starting the emulator"))
                 } else {
                     PubSubServer::Shared(
-                        tokio::task::spawn_blocking(pubsub_emulator)
-                            .await
-                            .unwrap(),
+                        tokio::task::spawn_blocking(pubsub_emulator).await.unwrap(),
                     )
                 };
                 pubsub_subscriptions(server.get(), name);

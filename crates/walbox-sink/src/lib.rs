@@ -105,14 +105,14 @@ pub use nats::{
     DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage,
 };
 pub use nats_reader::{DurableLetters, read_subject};
+pub use pubsub::{
+    DROPPED_HEADERS_ATTRIBUTE as PUBSUB_DROPPED_HEADERS_ATTRIBUTE, EMULATOR_HOST_ENV, PubSubSink,
+    PubSubSinkConfig, SubscriptionLetters, create_subscription, read_subscription,
+};
 pub use rabbitmq::{
     PASSWORD_ENV as RABBITMQ_PASSWORD_ENV, QueueLetters, RabbitMqMode, RabbitMqSink,
     RabbitMqSinkConfig, StreamLetters as RabbitStreamLetters, USER_ENV as RABBITMQ_USER_ENV,
     read_queue, read_stream as read_rabbit_stream,
-};
-pub use pubsub::{
-    DROPPED_HEADERS_ATTRIBUTE as PUBSUB_DROPPED_HEADERS_ATTRIBUTE, EMULATOR_HOST_ENV, PubSubSink,
-    PubSubSinkConfig, SubscriptionLetters, create_subscription, read_subscription,
 };
 pub use reader::{OwnedRecord, RecordView, commit_group, read_topic, read_topic_from_group};
 pub use redis_streams::{

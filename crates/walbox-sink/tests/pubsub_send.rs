@@ -115,7 +115,12 @@ async fn events_arrive_with_attributes_in_key_order_and_a_refused_one_is_dead_le
     let (mut sink, mut deliveries) = PubSubSink::new(cfg.clone()).unwrap();
     let mut events = Vec::new();
     for i in 0..20u32 {
-        events.push(event(&format!("e{i}"), "rt.orders", &format!("k{}", i % 3), i));
+        events.push(event(
+            &format!("e{i}"),
+            "rt.orders",
+            &format!("k{}", i % 3),
+            i,
+        ));
     }
     // A header Pub/Sub keeps for itself: this event alone is refused.
     events[7]
@@ -254,25 +259,31 @@ async fn a_failed_publish_pauses_its_key_until_it_is_sent_again() {
         .unwrap();
     let (mut sink, mut deliveries) = PubSubSink::new(cfg.clone()).unwrap();
     let retries = sink.retries();
-    sink.send(event("p0", "pause.orders", "k", 0), 0).await.unwrap();
+    sink.send(event("p0", "pause.orders", "k", 0), 0)
+        .await
+        .unwrap();
     assert!(outcomes(&mut deliveries, 1).await[0].is_ok());
     // The link fails: p1's publish fails and waits to be sent again.
     proxy.refuse();
     proxy.cut();
-    sink.send(event("p1", "pause.orders", "k", 1), 1).await.unwrap();
+    sink.send(event("p1", "pause.orders", "k", 1), 1)
+        .await
+        .unwrap();
     sink.end_batch();
-    wait_until_async(
-        "p1's publish to fail",
-        Duration::from_secs(30),
-        || async { (retries.load(Ordering::SeqCst) >= 1).then_some(()) },
-    )
+    wait_until_async("p1's publish to fail", Duration::from_secs(30), || async {
+        (retries.load(Ordering::SeqCst) >= 1).then_some(())
+    })
     .await
     .unwrap();
     // The link is back before p1 is tried again; p2 of the same key comes
     // now, and p3 of another key.
     proxy.accept();
-    sink.send(event("p2", "pause.orders", "k", 2), 2).await.unwrap();
-    sink.send(event("p3", "pause.orders", "j", 3), 3).await.unwrap();
+    sink.send(event("p2", "pause.orders", "k", 2), 2)
+        .await
+        .unwrap();
+    sink.send(event("p3", "pause.orders", "j", 3), 3)
+        .await
+        .unwrap();
     sink.end_batch();
     let mut got = std::collections::HashMap::new();
     for _ in 0..3 {
@@ -311,12 +322,18 @@ async fn a_publish_that_cannot_be_stored_fails_the_session_and_nothing_later_of_
     em.create_subscription("final.orders.sub", "final.orders", true)
         .unwrap();
     let (mut sink, mut deliveries) = PubSubSink::new(cfg.clone()).unwrap();
-    sink.send(event("f0", "final.orders", "k", 0), 0).await.unwrap();
+    sink.send(event("f0", "final.orders", "k", 0), 0)
+        .await
+        .unwrap();
     assert!(outcomes(&mut deliveries, 1).await[0].is_ok());
     proxy.refuse();
     proxy.cut();
-    sink.send(event("f1", "final.orders", "k", 1), 1).await.unwrap();
-    sink.send(event("f2", "final.orders", "k", 2), 2).await.unwrap();
+    sink.send(event("f1", "final.orders", "k", 1), 1)
+        .await
+        .unwrap();
+    sink.send(event("f2", "final.orders", "k", 2), 2)
+        .await
+        .unwrap();
     sink.end_batch();
     let d = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
         .await

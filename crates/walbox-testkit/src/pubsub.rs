@@ -124,7 +124,12 @@ impl PubSubEmulator {
     /// Creates `subscription` to `topic` (and the topic), with message
     /// ordering when `ordered`; one that exists is fine. It holds what is
     /// published from now on.
-    pub fn create_subscription(&self, subscription: &str, topic: &str, ordered: bool) -> Result<()> {
+    pub fn create_subscription(
+        &self,
+        subscription: &str,
+        topic: &str,
+        ordered: bool,
+    ) -> Result<()> {
         self.create_topic(topic)?;
         let body = serde_json::json!({
             "topic": format!("projects/{}/topics/{topic}", Self::PROJECT),
@@ -154,10 +159,7 @@ impl PubSubEmulator {
             200..=299 | 409 => Ok(()),
             status => Err(TestkitError::Http(format!(
                 "PUT {url}: {status} {}",
-                response
-                    .into_body()
-                    .read_to_string()
-                    .unwrap_or_default()
+                response.into_body().read_to_string().unwrap_or_default()
             ))),
         }
     }
@@ -180,14 +182,19 @@ impl PubSubEmulator {
         let (log, log_err) = process::log_files(&log_path)?;
         give_to(self.user.as_ref(), &log_path)?;
         let mut cmd = process::command(&java_program()?, self.user.as_ref());
-        cmd.args(["-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-jar"])
-            .arg(&self.jar)
-            .args(["--host=127.0.0.1", &format!("--port={}", self.port)])
-            .env("HOME", self.dir.path())
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err);
+        cmd.args([
+            "-Xmx256m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
+            "-jar",
+        ])
+        .arg(&self.jar)
+        .args(["--host=127.0.0.1", &format!("--port={}", self.port)])
+        .env("HOME", self.dir.path())
+        .current_dir(self.dir.path())
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(log_err);
         let child = cmd
             .spawn()
             .map_err(TestkitError::io("starting", &self.jar))?;
@@ -254,9 +261,9 @@ fn emulator_jar() -> Result<PathBuf> {
         .ok()
         .and_then(|entries| {
             entries.filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with("cloud-pubsub-emulator-") && n.ends_with("-all.jar"))
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                    n.starts_with("cloud-pubsub-emulator-") && n.ends_with("-all.jar")
+                })
             })
         })
         .ok_or_else(|| TestkitError::MissingProgram {

@@ -306,7 +306,9 @@ impl Client {
                         .as_object()
                         .map(|a| {
                             a.iter()
-                                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                                .map(|(k, v)| {
+                                    (k.clone(), v.as_str().unwrap_or_default().to_owned())
+                                })
                                 .collect()
                         })
                         .unwrap_or_default(),

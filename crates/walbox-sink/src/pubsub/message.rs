@@ -56,7 +56,9 @@ pub(crate) struct Prepared {
 pub(crate) fn valid_topic(topic: &str) -> bool {
     (3..=255).contains(&topic.len())
         && topic.starts_with(|c: char| c.is_ascii_alphabetic())
-        && !topic.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("goog"))
+        && !topic
+            .get(..4)
+            .is_some_and(|p| p.eq_ignore_ascii_case("goog"))
         && topic
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.~+%".contains(&b))
@@ -77,7 +79,9 @@ pub(crate) fn sanitized_topic(topic: &str) -> String {
         })
         .collect();
     if !name.starts_with(|c: char| c.is_ascii_alphabetic())
-        || name.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("goog"))
+        || name
+            .get(..4)
+            .is_some_and(|p| p.eq_ignore_ascii_case("goog"))
         || name.len() < 3
     {
         name.insert_str(0, "walbox-");
@@ -108,7 +112,10 @@ fn attribute_problem(name: &str, value: &[u8]) -> Option<String> {
             name.len()
         ));
     }
-    if name.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("goog")) {
+    if name
+        .get(..4)
+        .is_some_and(|p| p.eq_ignore_ascii_case("goog"))
+    {
         return Some(format!(
             "header {name:?} starts with \"goog\", which Pub/Sub keeps for itself; rename it in \
              the row's headers"
@@ -191,7 +198,10 @@ pub(crate) fn prepare(event: &Event) -> Result<Prepared, (DeliveryClass, String)
         } else {
             if encoded {
                 size += KEY_ENCODING_ATTRIBUTE.len() + 6;
-                attributes.insert(KEY_ENCODING_ATTRIBUTE.into(), Value::String("base64".into()));
+                attributes.insert(
+                    KEY_ENCODING_ATTRIBUTE.into(),
+                    Value::String("base64".into()),
+                );
             }
             size += text.len();
             ordering_key = Some(text);
@@ -327,8 +337,7 @@ mod tests {
     }
 
     #[test]
-    fn what_pubsub_cannot_carry_refuses_an_event_with_the_reason_and_a_dead_letter_leaves_it_out()
-    {
+    fn what_pubsub_cannot_carry_refuses_an_event_with_the_reason_and_a_dead_letter_leaves_it_out() {
         let over = |headers: Vec<(&str, Vec<u8>)>| prepare(&event(headers)).unwrap_err();
         let long_name = "n".repeat(257);
         for (headers, says) in [
@@ -344,7 +353,8 @@ mod tests {
             assert!(reason.contains(says), "{reason}");
             assert!(!reason.contains("vvvv"), "never the value: {reason}");
         }
-        let many: Vec<(String, Vec<u8>)> = (0..100).map(|i| (format!("h{i}"), vec![b'v'])).collect();
+        let many: Vec<(String, Vec<u8>)> =
+            (0..100).map(|i| (format!("h{i}"), vec![b'v'])).collect();
         let (_, reason) = prepare(&event(
             many.iter().map(|(k, v)| (k.as_str(), v.clone())).collect(),
         ))
@@ -365,7 +375,12 @@ mod tests {
             ("goog_x".into(), b"v".to_vec()),
         ];
         headers.extend((0..105).map(|i| (format!("h{i:03}"), vec![b'v'])));
-        let letter = event(headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect());
+        let letter = event(
+            headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect(),
+        );
         let m = parsed(&prepare(&letter).unwrap());
         let attributes = m["attributes"].as_object().unwrap();
         assert_eq!(attributes.len(), MAX_ATTRIBUTES);

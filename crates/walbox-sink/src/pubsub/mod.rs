@@ -87,13 +87,8 @@ impl Shared {
         if letters {
             let sub = self.config.letters_subscription_of(topic);
             if self.config.create_topics {
-                c.create_subscription(
-                    &sub,
-                    topic,
-                    false,
-                    Some(self.config.letters_retention_days),
-                )
-                .await?;
+                c.create_subscription(&sub, topic, false, Some(self.config.letters_retention_days))
+                    .await?;
             } else if !c.subscription_exists(&sub).await? {
                 return Err(Missing::Subscription {
                     topic: topic.to_owned(),
@@ -615,10 +610,7 @@ mod tests {
         };
         let mut queue: VecDeque<Queued> = (0..5).map(|n| queued(n, 10)).collect();
         let batch = next_batch(&config, Some(&mut queue));
-        assert_eq!(
-            batch.iter().map(|q| q.token).collect::<Vec<_>>(),
-            [0, 1, 2]
-        );
+        assert_eq!(batch.iter().map(|q| q.token).collect::<Vec<_>>(), [0, 1, 2]);
         assert_eq!(queue.len(), 2);
         // A message over the byte limit goes alone.
         let mut queue: VecDeque<Queued> = [queued(0, 5000), queued(1, 10)].into();

@@ -5,8 +5,8 @@ use std::time::Duration;
 use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, NatsSink, PubSubSink, RabbitMqSink, RedisSink, Sink, SinkError,
-    StdoutSink, WebhookSink,
+    Deliveries, DeliveryError, KafkaSink, NatsSink, PubSubSink, RabbitMqSink, RedisSink, Sink,
+    SinkError, StdoutSink, WebhookSink,
 };
 
 use super::transient;
