@@ -4,7 +4,8 @@
 //! nothing there); and with Application Default Credentials (a service
 //! account file whose token endpoint is a local server), neither the key,
 //! the signed assertion nor the access token reaches the log, even at
-//! `WALBOX_LOG=trace`, where the HTTP and credentials libraries log too.
+//! `WALBOX_LOG=trace`, where the HTTP and credentials libraries log too;
+//! `walbox doctor` says where walbox publishes and with which credentials.
 
 mod common;
 
@@ -91,6 +92,9 @@ async fn verify_reads_a_topic_back_through_its_verify_subscription_once() {
     write_events(&db, 4, 10).await;
     caught_up(&db, &walbox).await;
     walbox.stop();
+    // doctor says where walbox publishes.
+    let (_, out, err) = walbox_cmd(&["doctor"], &env);
+    assert!(out.contains("Pub/Sub emulator at http://"), "{out}{err}");
     let (status, out, err) = walbox_cmd(&["verify", "--timeout-s", "10"], &env);
     assert_eq!(status, Some(0), "{out}{err}");
     assert!(out.contains("(40 records)"), "{out}");

@@ -107,7 +107,8 @@ pub use nats::{
 pub use nats_reader::{DurableLetters, read_subject};
 pub use pubsub::{
     DROPPED_HEADERS_ATTRIBUTE as PUBSUB_DROPPED_HEADERS_ATTRIBUTE, EMULATOR_HOST_ENV, PubSubSink,
-    PubSubSinkConfig, SubscriptionLetters, create_subscription, read_subscription,
+    PubSubSinkConfig, SubscriptionLetters, create_subscription, describe as describe_pubsub,
+    read_subscription,
 };
 pub use rabbitmq::{
     PASSWORD_ENV as RABBITMQ_PASSWORD_ENV, QueueLetters, RabbitMqMode, RabbitMqSink,

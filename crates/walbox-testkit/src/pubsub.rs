@@ -142,6 +142,80 @@ impl PubSubEmulator {
     /// The project the tests use.
     pub const PROJECT: &'static str = "walbox-test";
 
+    /// Reads `subscription` until it gave at least `wanted` messages (or
+    /// `timeout` passed), acknowledging them, as records of `topic`:
+    /// partition 0, the read's order as offset, the ordering key as key,
+    /// the attributes as headers.
+    pub fn read_at_least(
+        &self,
+        subscription: &str,
+        topic: &str,
+        wanted: usize,
+        timeout: Duration,
+    ) -> Result<Vec<crate::kafka::Record>> {
+        use base64::Engine as _;
+        let url = |verb: &str| {
+            format!(
+                "http://{}/v1/projects/{}/subscriptions/{subscription}:{verb}",
+                self.host(),
+                Self::PROJECT
+            )
+        };
+        let post = |verb: &str, body: serde_json::Value| -> Result<serde_json::Value> {
+            let text = ureq::post(&url(verb))
+                .header("content-type", "application/json")
+                .send(body.to_string())
+                .map_err(|e| TestkitError::Http(format!("POST {}: {e}", url(verb))))?
+                .into_body()
+                .read_to_string()
+                .map_err(|e| TestkitError::Http(format!("reading {}: {e}", url(verb))))?;
+            serde_json::from_str(&text)
+                .map_err(|e| TestkitError::Http(format!("{}: not JSON ({e})", url(verb))))
+        };
+        let mut out = Vec::new();
+        let deadline = std::time::Instant::now() + timeout;
+        while out.len() < wanted && std::time::Instant::now() < deadline {
+            let got = post(
+                "pull",
+                serde_json::json!({"maxMessages": 1000, "returnImmediately": true}),
+            )?;
+            let list = got["receivedMessages"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            if list.is_empty() {
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+            let mut acks = Vec::new();
+            for r in &list {
+                let m = &r["message"];
+                acks.push(r["ackId"].clone());
+                out.push(crate::kafka::Record {
+                    topic: topic.to_owned(),
+                    partition: 0,
+                    offset: i64::try_from(out.len()).unwrap_or(i64::MAX),
+                    key: m["orderingKey"].as_str().map(|k| k.as_bytes().to_vec()),
+                    headers: m["attributes"]
+                        .as_object()
+                        .map(|a| {
+                            a.iter()
+                                .map(|(k, v)| {
+                                    (k.clone(), v.as_str().map(|v| v.as_bytes().to_vec()))
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                    value: m["data"]
+                        .as_str()
+                        .and_then(|d| base64::engine::general_purpose::STANDARD.decode(d).ok()),
+                });
+            }
+            post("acknowledge", serde_json::json!({ "ackIds": acks }))?;
+        }
+        Ok(out)
+    }
+
     fn put(&self, path: &str, body: &str) -> Result<()> {
         let url = format!(
             "http://{}/v1/projects/{}/{path}",

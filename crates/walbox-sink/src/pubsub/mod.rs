@@ -190,6 +190,32 @@ impl PubSubSink {
     }
 }
 
+/// What `walbox doctor` says of the sink's connection: where it publishes
+/// and with which credentials (looked up now), and whether per-key order can
+/// move between regions (the global endpoint). `Err` when no credentials
+/// are found.
+pub async fn describe(config: &PubSubSinkConfig) -> Result<(String, Option<String>), SinkError> {
+    Client::connect(config).await?;
+    let (base, emulator) = config.base();
+    if emulator {
+        return Ok((format!("Pub/Sub emulator at {base}, no credentials"), None));
+    }
+    let global = config.endpoint.is_none()
+        || config
+            .endpoint
+            .as_deref()
+            .is_some_and(|e| e.trim_end_matches('/') == config::DEFAULT_ENDPOINT);
+    Ok((
+        format!("Pub/Sub at {base}, credentials from Application Default Credentials"),
+        global.then(|| {
+            "sink.pubsub.endpoint is Pub/Sub's global endpoint: Pub/Sub keeps an ordering key's \
+             order per region, and the global endpoint may route a restarted walbox to another \
+             one; a regional endpoint (https://REGION-pubsub.googleapis.com) keeps it in one"
+                .to_owned()
+        }),
+    ))
+}
+
 /// The topic an event is published to: its own, or for a dead letter whose
 /// own is no Pub/Sub name, one made valid.
 fn topic_of(event: &Event, letter: bool) -> String {

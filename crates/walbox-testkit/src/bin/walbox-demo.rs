@@ -4,7 +4,8 @@
 //! (or, with `--sink nats`, a JetStream server; with `--sink redis`, a Redis
 //! server with an fsynced append-only file; with `--sink rabbitmq`, a RabbitMQ
 //! node, an exchange and a durable queue bound to it; with `--sink webhook`, an
-//! HTTP receiver that records each signed POST),
+//! HTTP receiver that records each signed POST; with `--sink pubsub`, Google's
+//! Pub/Sub emulator and a subscription with message ordering),
 //! creates an outbox table, runs `walbox setup` and `walbox run`, lets four
 //! concurrent writers commit a few hundred outbox events, reads them back from the
 //! topic and prints them with a summary: events, keys, per-key order, and the slot's
@@ -18,8 +19,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use walbox_testkit::{
-    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RabbitMq, Receiver, RedisServer, kafka,
-    wait_until_async,
+    Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, PubSubEmulator, RabbitMq, Receiver,
+    RedisServer, kafka, wait_until_async,
 };
 
 const WRITERS: usize = 4;
@@ -48,6 +49,7 @@ enum Destination {
     Webhook(Receiver),
     Redis(RedisServer),
     RabbitMq(RabbitMq),
+    PubSub(PubSubEmulator),
 }
 
 impl Destination {
@@ -99,6 +101,7 @@ impl Destination {
             ),
             Destination::Redis(r) => r.log_tail(),
             Destination::RabbitMq(r) => r.log_tail(),
+            Destination::PubSub(e) => e.log_tail(),
         }
     }
 }
@@ -122,12 +125,13 @@ async fn main() -> Result<(), Error> {
     let walbox = walbox_binary();
     let sink = arg("--sink").unwrap_or_else(|| "kafka".into());
     let nats = match sink.as_str() {
-        "kafka" | "rabbitmq" | "redis" | "webhook" => false,
+        "kafka" | "rabbitmq" | "redis" | "webhook" | "pubsub" => false,
         "nats" => true,
         other => {
-            return Err(
-                format!("--sink {other}: use kafka, nats, rabbitmq, redis or webhook").into(),
-            );
+            return Err(format!(
+                "--sink {other}: use kafka, nats, rabbitmq, redis, pubsub or webhook"
+            )
+            .into());
         }
     };
     let redis = sink == "redis";
@@ -142,6 +146,13 @@ async fn main() -> Result<(), Error> {
         let server = RedisServer::start()?;
         let url = server.url();
         (Destination::Redis(server), url)
+    } else if sink == "pubsub" {
+        println!("== starting a throwaway PostgreSQL (wal_level=logical) and the Pub/Sub emulator");
+        let emulator = PubSubEmulator::start()?;
+        // Made before walbox publishes: a subscription holds what comes after.
+        emulator.create_subscription("outbox.order.demo", TOPIC, true)?;
+        let host = emulator.host();
+        (Destination::PubSub(emulator), host)
     } else if sink == "rabbitmq" {
         println!("== starting a throwaway PostgreSQL (wal_level=logical) and a RabbitMQ node");
         let node = RabbitMq::start()?;
@@ -170,6 +181,12 @@ async fn main() -> Result<(), Error> {
         &config,
         if redis {
             format!("[sink]\ntype = \"redis\"\n\n[sink.redis]\nurl = \"{address}\"\n")
+        } else if sink == "pubsub" {
+            format!(
+                "[sink]\ntype = \"pubsub\"\n\n[sink.pubsub]\nproject = \"{}\"\n\
+                 emulator_host = \"{address}\"\nverify_subscription = \"{{topic}}.demo\"\n",
+                PubSubEmulator::PROJECT
+            )
         } else if sink == "rabbitmq" {
             format!(
                 "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nport = {}\n\
@@ -275,6 +292,8 @@ async fn main() -> Result<(), Error> {
     } else if redis {
         walbox_testkit::redis::read_at_least(&address, TOPIC, wanted, Duration::from_secs(120))
             .await?
+    } else if let Destination::PubSub(emulator) = &destination {
+        emulator.read_at_least("outbox.order.demo", TOPIC, wanted, Duration::from_secs(120))?
     } else if let Destination::RabbitMq(node) = &destination {
         let mut got = Vec::new();
         for _ in 0..240 {
