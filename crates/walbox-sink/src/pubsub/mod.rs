@@ -78,6 +78,30 @@ impl Shared {
         if !again && self.topics.lock().await.contains(topic) {
             return Ok(());
         }
+        match self.check(topic, letters).await {
+            // A publisher's role (roles/pubsub.publisher) may publish
+            // without the right to look at or create topics and
+            // subscriptions: walbox goes on, and a publish to a topic that
+            // is not there says so (404).
+            Err(Missing::Api(e)) if e.http() == Some(403) => {
+                tracing::warn!(
+                    topic,
+                    error = %e,
+                    "may not check or create the topic{}; publishing to it as it is",
+                    if letters {
+                        " and the subscription that keeps its letters (make sure it exists)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            other => other?,
+        }
+        self.topics.lock().await.insert(topic.to_owned());
+        Ok(())
+    }
+
+    async fn check(&self, topic: &str, letters: bool) -> Result<(), Missing> {
         let c = &self.client;
         if self.config.create_topics {
             c.create_topic(topic).await?;
@@ -96,7 +120,6 @@ impl Shared {
                 });
             }
         }
-        self.topics.lock().await.insert(topic.to_owned());
         Ok(())
     }
 }
