@@ -6,7 +6,8 @@
 //! settled; a missing topic named; and the ordering key paused by a failed
 //! publish (through a proxy that refuses connections): a later event of the
 //! key is never stored before the failed one, which is sent again, and
-//! nothing more of the key goes once the failure is final.
+//! nothing more of the key goes once the failure is final; a topic gone with
+//! a restarted (empty) emulator is created again and the event sent.
 
 use std::sync::OnceLock;
 use std::sync::atomic::Ordering;
@@ -351,4 +352,43 @@ async fn a_publish_that_cannot_be_stored_fails_the_session_and_nothing_later_of_
     let read = read(&cfg, "final.orders.sub").await;
     let ids: Vec<&str> = read.iter().map(|r| r.id.as_str()).collect();
     assert_eq!(ids, ["f0"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_gone_with_a_restarted_emulator_is_created_again_and_the_event_sent() {
+    // An emulator of its own: restarting it empties it.
+    let mut em = tokio::task::spawn_blocking(PubSubEmulator::start)
+        .await
+        .unwrap()
+        .unwrap();
+    let cfg = config(em.host());
+    let (mut sink, mut deliveries) = PubSubSink::new(cfg.clone()).unwrap();
+    sink.send(event("g0", "gone.orders", "k", 0), 0)
+        .await
+        .unwrap();
+    assert!(outcomes(&mut deliveries, 1).await[0].is_ok());
+    em.kill9().unwrap();
+    em.start_again().unwrap();
+    let topic_url = format!(
+        "http://{}/v1/projects/{}/topics/gone.orders",
+        em.host(),
+        PubSubEmulator::PROJECT
+    );
+    assert!(
+        walbox_testkit::prometheus::get(&topic_url).is_err(),
+        "the restarted emulator is empty"
+    );
+    // The session knows the topic; its publish finds it gone (404), creates
+    // it again and sends the event.
+    sink.send(event("g1", "gone.orders", "k", 1), 1)
+        .await
+        .unwrap();
+    sink.end_batch();
+    let d = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.token, 1);
+    assert!(d.result.is_ok(), "{:?}", d.result);
+    assert!(walbox_testkit::prometheus::get(&topic_url).is_ok());
 }
