@@ -17,6 +17,8 @@
 #     reach: it is checked for, and its absence stops with what to install
 #   - python3 with venv, in which tests/formats.rs installs the CloudEvents SDK
 #     that parses walbox's CloudEvents records
+#   - kinesalite, the Kinesis stand-in of the Kinesis sink's tests
+#     (scripts/aws.sh, from npm)
 #   - the PostgreSQL majors given as arguments (`scripts/deps.sh 15 17`): 15 from
 #     apt, 16/17/18 through scripts/pg-major.sh
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
@@ -131,8 +133,10 @@ else
   cargo install tansu --version "$TANSU_VERSION" --locked --features dynostore,libsql
 fi
 
+"$(dirname "$0")/aws.sh" >/dev/null
+
 for major in "${majors[@]}"; do
   "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
 done
 
-log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, rabbitmq-server, redis-server, java, the Pub/Sub emulator, tansu $TANSU_VERSION"
+log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, rabbitmq-server, redis-server, java, the Pub/Sub emulator, tansu $TANSU_VERSION, kinesalite"

@@ -106,4 +106,5 @@ cells! {
     pubsub => Sink::PubSub,
     webhook => Sink::Webhook,
     stdout => Sink::Stdout,
+    kinesis => Sink::Kinesis,
 }

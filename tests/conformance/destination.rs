@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use walbox_testkit::kafka::Record;
 use walbox_testkit::{
-    Broker, BrokerOptions, BrokerStorage, NatsServer, PubSubEmulator, Receiver, RedisServer,
+    Broker, BrokerOptions, BrokerStorage, Kinesalite, NatsServer, PubSubEmulator, Receiver,
+    RedisServer,
 };
 
 use crate::common::{SECRET, dead_letter_path, node};
@@ -22,6 +23,7 @@ pub enum Sink {
     PubSub,
     Webhook,
     Stdout,
+    Kinesis,
 }
 
 /// What a destination promises for the events of a session that ended by a
@@ -40,7 +42,12 @@ impl Sink {
     pub fn promise(self) -> Promise {
         match self {
             Sink::Nats | Sink::RabbitStream | Sink::Redis => Promise::ExactlyOnce,
-            Sink::Kafka | Sink::RabbitExchange | Sink::PubSub | Sink::Webhook | Sink::Stdout => {
+            Sink::Kafka
+            | Sink::RabbitExchange
+            | Sink::PubSub
+            | Sink::Webhook
+            | Sink::Stdout
+            | Sink::Kinesis => {
                 Promise::AtLeastOnce
             }
         }
@@ -79,6 +86,7 @@ enum Server {
     PubSub(PubSubServer),
     Webhook(Receiver),
     Stdout,
+    Kinesis(Kinesalite),
 }
 
 enum PubSubServer {
@@ -176,6 +184,7 @@ impl Destination {
             }
             Sink::Webhook => Server::Webhook(Receiver::start().expect("starting the receiver")),
             Sink::Stdout => Server::Stdout,
+            Sink::Kinesis => Server::Kinesis(Kinesalite::start().expect("starting kinesalite")),
         };
         Destination {
             sink,
@@ -270,6 +279,15 @@ impl Destination {
                 Vec::new(),
             ),
             Server::Stdout => ("[sink]\ntype = \"stdout\"\n".to_owned(), Vec::new()),
+            Server::Kinesis(kinesis) => (
+                format!(
+                    "[sink]\ntype = \"kinesis\"\ncreate_topics = true\ntopic_partitions = 2\n\n\
+                     [sink.kinesis]\nendpoint_url = \"{}\"\nregion = \"us-east-1\"\n\
+                     retry_initial_ms = 50\nretry_max_ms = 1000\n",
+                    kinesis.endpoint()
+                ),
+                Kinesalite::client_env(),
+            ),
         }
     }
 
@@ -337,6 +355,12 @@ impl Destination {
                 receiver.set_script(|_| walbox_testkit::webhook::Reply::Ok);
             }
             Server::Stdout => panic!("the stdout sink has no server to restart"),
+            Server::Kinesis(kinesis) => {
+                kinesis.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                kinesis.start_again().unwrap();
+            }
         }
     }
 
@@ -460,6 +484,23 @@ impl Destination {
                     .enumerate()
                     .map(|(i, a)| Copy::of_arrival(topic, i, a))
                     .collect()
+            }
+            Server::Kinesis(kinesis) => {
+                let config = walbox_sink::KinesisSinkConfig {
+                    endpoint_url: Some(kinesis.endpoint()),
+                    region: Some("us-east-1".into()),
+                    credentials: Some(Kinesalite::credentials()),
+                    ..Default::default()
+                };
+                let mut out = Vec::new();
+                // A stream never created (a dead-letter stream with no
+                // letters) holds nothing.
+                walbox_sink::read_kinesis_stream(&config, topic, timeout, |r| {
+                    out.push(Copy::of_view(topic, &r, r.event_id()));
+                })
+                .await
+                .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
+                out
             }
             Server::Stdout => {
                 let printed = self.printed.lock().unwrap();

@@ -196,6 +196,7 @@ pub fn sink_name(sink: Sink) -> &'static str {
         Sink::PubSub => "pubsub",
         Sink::Webhook => "webhook",
         Sink::Stdout => "stdout",
+        Sink::Kinesis => "kinesis",
     }
 }
 

@@ -67,6 +67,14 @@ pub(crate) fn failure(event: &Event, class: DeliveryClass, reason: String) -> De
     }
 }
 
+/// Whether `event` is a dead letter (it carries the error class).
+pub(crate) fn is_dead_letter(event: &Event) -> bool {
+    event
+        .headers
+        .iter()
+        .any(|(k, _)| k.as_ref() == walbox_outbox::dead_letter_header::ERROR_CLASS)
+}
+
 /// A session's connections, closed when the session ends.
 pub(crate) trait Close: Send + Sized + 'static {
     /// Closes what the session holds: by default at once, by dropping it (its

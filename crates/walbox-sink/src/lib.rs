@@ -81,10 +81,13 @@
 //! batches are written by a script that stops at the first refusal, so
 //! nothing is stored after a gap (rule 5's aim).
 
+mod aws;
+mod batched;
 mod crypto;
 mod delivery;
 mod kafka;
 mod kit;
+mod lanes;
 mod nats;
 mod nats_reader;
 mod pubsub;
@@ -98,6 +101,8 @@ mod webhook;
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
+pub use aws::AwsConnection;
+pub use aws::kinesis::{KinesisLetters, KinesisSink, KinesisSinkConfig, read_kinesis_stream};
 pub use crypto::install_crypto_provider;
 pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};
@@ -163,6 +168,27 @@ pub enum SinkError {
         /// `sasl.mechanism`, or `(none)`.
         mechanism: String,
         /// What the client reported (it never holds the password).
+        reason: String,
+    },
+    /// An AWS service could not be reached, or answered with an error that
+    /// may pass (throttling, an internal error); a new session may succeed.
+    #[error("aws: {0}")]
+    Aws(String),
+    /// An AWS service refused what walbox asked (access denied, a
+    /// parameter it does not take); trying again would only repeat it.
+    #[error("aws: {0}")]
+    AwsRefused(String),
+    /// An AWS service refused walbox's credentials. Trying again would only
+    /// repeat it.
+    #[error(
+        "aws: {service} refused walbox's credentials: {reason}; check the credentials the \
+         standard chain finds (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web \
+         identity, instance metadata) and the region"
+    )]
+    AwsAuthentication {
+        /// The service.
+        service: String,
+        /// What it said (never a secret).
         reason: String,
     },
     /// The NATS server could not be reached or did not answer; a new session

@@ -50,6 +50,9 @@ enum Inner<'a> {
 /// queue or stream as offset, its key from the `walbox_key` header.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OwnedRecord {
+    /// Its partition (a Kinesis stream's shard, in the order the stream
+    /// lists them); 0 for a RabbitMQ queue or stream.
+    pub partition: i32,
     /// Its place in the queue (from 0) or its stream offset.
     pub offset: i64,
     /// Its key.
@@ -108,7 +111,8 @@ impl<'a> RecordView<'a> {
     pub fn partition(&self) -> i32 {
         match &self.inner {
             Inner::Kafka(m) => m.partition(),
-            Inner::Nats { .. } | Inner::Letter { .. } | Inner::Redis(_) | Inner::Owned(_) => 0,
+            Inner::Owned(r) => r.partition,
+            Inner::Nats { .. } | Inner::Letter { .. } | Inner::Redis(_) => 0,
         }
     }
 

@@ -30,12 +30,21 @@
 //! - [`Receiver`]: a real HTTP receiver for webhooks (HTTP/1.1 and HTTP/2,
 //!   optionally TLS) on a free port that records each request and answers by
 //!   a script (2xx, a status, `Retry-After`, slow, a dropped connection).
+//! - [`Kinesalite`]: a kinesalite (a Kinesis stand-in, `scripts/aws.sh`)
+//!   on a free port with a data directory that keeps what it acknowledged
+//!   through a SIGKILL (stop, restart, SIGKILL).
+//! - [`FaultProxy`]: an HTTP proxy in front of an AWS stand-in that answers
+//!   chosen entries of a batch call (Kinesis `PutRecords`, SQS
+//!   `SendMessageBatch`) as failed without forwarding them, as AWS does
+//!   when it throttles part of a batch.
 //! - [`wait_until`]: polls a condition with a deadline, so tests wait on conditions,
 //!   never on fixed sleeps.
 
 mod broker;
 mod error;
+pub mod fault_proxy;
 pub mod kafka;
+pub mod kinesis;
 pub mod nats;
 mod postgres;
 mod process;
@@ -50,6 +59,8 @@ pub mod webhook;
 
 pub use broker::{Broker, BrokerOptions, BrokerStorage, BrokerUser, Scram};
 pub use error::TestkitError;
+pub use fault_proxy::FaultProxy;
+pub use kinesis::Kinesalite;
 pub use nats::{NatsOptions, NatsServer};
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use prometheus::Prometheus;

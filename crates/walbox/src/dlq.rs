@@ -35,8 +35,9 @@ use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{
-    DurableLetters, KafkaSink, NatsSink, PubSubSink, QueueLetters, RabbitMqSink,
-    RabbitStreamLetters, RedisSink, Sink, StreamLetters, SubscriptionLetters, WebhookSink,
+    DurableLetters, KafkaSink, KinesisLetters, KinesisSink, NatsSink, PubSubSink, QueueLetters,
+    RabbitMqSink, RabbitStreamLetters, RedisSink, Sink, StreamLetters, SubscriptionLetters,
+    WebhookSink,
 };
 
 use crate::catalog::{self, ident};
@@ -371,6 +372,28 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 published?;
             }
         }
+        SinkKind::Kinesis => {
+            let sink_config = config.sink.kinesis_sink()?;
+            let (mut sink, mut deliveries) = KinesisSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // Kinesis keeps no consumer position: the replay's progress is
+                // a marker record in each shard of the dead-letter stream.
+                let Some(read) = KinesisLetters::read(&sink_config, dlq, &group, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
+            }
+        }
         SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
             let sink_config = config.sink.rabbitmq_sink(&config.source.slot)?;
             let (mut sink, mut deliveries) = RabbitMqSink::new(sink_config.clone())?;
@@ -524,9 +547,8 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\", \"nats\", \"redis\", \"rabbitmq\", \"pubsub\" or \"webhook\" (or \
-         --sink) \
-         to replay the dead letters it stored"
+         [sink] type = \"kafka\", \"nats\", \"redis\", \"rabbitmq\", \"pubsub\", \"kinesis\" \
+         or \"webhook\" (or --sink) to replay the dead letters it stored"
     )
 }
 

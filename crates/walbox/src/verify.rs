@@ -211,6 +211,15 @@ async fn read_records(
             };
             walbox_sink::read_subscription(&pubsub, &subscription, timeout, each).await
         }
+        SinkKind::Kinesis => {
+            let kinesis = config
+                .sink
+                .kinesis_sink()
+                .map_err(|e| walbox_sink::SinkError::Config(e.to_string()))?;
+            walbox_sink::read_kinesis_stream(&kinesis, topic, timeout, each)
+                .await?
+                .ok_or_else(|| walbox_sink::SinkError::MissingTopic(topic.to_owned()))
+        }
         SinkKind::Webhook => Err(walbox_sink::SinkError::Config(
             "an HTTP receiver keeps no record walbox can read back".into(),
         )),

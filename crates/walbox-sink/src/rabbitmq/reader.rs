@@ -71,6 +71,7 @@ pub async fn read_queue(
             .find(|(k, _)| k == KEY_HEADER)
             .map(|(_, v)| v.clone());
         let record = OwnedRecord {
+            partition: 0,
             offset: place - 1,
             key,
             value: message.delivery.data.clone(),
@@ -132,6 +133,7 @@ pub async fn read_stream(
             .find(|(k, _)| k == KEY_HEADER)
             .map(|(_, v)| v.clone());
         let record = OwnedRecord {
+            partition: 0,
             offset: i64::try_from(delivery.offset()).unwrap_or(i64::MAX),
             key,
             value: m.data().map(<[u8]>::to_vec).unwrap_or_default(),
@@ -197,6 +199,7 @@ impl QueueLetters {
                 message.delivery.routing_key.to_string(),
                 message.delivery.delivery_tag,
                 OwnedRecord {
+                    partition: 0,
                     offset: i64::try_from(records.len()).unwrap_or(i64::MAX),
                     key,
                     value: message.delivery.data.clone(),
@@ -325,6 +328,7 @@ impl StreamLetters {
                 .find(|(k, _)| k == KEY_HEADER)
                 .map(|(_, v)| v.clone());
             records.push(OwnedRecord {
+                partition: 0,
                 offset: i64::try_from(delivery.offset()).unwrap_or(i64::MAX),
                 key,
                 value: m.data().map(<[u8]>::to_vec).unwrap_or_default(),

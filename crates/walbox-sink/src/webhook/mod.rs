@@ -50,7 +50,7 @@ pub use request::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER};
 use attempt::{Shared, deliver};
 use dead_letters::LetterFile;
 
-use crate::kit::{Close, Lifecycle, Reports, SessionTask};
+use crate::kit::{Close, Lifecycle, Reports, SessionTask, is_dead_letter};
 use crate::{Deliveries, DeliveryClass, DeliveryError, Sink, SinkError};
 
 /// Where an event waits for the one before it.
@@ -169,14 +169,6 @@ impl Sink for WebhookSink {
     async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
         self.session.flush(&self.reports, timeout).await
     }
-}
-
-/// Whether `event` is a dead letter (it carries the error class).
-fn is_dead_letter(event: &Event) -> bool {
-    event
-        .headers
-        .iter()
-        .any(|(k, _)| k.as_ref() == walbox_outbox::dead_letter_header::ERROR_CLASS)
 }
 
 /// One settled event.

@@ -30,6 +30,8 @@ pub enum SinkKind {
     #[value(name = "pubsub")]
     #[serde(rename = "pubsub")]
     PubSub,
+    /// Amazon Kinesis Data Streams (`[sink.kinesis]`).
+    Kinesis,
 }
 
 impl SinkKind {
@@ -40,7 +42,11 @@ impl SinkKind {
     pub fn protocol(self) -> walbox_outbox::Protocol {
         match self {
             // A stream entry's fields carry headers as Kafka's do (unencoded).
-            SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis => walbox_outbox::Protocol::Kafka,
+            // A Kinesis record's JSON object carries headers as text, as
+            // Kafka's do.
+            SinkKind::Kafka | SinkKind::Stdout | SinkKind::Redis | SinkKind::Kinesis => {
+                walbox_outbox::Protocol::Kafka
+            }
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
             SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
@@ -53,7 +59,7 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `rabbitmq`, `redis`, `pubsub`, `webhook` or `stdout`.
+    /// `kafka`, `nats`, `rabbitmq`, `redis`, `pubsub`, `webhook`, `kinesis` or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -89,6 +95,9 @@ pub struct SinkConfig {
     /// The Google Cloud Pub/Sub sink's settings (`type = "pubsub"`).
     #[serde(default)]
     pub pubsub: walbox_sink::PubSubSinkConfig,
+    /// The Kinesis sink's settings (`type = "kinesis"`).
+    #[serde(default)]
+    pub kinesis: walbox_sink::KinesisSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -119,6 +128,7 @@ impl Default for SinkConfig {
             redis: walbox_sink::RedisSinkConfig::default(),
             rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
             pubsub: walbox_sink::PubSubSinkConfig::default(),
+            kinesis: walbox_sink::KinesisSinkConfig::default(),
         }
     }
 }
@@ -150,6 +160,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("redis", &self.redis)
             .field("rabbitmq", &self.rabbitmq)
             .field("pubsub", &self.pubsub)
+            .field("kinesis", &self.kinesis)
             .finish()
     }
 }
@@ -207,6 +218,16 @@ impl SinkConfig {
         {
             c.password = Some(p);
         }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The Kinesis sink's settings, with stream creation from
+    /// `create_topics` and `topic_partitions` (shards).
+    pub fn kinesis_sink(&self) -> Result<walbox_sink::KinesisSinkConfig> {
+        let mut c = self.kinesis.clone();
+        c.create_streams = self.create_topics;
+        c.shards = self.topic_partitions;
         c.validate()?;
         Ok(c)
     }

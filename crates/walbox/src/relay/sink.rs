@@ -5,7 +5,8 @@ use std::time::Duration;
 use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, NatsSink, PubSubSink, RabbitMqSink, RedisSink, Sink,
+    Deliveries, DeliveryError, KafkaSink, KinesisSink, NatsSink, PubSubSink, RabbitMqSink,
+    RedisSink, Sink,
     SinkError, StdoutSink, WebhookSink,
 };
 
@@ -21,6 +22,7 @@ pub(super) enum AnySink {
     PubSub(Box<PubSubSink>),
     Stdout(StdoutSink),
     Webhook(Box<WebhookSink>),
+    Kinesis(Box<KinesisSink>),
 }
 
 /// Calls the same method on whichever sink `AnySink` holds.
@@ -34,6 +36,7 @@ macro_rules! each_sink {
             AnySink::PubSub($s) => $call,
             AnySink::Stdout($s) => $call,
             AnySink::Webhook($s) => $call,
+            AnySink::Kinesis($s) => $call,
         }
     };
 }
@@ -91,6 +94,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
             let (sink, deliveries) = WebhookSink::new(config.webhook_sink()?)?;
             (AnySink::Webhook(Box::new(sink)), deliveries)
         }
+        SinkKind::Kinesis => {
+            let (sink, deliveries) = KinesisSink::new(config.sink.kinesis_sink()?)?;
+            (AnySink::Kinesis(Box::new(sink)), deliveries)
+        }
     })
 }
 
@@ -104,6 +111,7 @@ pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
         | SinkError::Redis(_)
         | SinkError::RabbitMq(_)
         | SinkError::PubSub(_)
+        | SinkError::Aws(_)
         | SinkError::TaskDied(_) => transient(e),
         other => anyhow!(other),
     }

@@ -1,0 +1,846 @@
+//! The Amazon Kinesis Data Streams sink: each event a record of the stream
+//! its topic names, its partition key the event's key, its data the JSON
+//! object of [`super::envelope`] (the event id, key, headers and value),
+//! sent in `PutRecords` batches.
+//!
+//! `PutRecords` stores the other records of a batch when one fails, and a
+//! record sent again lands after whatever was stored meanwhile, so a batch
+//! holds at most one record per key and a key has at most one record out
+//! ([`crate::batched`]): a failed record (`ProvisionedThroughputExceeded`,
+//! `InternalFailure`) goes again before anything later of its key. Kinesis
+//! keeps no ids, so a record sent again after a crash or a lost answer is
+//! stored again: at least once, the same `event_id` on every copy.
+//!
+//! The stream is checked on first use (and created with `create_topics`,
+//! with `topic_partitions` shards, waiting until it is active).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use aws_sdk_kinesis::primitives::Blob;
+use aws_sdk_kinesis::types::{PutRecordsRequestEntry, ShardIteratorType, StreamStatus};
+use bytes::Bytes;
+use serde::Deserialize;
+use walbox_outbox::Event;
+
+use super::{AwsConnection, call_error, envelope, setup_error};
+use crate::batched::{Answer, Api, Batched, CallError, Limits};
+use crate::{Deliveries, DeliveryClass, RecordView, Sink, SinkError};
+
+/// The most records `PutRecords` takes.
+const MAX_RECORDS: usize = 500;
+/// The most bytes a `PutRecords` call takes (data and partition keys).
+const MAX_REQUEST_BYTES: usize = 5 * 1024 * 1024;
+/// The longest partition key, in characters.
+const MAX_KEY_CHARS: usize = 256;
+
+/// The `[sink.kinesis]` table.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KinesisSinkConfig {
+    /// The region (default: the AWS chain's).
+    #[serde(default)]
+    pub region: Option<String>,
+    /// The service's URL, for a stand-in or a VPC endpoint.
+    #[serde(default)]
+    pub endpoint_url: Option<String>,
+    /// The profile of the AWS shared files.
+    #[serde(default)]
+    pub profile: Option<String>,
+    /// Most records per `PutRecords` call (at most 500).
+    #[serde(default = "default_max_records")]
+    pub max_records: usize,
+    /// The largest record (data and partition key); a larger one is
+    /// dead-lettered. 1 MiB is Kinesis's default limit.
+    #[serde(default = "default_max_record_bytes")]
+    pub max_record_bytes: usize,
+    /// Most `PutRecords` calls in flight.
+    #[serde(default = "default_max_requests")]
+    pub max_requests: usize,
+    /// The first backoff before a failed record is sent again.
+    #[serde(default = "default_retry_initial_ms")]
+    pub retry_initial_ms: u64,
+    /// The longest backoff.
+    #[serde(default = "default_retry_max_ms")]
+    pub retry_max_ms: u64,
+    /// How long a record may go on failing before the session ends (and a
+    /// new one sends again from the confirmed position).
+    #[serde(default = "default_max_retry_ms")]
+    pub max_retry_ms: u64,
+    /// Create a missing stream (from `[sink] create_topics`).
+    #[serde(skip)]
+    pub create_streams: bool,
+    /// Shards of a created stream (from `[sink] topic_partitions`).
+    #[serde(skip)]
+    pub shards: i32,
+    /// Credentials given by the program instead of the chain's.
+    #[serde(skip)]
+    pub credentials: Option<aws_credential_types::Credentials>,
+}
+
+fn default_max_records() -> usize {
+    MAX_RECORDS
+}
+fn default_max_record_bytes() -> usize {
+    1024 * 1024
+}
+fn default_max_requests() -> usize {
+    8
+}
+fn default_retry_initial_ms() -> u64 {
+    100
+}
+fn default_retry_max_ms() -> u64 {
+    5_000
+}
+fn default_max_retry_ms() -> u64 {
+    300_000
+}
+
+impl Default for KinesisSinkConfig {
+    fn default() -> Self {
+        KinesisSinkConfig {
+            region: None,
+            endpoint_url: None,
+            profile: None,
+            max_records: default_max_records(),
+            max_record_bytes: default_max_record_bytes(),
+            max_requests: default_max_requests(),
+            retry_initial_ms: default_retry_initial_ms(),
+            retry_max_ms: default_retry_max_ms(),
+            max_retry_ms: default_max_retry_ms(),
+            create_streams: false,
+            shards: 1,
+            credentials: None,
+        }
+    }
+}
+
+impl KinesisSinkConfig {
+    /// Where the service is.
+    #[must_use]
+    pub fn connection(&self) -> AwsConnection {
+        AwsConnection {
+            region: self.region.clone(),
+            endpoint_url: self.endpoint_url.clone(),
+            profile: self.profile.clone(),
+            credentials: self.credentials.clone(),
+        }
+    }
+
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<(), SinkError> {
+        self.connection().validate("sink.kinesis")?;
+        if !(1..=MAX_RECORDS).contains(&self.max_records) {
+            return Err(SinkError::Config(format!(
+                "sink.kinesis.max_records: {} is not within 1 to {MAX_RECORDS}",
+                self.max_records
+            )));
+        }
+        if self.max_record_bytes == 0 || self.max_record_bytes > MAX_REQUEST_BYTES {
+            return Err(SinkError::Config(format!(
+                "sink.kinesis.max_record_bytes: {} is not within 1 to {MAX_REQUEST_BYTES}",
+                self.max_record_bytes
+            )));
+        }
+        if self.max_requests == 0 {
+            return Err(SinkError::Config(
+                "sink.kinesis.max_requests: must be at least 1".into(),
+            ));
+        }
+        if self.retry_initial_ms == 0
+            || self.retry_max_ms < self.retry_initial_ms
+            || self.retry_max_ms > 3_600_000
+        {
+            return Err(SinkError::Config(
+                "sink.kinesis: retry_initial_ms must be at least 1, and retry_max_ms at least \
+                 retry_initial_ms and at most 3600000 (an hour)"
+                    .into(),
+            ));
+        }
+        if self.max_retry_ms == 0 || self.max_retry_ms > 86_400_000 {
+            return Err(SinkError::Config(
+                "sink.kinesis.max_retry_ms: must be within 1 and 86400000 (a day)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_entries: self.max_records,
+            max_bytes: MAX_REQUEST_BYTES,
+            max_calls: self.max_requests,
+            retry_initial: Duration::from_millis(self.retry_initial_ms),
+            retry_max: Duration::from_millis(self.retry_max_ms),
+            max_retry: Duration::from_millis(self.max_retry_ms),
+        }
+    }
+}
+
+/// A record as `PutRecords` takes it.
+#[derive(Debug, Clone)]
+pub(crate) struct Record {
+    key: String,
+    data: Bytes,
+}
+
+/// The service's part: one `PutRecords` call. The client is made on the
+/// first event (the credentials chain is read then, on the relay's
+/// runtime).
+#[derive(Debug)]
+struct Kinesis {
+    connection: AwsConnection,
+    client: tokio::sync::OnceCell<aws_sdk_kinesis::Client>,
+}
+
+impl Kinesis {
+    async fn client(&self) -> Result<&aws_sdk_kinesis::Client, SinkError> {
+        self.client
+            .get_or_try_init(|| async {
+                let sdk = self.connection.sdk_config("sink.kinesis").await?;
+                Ok(aws_sdk_kinesis::Client::new(&sdk))
+            })
+            .await
+    }
+}
+
+impl Api for Kinesis {
+    type Entry = Record;
+
+    async fn put(&self, dest: Arc<str>, entries: Vec<Record>) -> Result<Vec<Answer>, CallError> {
+        let client = self
+            .client
+            .get()
+            .expect("the client is made before the first event is handed on");
+        let records: Vec<PutRecordsRequestEntry> = entries
+            .into_iter()
+            .map(|r| {
+                PutRecordsRequestEntry::builder()
+                    .partition_key(r.key)
+                    .data(Blob::new(r.data.to_vec()))
+                    .build()
+                    .expect("data and partition key are set")
+            })
+            .collect();
+        let sent = records.len();
+        let out = client
+            .put_records()
+            .stream_name(&*dest)
+            .set_records(Some(records))
+            .send()
+            .await
+            .map_err(|e| call_error(&e, "kinesis", &dest))?;
+        let answers: Vec<Answer> = out
+            .records()
+            .iter()
+            .map(|r| match (r.error_code(), r.sequence_number()) {
+                (None, Some(_)) => Answer::Stored,
+                (None, None) => Answer::Retry(format!(
+                    "kinesis answered a record of {dest:?} with neither a sequence number nor \
+                     an error code"
+                )),
+                // Throttled, an internal failure, a KMS key throttled or
+                // unusable: sent again; what does not pass ends the session
+                // at the retry ceiling, with the code in its reason.
+                (Some(code), _) => Answer::Retry(format!(
+                    "kinesis answered {code} for a record of {dest:?}: {}",
+                    r.error_message().unwrap_or("")
+                )),
+            })
+            .collect();
+        if answers.len() != sent {
+            return Err(CallError::Retry(format!(
+                "kinesis answered {} records of {sent} sent to {dest:?}",
+                answers.len()
+            )));
+        }
+        Ok(answers)
+    }
+}
+
+/// Writes events to Kinesis Data Streams.
+pub struct KinesisSink {
+    config: KinesisSinkConfig,
+    api: Arc<Kinesis>,
+    batched: Batched<Kinesis>,
+    /// Streams checked (or created) in this sink's life.
+    known: HashSet<Arc<str>>,
+}
+
+impl std::fmt::Debug for KinesisSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KinesisSink")
+            .field("streams", &self.known.len())
+            .field("batched", &self.batched)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KinesisSink {
+    /// A sink with these settings, and the receiver of its deliveries.
+    pub fn new(config: KinesisSinkConfig) -> Result<(Self, Deliveries), SinkError> {
+        config.validate()?;
+        let api = Arc::new(Kinesis {
+            connection: config.connection(),
+            client: tokio::sync::OnceCell::new(),
+        });
+        let (batched, deliveries) = Batched::new(Arc::clone(&api), config.limits());
+        Ok((
+            KinesisSink {
+                config,
+                api,
+                batched,
+                known: HashSet::new(),
+            },
+            deliveries,
+        ))
+    }
+
+    /// Records that failed and were sent again, so far.
+    #[must_use]
+    pub fn retries(&self) -> Arc<AtomicU64> {
+        self.batched.retries()
+    }
+
+    /// Checks that `stream` exists and is active, creating it when allowed.
+    async fn ensure(&mut self, stream: &Arc<str>) -> Result<(), SinkError> {
+        if self.known.contains(stream) {
+            return Ok(());
+        }
+        let client = self.api.client().await?;
+        ensure_stream(
+            client,
+            stream,
+            self.config.create_streams,
+            self.config.shards,
+        )
+        .await?;
+        self.known.insert(Arc::clone(stream));
+        Ok(())
+    }
+
+    /// The record `event` becomes, or why it cannot be one.
+    fn record(&self, event: &Event) -> Result<(Record, usize), (DeliveryClass, String)> {
+        let key = partition_key(event)?;
+        let data = Bytes::from(envelope::encode(event));
+        let size = data.len() + key.len();
+        if size > self.config.max_record_bytes {
+            return Err((
+                DeliveryClass::MessageTooLarge,
+                format!(
+                    "the record is {size} bytes (data and partition key), above \
+                     sink.kinesis.max_record_bytes = {}",
+                    self.config.max_record_bytes
+                ),
+            ));
+        }
+        Ok((Record { key, data }, size))
+    }
+}
+
+/// The partition key of `event`: its key, which must be UTF-8 text of 1 to
+/// 256 characters. An event without a key is spread by its event id (no
+/// order is promised for it); a dead letter whose key Kinesis cannot take
+/// goes under its event id, so that the letter itself is never refused.
+fn partition_key(event: &Event) -> Result<String, (DeliveryClass, String)> {
+    let Some(key) = &event.key else {
+        return Ok(id_key(&event.event_id));
+    };
+    let refused = match std::str::from_utf8(key) {
+        Ok("") => "an empty key is no Kinesis partition key".to_owned(),
+        Ok(text) if key_units(text) > MAX_KEY_CHARS => format!(
+            "the key is {} UTF-16 units long, above Kinesis's {MAX_KEY_CHARS} for a partition \
+             key",
+            key_units(text)
+        ),
+        Ok(text) => return Ok(text.to_owned()),
+        Err(_) => "the key is no UTF-8 text, which a Kinesis partition key must be".to_owned(),
+    };
+    if crate::kit::is_dead_letter(event) {
+        return Ok(id_key(&event.event_id));
+    }
+    Err((DeliveryClass::InvalidRecord, refused))
+}
+
+/// A partition key's length as Kinesis counts it (UTF-16 units).
+fn key_units(text: &str) -> usize {
+    text.encode_utf16().count()
+}
+
+/// The partition key an event id gives: the id itself when Kinesis takes
+/// it, else its SHA-256 in hex (an id that is empty or too long).
+fn id_key(event_id: &str) -> String {
+    if !event_id.is_empty() && key_units(event_id) <= MAX_KEY_CHARS {
+        return event_id.to_owned();
+    }
+    use sha2::Digest as _;
+    sha2::Sha256::digest(event_id.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Checks that `stream` exists and is active (or updating), creating it
+/// with `shards` shards when `create` allows, and waiting while it is being
+/// created.
+async fn ensure_stream(
+    client: &aws_sdk_kinesis::Client,
+    stream: &str,
+    create: bool,
+    shards: i32,
+) -> Result<(), SinkError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let mut created = false;
+    loop {
+        match client
+            .describe_stream_summary()
+            .stream_name(stream)
+            .send()
+            .await
+        {
+            Ok(out) => {
+                let status = out
+                    .stream_description_summary()
+                    .map(|s| s.stream_status().clone());
+                match status {
+                    Some(StreamStatus::Active | StreamStatus::Updating) => return Ok(()),
+                    Some(StreamStatus::Deleting) => {
+                        return Err(SinkError::AwsRefused(format!(
+                            "kinesis: stream {stream:?} is being deleted"
+                        )));
+                    }
+                    _ => {}
+                }
+            }
+            Err(e) => {
+                let missing = e
+                    .as_service_error()
+                    .is_some_and(|se| se.is_resource_not_found_exception());
+                if !missing {
+                    return Err(setup_error(
+                        &e,
+                        "kinesis",
+                        &format!("describing stream {stream:?}"),
+                    ));
+                }
+                if !create {
+                    return Err(SinkError::MissingTopic(stream.to_owned()));
+                }
+                if !created {
+                    if let Err(e) = client
+                        .create_stream()
+                        .stream_name(stream)
+                        .shard_count(shards.max(1))
+                        .send()
+                        .await
+                    {
+                        let raced = e
+                            .as_service_error()
+                            .is_some_and(|se| se.is_resource_in_use_exception());
+                        if !raced {
+                            return Err(SinkError::CreateTopic {
+                                topic: stream.to_owned(),
+                                reason: super::error_text(&e),
+                            });
+                        }
+                    }
+                    tracing::info!(stream, shards, "created the Kinesis stream");
+                    created = true;
+                }
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(SinkError::Aws(format!(
+                "kinesis: stream {stream:?} is not active after 120 s"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+impl Sink for KinesisSink {
+    async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
+        let stream: Arc<str> = Arc::from(event.topic.as_str());
+        if !valid_stream_name(&stream) {
+            let why =
+                format!("{stream:?} is no Kinesis stream name (1 to 128 of a-z, A-Z, 0-9, _ . -)");
+            self.batched
+                .refuse(&event, token, DeliveryClass::InvalidTopic, why);
+            return Ok(());
+        }
+        match self.record(&event) {
+            Ok((record, size)) => {
+                self.ensure(&stream).await?;
+                self.batched.send(stream, event, token, record, size).await
+            }
+            Err((class, why)) => {
+                self.batched.refuse(&event, token, class, why);
+                Ok(())
+            }
+        }
+    }
+
+    fn abort(&mut self) {
+        self.batched.abort();
+    }
+
+    async fn flush(&mut self, timeout: Duration) -> Result<(), SinkError> {
+        self.batched.flush(timeout).await
+    }
+}
+
+fn valid_stream_name(name: &str) -> bool {
+    (1..=128).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// One record read back: its shard's index and id, its sequence number,
+/// its place in the shard, its data.
+struct Read {
+    partition: i32,
+    shard: String,
+    sequence: String,
+    offset: i64,
+    data: Vec<u8>,
+}
+
+/// Every record of `stream`, from the start of each shard to its end (the
+/// shards in the order the stream lists them, with their starting hash
+/// keys). `None` when the stream does not exist.
+async fn read_all(
+    client: &aws_sdk_kinesis::Client,
+    stream: &str,
+    timeout: Duration,
+) -> Result<Option<(Vec<(String, String)>, Vec<Read>)>, SinkError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut shards = Vec::new();
+    let mut next: Option<String> = None;
+    loop {
+        let call = match &next {
+            Some(token) => client.list_shards().next_token(token),
+            None => client.list_shards().stream_name(stream),
+        };
+        match call.send().await {
+            Ok(out) => {
+                shards.extend(out.shards().iter().map(|s| {
+                    let start = s
+                        .hash_key_range()
+                        .map(|r| r.starting_hash_key().to_owned())
+                        .unwrap_or_default();
+                    (s.shard_id().to_owned(), start)
+                }));
+                next = out.next_token().map(str::to_owned);
+                if next.is_none() {
+                    break;
+                }
+            }
+            Err(e) => {
+                if e.as_service_error()
+                    .is_some_and(|se| se.is_resource_not_found_exception())
+                {
+                    return Ok(None);
+                }
+                return Err(setup_error(
+                    &e,
+                    "kinesis",
+                    &format!("listing the shards of {stream:?}"),
+                ));
+            }
+        }
+    }
+    let mut all = Vec::new();
+    for (index, (shard, _)) in shards.iter().enumerate() {
+        let partition = i32::try_from(index).unwrap_or(i32::MAX);
+        let mut iterator = client
+            .get_shard_iterator()
+            .stream_name(stream)
+            .shard_id(shard)
+            .shard_iterator_type(ShardIteratorType::TrimHorizon)
+            .send()
+            .await
+            .map_err(|e| {
+                setup_error(
+                    &e,
+                    "kinesis",
+                    &format!("reading shard {shard} of {stream:?}"),
+                )
+            })?
+            .shard_iterator()
+            .map(str::to_owned);
+        let mut offset = 0i64;
+        while let Some(it) = iterator.take() {
+            if tokio::time::Instant::now() > deadline {
+                return Err(SinkError::Read {
+                    topic: stream.to_owned(),
+                    reason: format!("reading took longer than {timeout:?}"),
+                });
+            }
+            let out = match client
+                .get_records()
+                .shard_iterator(&it)
+                .limit(1000)
+                .send()
+                .await
+            {
+                Ok(out) => out,
+                Err(e) => {
+                    let throttled = e
+                        .as_service_error()
+                        .is_some_and(|se| se.is_provisioned_throughput_exceeded_exception());
+                    if throttled {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        iterator = Some(it);
+                        continue;
+                    }
+                    return Err(setup_error(&e, "kinesis", &format!("reading {stream:?}")));
+                }
+            };
+            for r in out.records() {
+                all.push(Read {
+                    partition,
+                    shard: shard.clone(),
+                    sequence: r.sequence_number().to_owned(),
+                    offset,
+                    data: r.data().as_ref().to_vec(),
+                });
+                offset += 1;
+            }
+            let caught_up =
+                out.records().is_empty() && out.millis_behind_latest().unwrap_or(0) == 0;
+            iterator = if caught_up {
+                None
+            } else {
+                out.next_shard_iterator().map(str::to_owned)
+            };
+        }
+    }
+    Ok(Some((shards, all)))
+}
+
+/// Reads `stream` from the start of each shard to its end (a shard's index
+/// in the order the stream lists them as the record's partition, its place
+/// in the shard as offset), calling `each` for every record walbox wrote;
+/// returns how many. `Ok(None)` when the stream does not exist.
+pub async fn read_kinesis_stream(
+    config: &KinesisSinkConfig,
+    stream: &str,
+    timeout: Duration,
+    mut each: impl FnMut(RecordView<'_>),
+) -> Result<Option<u64>, SinkError> {
+    let sdk = config.connection().sdk_config("sink.kinesis").await?;
+    let client = aws_sdk_kinesis::Client::new(&sdk);
+    let Some((_, records)) = read_all(&client, stream, timeout).await? else {
+        return Ok(None);
+    };
+    let mut count = 0;
+    for r in &records {
+        if let Some(record) = envelope::decode(&r.data, r.partition, r.offset) {
+            each(RecordView::owned(&record));
+            count += 1;
+        }
+    }
+    Ok(Some(count))
+}
+
+/// The field of a progress marker: a record `walbox dlq replay` writes into
+/// a dead-letter stream's shard once the letters of that shard up to a
+/// sequence number are replayed. Kinesis keeps no consumer position, so the
+/// stream keeps its own; readers of events skip it (it has no `event_id`).
+const REPLAYED_THROUGH: &str = "walbox_dlq_replayed_through";
+
+/// Whether sequence number `a` comes before `b` (decimal numbers of up to
+/// 128 bits, compared as such).
+fn sequence_before(a: &str, b: &str) -> bool {
+    (a.len(), a) < (b.len(), b)
+}
+
+/// The letters one run of `walbox dlq replay` read from a Kinesis
+/// dead-letter stream: those after the progress marker of its group in each
+/// shard.
+pub struct KinesisLetters {
+    client: aws_sdk_kinesis::Client,
+    stream: String,
+    group: String,
+    /// Each shard's id and starting hash key.
+    shards: Vec<(String, String)>,
+    letters: Vec<(Read, crate::OwnedRecord)>,
+}
+
+impl std::fmt::Debug for KinesisLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KinesisLetters")
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("letters", &self.letters.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KinesisLetters {
+    /// Reads the letters of `stream` the group `group` has not replayed.
+    /// `None` when the stream does not exist (nothing was dead-lettered).
+    pub async fn read(
+        config: &KinesisSinkConfig,
+        stream: &str,
+        group: &str,
+        timeout: Duration,
+    ) -> Result<Option<Self>, SinkError> {
+        let sdk = config.connection().sdk_config("sink.kinesis").await?;
+        let client = aws_sdk_kinesis::Client::new(&sdk);
+        let Some((shards, records)) = read_all(&client, stream, timeout).await? else {
+            return Ok(None);
+        };
+        // Per shard, the last sequence number the group's markers name.
+        let mut through: std::collections::HashMap<String, String> =
+            std::collections::HashMap::new();
+        for r in &records {
+            let Ok(serde_json::Value::Object(o)) = serde_json::from_slice(&r.data) else {
+                continue;
+            };
+            let Some(marker) = o.get(REPLAYED_THROUGH) else {
+                continue;
+            };
+            // A marker names its shard: it counts wherever it landed (a
+            // closed shard takes no writes, so a split's marker lands in a
+            // child).
+            if marker["group"] == group
+                && let Some(shard) = marker["shard"].as_str()
+                && let Some(seq) = marker["sequence"].as_str()
+            {
+                let later = through
+                    .get(shard)
+                    .is_none_or(|known| sequence_before(known, seq));
+                if later {
+                    through.insert(shard.to_owned(), seq.to_owned());
+                }
+            }
+        }
+        let mut letters = Vec::new();
+        for r in records {
+            let done = through
+                .get(&r.shard)
+                .is_some_and(|t| !sequence_before(t, &r.sequence));
+            if done {
+                continue;
+            }
+            if let Some(record) = envelope::decode(&r.data, r.partition, r.offset) {
+                letters.push((r, record));
+            }
+        }
+        Ok(Some(KinesisLetters {
+            client,
+            stream: stream.to_owned(),
+            group: group.to_owned(),
+            shards,
+            letters,
+        }))
+    }
+
+    /// Calls `each` for every letter read, in each shard's order, as
+    /// partition 0 and its place in this read as offset.
+    pub fn each(&self, mut each: impl FnMut(RecordView<'_>)) {
+        for (i, (_, record)) in self.letters.iter().enumerate() {
+            // Partition 0 and the place in this read: unique, as the
+            // replay's bookkeeping wants.
+            let mut record = record.clone();
+            record.partition = 0;
+            record.offset = i64::try_from(i).unwrap_or(i64::MAX);
+            each(RecordView::owned(&record));
+        }
+    }
+
+    /// Records the progress: in each shard, the letters before the first one
+    /// `done` does not take (by the offset [`KinesisLetters::each`] gave)
+    /// are replayed, and a marker naming the last of them is written into
+    /// that shard. A shard whose first letter is not done keeps its marker.
+    pub async fn settle(&self, done: impl Fn(i64) -> bool) -> Result<(), SinkError> {
+        let mut stopped: HashSet<&str> = HashSet::new();
+        let mut last: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+        for (i, (read, _)) in self.letters.iter().enumerate() {
+            let shard = read.shard.as_str();
+            if stopped.contains(shard) {
+                continue;
+            }
+            if done(i64::try_from(i).unwrap_or(i64::MAX)) {
+                last.insert(shard, read.sequence.as_str());
+            } else {
+                stopped.insert(shard);
+            }
+        }
+        for (shard, sequence) in last {
+            let start = self
+                .shards
+                .iter()
+                .find(|(id, _)| id == shard)
+                .map(|(_, start)| start.clone())
+                .unwrap_or_default();
+            let marker = serde_json::json!({
+                REPLAYED_THROUGH: {"group": self.group, "shard": shard, "sequence": sequence}
+            });
+            let mut put = self
+                .client
+                .put_record()
+                .stream_name(&self.stream)
+                .partition_key(&self.group)
+                .data(Blob::new(serde_json::to_vec(&marker).unwrap_or_default()));
+            // Into the shard whose letters it names.
+            if !start.is_empty() {
+                put = put.explicit_hash_key(start);
+            }
+            put.send().await.map_err(|e| {
+                setup_error(
+                    &e,
+                    "kinesis",
+                    &format!("recording the replay's progress in {:?}", self.stream),
+                )
+            })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_kinesis_cannot_take_is_refused_but_a_dead_letters_is_not() {
+        let mut event = crate::batched::tests_event("e1", "k");
+        assert_eq!(partition_key(&event).unwrap(), "k");
+        event.key = Some(Bytes::from("x".repeat(257)));
+        let (class, why) = partition_key(&event).unwrap_err();
+        assert_eq!(class, DeliveryClass::InvalidRecord);
+        assert!(why.contains("257 UTF-16 units"), "{why}");
+        event.key = Some(Bytes::from_static(&[0xff]));
+        assert!(partition_key(&event).is_err());
+        event.headers.push((
+            walbox_outbox::dead_letter_header::ERROR_CLASS.into(),
+            Bytes::from_static(b"invalid_record"),
+        ));
+        assert_eq!(partition_key(&event).unwrap(), "e1");
+        event.key = None;
+        assert_eq!(partition_key(&event).unwrap(), "e1");
+        // Ids Kinesis cannot take as they are go by their hash.
+        event.event_id = "x".repeat(300);
+        assert_eq!(partition_key(&event).unwrap().len(), 64);
+        event.event_id = String::new();
+        assert_eq!(partition_key(&event).unwrap().len(), 64);
+        // Lengths are counted in UTF-16 units, as Kinesis counts them.
+        event.key = Some(Bytes::from("😀".repeat(200)));
+        event.headers.clear();
+        assert!(partition_key(&event).is_err(), "400 UTF-16 units");
+    }
+
+    #[test]
+    fn stream_names_are_checked_as_kinesis_does() {
+        assert!(valid_stream_name("outbox.order-1_x"));
+        assert!(!valid_stream_name(""));
+        assert!(!valid_stream_name("a/b"));
+        assert!(!valid_stream_name(&"a".repeat(129)));
+    }
+}

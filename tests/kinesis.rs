@@ -1,0 +1,215 @@
+//! walbox into Kinesis Data Streams (kinesalite) from a real PostgreSQL:
+//! records that AWS would throttle out of a `PutRecords` batch (played by
+//! the test kit's fault proxy, which answers chosen records as failed and
+//! never stores them) are sent again before anything later of their key, so
+//! every key's first copies stay in commit order and nothing is missing;
+//! `walbox verify` agrees; a missing stream stops walbox naming it; the
+//! credentials never reach the log, even at trace.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::*;
+use walbox_testkit::{FaultProxy, Kinesalite, OUTBOX_DDL, PgCluster};
+
+const STREAM: &str = "outbox.order";
+
+/// A cluster with the outbox table and the environment that points walbox
+/// at `endpoint` with `[sink]` lines `sink` and `[sink.kinesis]` lines
+/// `kinesis`.
+async fn servers(
+    endpoint: &str,
+    sink: &str,
+    kinesis: &str,
+) -> (
+    PgCluster,
+    tokio_postgres::Client,
+    Vec<(&'static str, String)>,
+) {
+    let pg = PgCluster::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    let toml = format!(
+        "[sink]\ntype = \"kinesis\"\n{sink}\n\n[sink.kinesis]\nendpoint_url = \"{endpoint}\"\n\
+         region = \"us-east-1\"\nretry_initial_ms = 20\nretry_max_ms = 200\n{kinesis}\n"
+    );
+    let mut env = vec![
+        ("WALBOX_DSN", pg.conninfo("postgres")),
+        ("WALBOX_SLOT", "walbox".into()),
+        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
+        (
+            "WALBOX_CHECKPOINT",
+            checkpoint_path(&pg).display().to_string(),
+        ),
+        (
+            "WALBOX_CONFIG",
+            config_file(&pg, "walbox-kinesis.toml", &toml),
+        ),
+    ];
+    env.extend(Kinesalite::client_env());
+    (pg, db, env)
+}
+
+/// Everything `stream` holds, in each shard's order.
+async fn read(endpoint: &str, stream: &str) -> Vec<walbox_sink::OwnedRecord> {
+    let config = walbox_sink::KinesisSinkConfig {
+        endpoint_url: Some(endpoint.to_owned()),
+        region: Some("us-east-1".into()),
+        credentials: Some(Kinesalite::credentials()),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    walbox_sink::read_kinesis_stream(&config, stream, std::time::Duration::from_secs(60), |r| {
+        out.push(walbox_sink::OwnedRecord {
+            partition: r.partition(),
+            offset: r.offset(),
+            key: r.key().map(<[u8]>::to_vec),
+            value: r.value().unwrap_or_default().to_vec(),
+            headers: ["event_id", "walbox_commit_lsn", "walbox_index"]
+                .iter()
+                .filter_map(|n| Some(((*n).to_owned(), r.header(n)?.as_bytes().to_vec())))
+                .collect(),
+            message_id: r.event_id(),
+        });
+    })
+    .await
+    .unwrap()
+    .expect("the stream exists");
+    out
+}
+
+/// The `seq` of a record's payload.
+fn seq(r: &walbox_sink::OwnedRecord) -> i64 {
+    let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+    v["payload"]["seq"].as_i64().unwrap()
+}
+
+/// Every event of the table there, and each key's first copies in commit
+/// order (seq 0, 1, 2, ... with no gap).
+fn assert_all_there_in_key_order(records: &[walbox_sink::OwnedRecord], ids: &HashSet<String>) {
+    let mut next: HashMap<Vec<u8>, i64> = HashMap::new();
+    let mut seen = HashSet::new();
+    for r in records {
+        let id = r.message_id.clone().expect("every record names its event");
+        if !seen.insert(id) {
+            continue;
+        }
+        let key = r.key.clone().expect("a key");
+        let expected = next.entry(key.clone()).or_insert(0);
+        if seq(r) != *expected {
+            let of_key: Vec<(i32, i64, i64, Option<String>)> = records
+                .iter()
+                .filter(|x| x.key == r.key)
+                .map(|x| (x.partition, x.offset, seq(x), x.message_id.clone()))
+                .collect();
+            panic!(
+                "key {}: first copies out of commit order (seq {} where {expected} was \
+                 expected); the key's records (shard, place, seq, id): {of_key:?}",
+                String::from_utf8_lossy(&key),
+                seq(r)
+            );
+        }
+        *expected += 1;
+    }
+    assert_eq!(&seen, ids, "the stream holds every event of the table");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_failed_out_of_a_batch_go_again_before_anything_later_of_their_key() {
+    let kinesis = Kinesalite::start().unwrap();
+    let proxy =
+        FaultProxy::start(format!("127.0.0.1:{}", kinesis.port()).parse().unwrap()).unwrap();
+    // Every record of order-1 fails twice, and one record in five of the
+    // others once: throttling that hits a hot key and a scatter of others.
+    let attempts: Arc<std::sync::Mutex<HashMap<String, usize>>> = Arc::default();
+    let scattered = Arc::new(AtomicUsize::new(0));
+    {
+        let attempts = Arc::clone(&attempts);
+        let scattered = Arc::clone(&scattered);
+        proxy.fail_when(move |e| {
+            let data = e.json["Data"].as_str().unwrap_or_default().to_owned();
+            let key = e.json["PartitionKey"].as_str().unwrap_or_default();
+            let mut seen = attempts.lock().unwrap();
+            let n = seen.entry(data).or_insert(0);
+            *n += 1;
+            if key == "order-1" {
+                *n <= 2
+            } else {
+                *n == 1 && scattered.fetch_add(1, Ordering::SeqCst).is_multiple_of(5)
+            }
+        });
+    }
+    let (pg, db, env) = servers(
+        &proxy.endpoint(),
+        "create_topics = true\ntopic_partitions = 2",
+        "",
+    )
+    .await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 2, 20, 10, 6).await;
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    assert!(
+        proxy.failed() >= 2 * 400 / 6,
+        "the proxy failed records ({} of {} calls)",
+        proxy.failed(),
+        proxy.calls()
+    );
+    let records = read(&kinesis.endpoint(), STREAM).await;
+    assert_all_there_in_key_order(&records, &outbox_ids(&db).await);
+    // The same key is always in the same shard.
+    let mut shard: HashMap<Vec<u8>, i32> = HashMap::new();
+    for r in &records {
+        let s = *shard.entry(r.key.clone().unwrap()).or_insert(r.partition);
+        assert_eq!(s, r.partition);
+    }
+    let (code, out, err) = walbox_cmd(&["verify", "--table", "outbox"], &env);
+    assert_eq!(
+        code,
+        Some(0),
+        "verify finds nothing missing or out of order: {out}\n{err}"
+    );
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_stream_stops_walbox_naming_it_and_credentials_never_reach_the_log() {
+    let kinesis = Kinesalite::start().unwrap();
+    let (pg, db, mut env) = servers(&kinesis.endpoint(), "", "").await;
+    setup(&env);
+    // No stream, and no create_topics: walbox stops and says what to do.
+    write_events(&pg, 1, 1, 3, 3).await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let status = walbox.wait(std::time::Duration::from_secs(60));
+    assert_ne!(code(status), Some(0));
+    let log = walbox.log();
+    assert!(log.contains("\"outbox.order\" does not exist"), "{log}");
+    assert!(log.contains("create_topics"), "{log}");
+
+    // With the stream made, at trace: the secret key and the session token
+    // are never printed, by walbox or by the AWS libraries.
+    const SECRET: &str = "kinesis-Secret-9f3a71";
+    const TOKEN: &str = "kinesis-Session-Token-22c4";
+    env.retain(|(k, _)| *k != "AWS_SECRET_ACCESS_KEY");
+    env.push(("AWS_SECRET_ACCESS_KEY", SECRET.into()));
+    env.push(("AWS_SESSION_TOKEN", TOKEN.into()));
+    env.push(("WALBOX_LOG", "trace".into()));
+    env.push(("WALBOX_CREATE_TOPICS", "true".into()));
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let log = walbox.log();
+    assert!(log.contains("TRACE"), "trace logging is on");
+    assert!(
+        log.contains("aws_smithy") || log.contains("aws_sdk"),
+        "the AWS libraries log at trace"
+    );
+    assert!(!log.contains(SECRET), "the secret key is in the log");
+    assert!(!log.contains(TOKEN), "the session token is in the log");
+    let records = read(&kinesis.endpoint(), STREAM).await;
+    assert_all_there_in_key_order(&records, &outbox_ids(&db).await);
+}
