@@ -18,6 +18,7 @@ use serde_json::{Map, Value};
 use walbox_outbox::Event;
 
 use crate::DeliveryClass;
+use crate::kit::is_dead_letter;
 use crate::nats::percent_encode;
 
 /// The most attributes a message may have.
@@ -88,14 +89,6 @@ pub(crate) fn sanitized_topic(topic: &str) -> String {
     }
     name.truncate(255);
     name
-}
-
-/// Whether `event` is a dead letter (it carries the error class).
-pub(crate) fn is_dead_letter(event: &Event) -> bool {
-    event
-        .headers
-        .iter()
-        .any(|(k, _)| k.as_ref() == walbox_outbox::dead_letter_header::ERROR_CLASS)
 }
 
 /// Why header `name` (with `value`) cannot be an attribute; never shows

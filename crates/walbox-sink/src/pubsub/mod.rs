@@ -52,9 +52,9 @@ pub use message::DROPPED_HEADERS_ATTRIBUTE;
 pub use reader::{SubscriptionLetters, create_subscription, read_subscription};
 
 use client::{ApiError, Client};
-use message::{Prepared, is_dead_letter, prepare, publish_body, sanitized_topic, valid_topic};
+use message::{Prepared, prepare, publish_body, sanitized_topic, valid_topic};
 
-use crate::kit::{Close, Lifecycle, Reports, SessionTask, failure};
+use crate::kit::{Close, Lifecycle, Reports, SessionTask, failure, is_dead_letter};
 use crate::webhook::{backoff, count_retry};
 use crate::{Deliveries, DeliveryClass, DeliveryError, Sink, SinkError};
 
