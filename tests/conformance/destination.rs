@@ -47,9 +47,7 @@ impl Sink {
             | Sink::PubSub
             | Sink::Webhook
             | Sink::Stdout
-            | Sink::Kinesis => {
-                Promise::AtLeastOnce
-            }
+            | Sink::Kinesis => Promise::AtLeastOnce,
         }
     }
 

@@ -39,6 +39,7 @@ fn record(place: i64, m: &Received) -> OwnedRecord {
         }
     });
     OwnedRecord {
+        partition: 0,
         offset: place,
         key,
         value: m.data.clone(),

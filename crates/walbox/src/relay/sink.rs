@@ -6,8 +6,7 @@ use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
     Deliveries, DeliveryError, KafkaSink, KinesisSink, NatsSink, PubSubSink, RabbitMqSink,
-    RedisSink, Sink,
-    SinkError, StdoutSink, WebhookSink,
+    RedisSink, Sink, SinkError, StdoutSink, WebhookSink,
 };
 
 use super::transient;
