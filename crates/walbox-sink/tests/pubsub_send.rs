@@ -6,8 +6,10 @@
 //! settled; a missing topic named; and the ordering key paused by a failed
 //! publish (through a proxy that refuses connections): a later event of the
 //! key is never stored before the failed one, which is sent again, and
-//! nothing more of the key goes once the failure is final; a topic gone with
-//! a restarted (empty) emulator is created again and the event sent.
+//! nothing more of the key goes once the failure is final; a batch Pub/Sub
+//! refuses (the fault proxy) is sent again one by one, so only the invalid
+//! message is refused; a topic gone with a restarted (empty) emulator is
+//! created again and the event sent.
 
 use std::sync::OnceLock;
 use std::sync::atomic::Ordering;
@@ -391,4 +393,81 @@ async fn a_topic_gone_with_a_restarted_emulator_is_created_again_and_the_event_s
     assert_eq!(d.token, 1);
     assert!(d.result.is_ok(), "{:?}", d.result);
     assert!(walbox_testkit::prometheus::get(&topic_url).is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_refused_in_a_batch_is_refused_alone_and_its_key_goes_on_in_order() {
+    let em = emulator();
+    em.create_subscription("split.orders.sub", "split.orders", true)
+        .unwrap();
+    // walbox -> link proxy -> fault proxy -> emulator: the link holds a
+    // key's request while the key's next events queue behind it (one batch);
+    // the fault proxy refuses any Publish holding s3, as Pub/Sub refuses a
+    // request with a message it takes for invalid.
+    let faults =
+        walbox_testkit::FaultProxy::start(format!("127.0.0.1:{}", em.port()).parse().unwrap())
+            .unwrap();
+    faults.fail_when(|e| e.json["attributes"]["event_id"] == "s3");
+    let fault_addr = faults.endpoint().trim_start_matches("http://").to_owned();
+    let link = TcpProxy::start(fault_addr.parse().unwrap()).unwrap();
+    let mut cfg = config(link.addr().to_string());
+    cfg.retry_initial_ms = 1500;
+    cfg.retry_max_ms = 3000;
+    let (mut sink, mut deliveries) = PubSubSink::new(cfg.clone()).unwrap();
+    let retries = sink.retries();
+    sink.send(event("s0", "split.orders", "k", 0), 0)
+        .await
+        .unwrap();
+    assert!(outcomes(&mut deliveries, 1).await[0].is_ok());
+    link.refuse();
+    link.cut();
+    sink.send(event("s1", "split.orders", "k", 1), 1)
+        .await
+        .unwrap();
+    sink.end_batch();
+    wait_until_async("s1's publish to fail", Duration::from_secs(30), || async {
+        (retries.load(Ordering::SeqCst) >= 1).then_some(())
+    })
+    .await
+    .unwrap();
+    for (i, id) in ["s2", "s3", "s4"].iter().enumerate() {
+        let token = i + 2;
+        sink.send(
+            event(id, "split.orders", "k", u32::try_from(token).unwrap()),
+            token,
+        )
+        .await
+        .unwrap();
+    }
+    sink.end_batch();
+    link.accept();
+    let mut results = vec![None; 5];
+    for _ in 0..4 {
+        let d = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        results[d.token] = Some(d.result.map_err(|e| (e.class, e.reason)));
+    }
+    for (token, r) in results.iter().enumerate().skip(1) {
+        let r = r.as_ref().expect("reported");
+        if token == 3 {
+            let (class, reason) = r.as_ref().unwrap_err();
+            assert_eq!(*class, DeliveryClass::InvalidRecord);
+            assert!(reason.contains("INVALID_ARGUMENT"), "{reason}");
+        } else {
+            assert!(r.is_ok(), "token {token}: {r:?}");
+        }
+    }
+    // The batch [s2, s3, s4] refused whole, then s3 alone.
+    assert_eq!(faults.failed(), 2);
+    let read = read(&cfg, "split.orders.sub").await;
+    let ids: Vec<&str> = read.iter().map(|r| r.id.as_str()).collect();
+    let first: Vec<&str> = ids.iter().fold(Vec::new(), |mut v, id| {
+        if !v.contains(id) {
+            v.push(*id);
+        }
+        v
+    });
+    assert_eq!(first, ["s0", "s1", "s2", "s4"], "stored: {ids:?}");
 }

@@ -33,7 +33,8 @@
 //! - [`Kinesalite`]: a kinesalite (a Kinesis stand-in, `scripts/aws.sh`)
 //!   on a free port with a data directory that keeps what it acknowledged
 //!   through a SIGKILL (stop, restart, SIGKILL).
-//! - [`FaultProxy`]: an HTTP proxy in front of an AWS stand-in that answers
+//! - [`FaultProxy`]: an HTTP proxy in front of an AWS stand-in (or the Pub/Sub
+//!   emulator, whose Publish requests it refuses whole) that answers
 //!   chosen entries of a batch call (Kinesis `PutRecords`, SQS
 //!   `SendMessageBatch`) as failed without forwarding them, as AWS does
 //!   when it throttles part of a batch.
