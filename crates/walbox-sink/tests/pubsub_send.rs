@@ -247,10 +247,11 @@ fn proxied() -> (TcpProxy, PubSubSinkConfig) {
     let em = emulator();
     let proxy = TcpProxy::start(format!("127.0.0.1:{}", em.port()).parse().unwrap()).unwrap();
     let mut cfg = config(proxy.addr().to_string());
-    // Long enough that an event sent while the first waits to be tried
-    // again would be stored first, were the key not paused.
-    cfg.retry_initial_ms = 1500;
-    cfg.retry_max_ms = 3000;
+    // Long enough (1.5 to 3 s before the first retry) that an event sent
+    // while the first waits to be tried again would be stored first, were
+    // the key not paused, even on a busy machine.
+    cfg.retry_initial_ms = 3000;
+    cfg.retry_max_ms = 6000;
     (proxy, cfg)
 }
 
