@@ -17,8 +17,8 @@
 #     reach: it is checked for, and its absence stops with what to install
 #   - python3 with venv, in which tests/formats.rs installs the CloudEvents SDK
 #     that parses walbox's CloudEvents records
-#   - kinesalite, the Kinesis stand-in of the Kinesis sink's tests
-#     (scripts/aws.sh, from npm)
+#   - kinesalite and LocalStack, the Kinesis and SQS/SNS stand-ins of the
+#     AWS sinks' tests (scripts/aws.sh, from npm and PyPI)
 #   - the PostgreSQL majors given as arguments (`scripts/deps.sh 15 17`): 15 from
 #     apt, 16/17/18 through scripts/pg-major.sh
 # Run as root for the apt part (CI runs as root); the cargo part needs only cargo.
@@ -139,4 +139,4 @@ for major in "${majors[@]}"; do
   "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
 done
 
-log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, rabbitmq-server, redis-server, java, the Pub/Sub emulator, tansu $TANSU_VERSION, kinesalite"
+log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, rabbitmq-server, redis-server, java, the Pub/Sub emulator, tansu $TANSU_VERSION, kinesalite, localstack"

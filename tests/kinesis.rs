@@ -3,8 +3,8 @@
 //! the test kit's fault proxy, which answers chosen records as failed and
 //! never stores them) are sent again before anything later of their key, so
 //! every key's first copies stay in commit order and nothing is missing;
-//! `walbox verify` agrees; a missing stream stops walbox naming it; the
-//! credentials never reach the log, even at trace.
+//! `walbox verify` agrees; no credentials, or a missing stream, stop walbox
+//! saying so; the credentials never reach the log, even at trace.
 
 mod common;
 
@@ -181,8 +181,23 @@ async fn a_missing_stream_stops_walbox_naming_it_and_credentials_never_reach_the
     let kinesis = Kinesalite::start().unwrap();
     let (pg, db, mut env) = servers(&kinesis.endpoint(), "", "").await;
     setup(&env);
+    // No credentials anywhere in the chain: walbox stops and says so.
+    let mut bare: Vec<(&str, String)> = env
+        .iter()
+        .filter(|(k, _)| !k.starts_with("AWS_ACCESS") && !k.starts_with("AWS_SECRET"))
+        .cloned()
+        .collect();
+    let nowhere = pg.client_dir().join("no-such-aws-file");
+    bare.push(("AWS_CONFIG_FILE", nowhere.display().to_string()));
+    bare.push(("AWS_SHARED_CREDENTIALS_FILE", nowhere.display().to_string()));
+    write_events(&pg, 1, 1, 1, 1).await;
+    let mut walbox = Walbox::spawn(&["run"], &bare);
+    let status = walbox.wait(std::time::Duration::from_secs(60));
+    assert_ne!(code(status), Some(0));
+    let log = walbox.log();
+    assert!(log.contains("no credentials from the AWS chain"), "{log}");
     // No stream, and no create_topics: walbox stops and says what to do.
-    write_events(&pg, 1, 1, 3, 3).await;
+    write_events_from(&pg, 1, 1, 2, 2, 1).await;
     let mut walbox = Walbox::spawn(&["run"], &env);
     let status = walbox.wait(std::time::Duration::from_secs(60));
     assert_ne!(code(status), Some(0));

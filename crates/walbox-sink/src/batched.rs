@@ -10,8 +10,9 @@
 //!   `max_retry` of failures it is reported failed (not the message's
 //!   fault), and the relay ends the session and sends again from its
 //!   confirmed position;
-//! - refused for what it is before it is sent (the sink's own checks):
-//!   reported with its class, and its dead letter takes its place;
+//! - refused for what it is (by the sink's own checks before it is sent,
+//!   or by the destination's answer): reported with its class, and its dead
+//!   letter takes its place;
 //! - a failure of the session (refused credentials, a destination gone):
 //!   every entry of the call reports it and nothing more is sent.
 //!
@@ -40,6 +41,9 @@ pub(crate) enum Answer {
     Stored,
     /// Not stored; sending it again may work (throttled, an internal error).
     Retry(String),
+    /// Refused for what it is: it never will be stored (its dead letter
+    /// takes its place).
+    Refused(DeliveryClass, String),
 }
 
 /// A call that got no answer per entry.
@@ -325,6 +329,10 @@ fn settle<E>(
             Answer::Stored => {
                 lanes.stored(&lane);
                 Ok(())
+            }
+            Answer::Refused(class, why) => {
+                lanes.stored(&lane);
+                Err(failure(&item.event, class, why))
             }
             Answer::Retry(why) => {
                 let (since, attempts) = item.failing.unwrap_or((now, 0));

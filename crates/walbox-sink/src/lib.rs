@@ -102,7 +102,10 @@ use tokio::sync::mpsc;
 use walbox_outbox::Event;
 
 pub use aws::AwsConnection;
-pub use aws::kinesis::{KinesisLetters, KinesisSink, KinesisSinkConfig, read_kinesis_stream};
+pub use aws::kinesis::{KinesisSink, KinesisSinkConfig};
+pub use aws::kinesis_read::{KinesisLetters, read_kinesis_stream};
+pub use aws::sqs::{SqsSink, SqsSinkConfig};
+pub use aws::sqs_read::{SqsLetters, drain_sqs_queue};
 pub use crypto::install_crypto_provider;
 pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};

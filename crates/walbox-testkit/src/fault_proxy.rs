@@ -244,13 +244,14 @@ async fn handle(
         forwarded = Bytes::from(serde_json::to_vec(&request).unwrap_or_default());
         action = Some(name);
     }
-    let (status, answer) = if action.is_some() && !failed.is_empty() && failed_all(&body, &failed) {
-        // Every entry failed: no call reaches the server (it would refuse an
-        // empty batch); the answer is made here.
-        (200, Bytes::new())
-    } else {
-        forward(&inner, &parts, forwarded).await?
-    };
+    let (status, answer, headers) =
+        if action.is_some() && !failed.is_empty() && failed_all(&body, &failed) {
+            // Every entry failed: no call reaches the server (it would refuse
+            // an empty batch); the answer is made here.
+            (200, Bytes::new(), Vec::new())
+        } else {
+            forward(&inner, &parts, forwarded).await?
+        };
     let answer = match action {
         Some(name) if !failed.is_empty() && (200..300).contains(&status) => {
             splice(name, &answer, &failed)
@@ -258,12 +259,20 @@ async fn handle(
         _ => answer,
     };
     let mut response = Response::builder().status(status);
-    let content_type = parts
-        .headers
-        .get("content-type")
-        .cloned()
-        .unwrap_or_else(|| hyper::header::HeaderValue::from_static("application/json"));
-    response = response.header("content-type", content_type);
+    let has_type = headers.iter().any(|(k, _)| k == "content-type");
+    // The server's headers (the SDKs read error codes from some), but for
+    // those of the connection and the length, which the body sets anew.
+    for (k, v) in &headers {
+        response = response.header(k.as_str(), v.as_str());
+    }
+    if !has_type {
+        let content_type = parts
+            .headers
+            .get("content-type")
+            .cloned()
+            .unwrap_or_else(|| hyper::header::HeaderValue::from_static("application/json"));
+        response = response.header("content-type", content_type);
+    }
     response
         .body(Full::new(answer))
         .map_err(std::io::Error::other)
@@ -371,12 +380,12 @@ fn splice(action: &str, answer: &[u8], failed: &[(usize, Value)]) -> Bytes {
 }
 
 /// Forwards the request (its method, path, headers and `body`) to the
-/// target; the target's status and body.
+/// target; the target's status, body and headers.
 async fn forward(
     inner: &Inner,
     parts: &hyper::http::request::Parts,
     body: Bytes,
-) -> std::result::Result<(u16, Bytes), std::io::Error> {
+) -> std::result::Result<(u16, Bytes, Vec<(String, String)>), std::io::Error> {
     let url = format!(
         "http://{}{}",
         inner.target,
@@ -408,11 +417,22 @@ async fn forward(
         let request = request.body(body.to_vec()).map_err(std::io::Error::other)?;
         let response = agent.run(request).map_err(std::io::Error::other)?;
         let status = response.status().as_u16();
+        let headers: Vec<(String, String)> = response
+            .headers()
+            .iter()
+            .filter(|(k, _)| {
+                !matches!(
+                    k.as_str(),
+                    "content-length" | "connection" | "transfer-encoding" | "keep-alive"
+                )
+            })
+            .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+            .collect();
         let answer = response
             .into_body()
             .read_to_vec()
             .map_err(std::io::Error::other)?;
-        Ok((status, Bytes::from(answer)))
+        Ok((status, Bytes::from(answer), headers))
     })
     .await
     .map_err(std::io::Error::other)?

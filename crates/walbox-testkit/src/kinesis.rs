@@ -190,7 +190,7 @@ impl Drop for Kinesalite {
 
 /// Whether process `pid` holds the socket listening on TCP `port` (read
 /// from `/proc`).
-fn listens(pid: u32, port: u16) -> bool {
+pub(crate) fn listens(pid: u32, port: u16) -> bool {
     let mut inodes = Vec::new();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(table) else {

@@ -33,6 +33,8 @@
 //! - [`Kinesalite`]: a kinesalite (a Kinesis stand-in, `scripts/aws.sh`)
 //!   on a free port with a data directory that keeps what it acknowledged
 //!   through a SIGKILL (stop, restart, SIGKILL).
+//! - [`LocalStack`]: LocalStack (SQS and SNS, `scripts/aws.sh`) on a free
+//!   port, in memory (kill -9, start again empty).
 //! - [`FaultProxy`]: an HTTP proxy in front of an AWS stand-in (or the Pub/Sub
 //!   emulator, whose Publish requests it refuses whole) that answers
 //!   chosen entries of a batch call (Kinesis `PutRecords`, SQS
@@ -46,6 +48,7 @@ mod error;
 pub mod fault_proxy;
 pub mod kafka;
 pub mod kinesis;
+pub mod localstack;
 pub mod nats;
 mod postgres;
 mod process;
@@ -62,6 +65,7 @@ pub use broker::{Broker, BrokerOptions, BrokerStorage, BrokerUser, Scram};
 pub use error::TestkitError;
 pub use fault_proxy::FaultProxy;
 pub use kinesis::Kinesalite;
+pub use localstack::LocalStack;
 pub use nats::{NatsOptions, NatsServer};
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use prometheus::Prometheus;

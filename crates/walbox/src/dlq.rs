@@ -36,8 +36,8 @@ use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_he
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{
     DurableLetters, KafkaSink, KinesisLetters, KinesisSink, NatsSink, PubSubSink, QueueLetters,
-    RabbitMqSink, RabbitStreamLetters, RedisSink, Sink, StreamLetters, SubscriptionLetters,
-    WebhookSink,
+    RabbitMqSink, RabbitStreamLetters, RedisSink, Sink, SqsLetters, SqsSink, StreamLetters,
+    SubscriptionLetters, WebhookSink,
 };
 
 use crate::catalog::{self, ident};
@@ -394,6 +394,41 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 published?;
             }
         }
+        SinkKind::Sqs => {
+            let sink_config = config.sink.sqs_sink()?;
+            let (mut sink, mut deliveries) = SqsSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                let Some(mut read) = SqsLetters::open(&sink_config, dlq)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                // Round by round: a FIFO queue hands out a group's next
+                // letter once the one before it is deleted. A round with a
+                // letter that still fails (or a dry run) ends the replay of
+                // this queue: its letters go back.
+                while read
+                    .next_round()
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                    > 0
+                {
+                    let mut letters = Vec::new();
+                    read.each(|r| letters.push(parse(&r)));
+                    let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                    let clean = matches!(&published, Ok(failed) if failed.is_empty());
+                    let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                    read.settle(done)
+                        .await
+                        .with_context(|| format!("recording progress on {dlq}"))?;
+                    published?;
+                    if !clean || args.dry_run {
+                        break;
+                    }
+                }
+            }
+        }
         SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
             let sink_config = config.sink.rabbitmq_sink(&config.source.slot)?;
             let (mut sink, mut deliveries) = RabbitMqSink::new(sink_config.clone())?;
@@ -547,8 +582,8 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\", \"nats\", \"redis\", \"rabbitmq\", \"pubsub\", \"kinesis\" \
-         or \"webhook\" (or --sink) to replay the dead letters it stored"
+         [sink] type = \"kafka\", \"nats\", \"redis\", \"rabbitmq\", \"pubsub\", \"kinesis\", \
+         \"sqs\" or \"webhook\" (or --sink) to replay the dead letters it stored"
     )
 }
 

@@ -220,6 +220,11 @@ async fn read_records(
                 .await?
                 .ok_or_else(|| walbox_sink::SinkError::MissingTopic(topic.to_owned()))
         }
+        SinkKind::Sqs => Err(walbox_sink::SinkError::Config(
+            "an SQS queue hands its messages to its consumers: reading it back would take them \
+             away"
+                .into(),
+        )),
         SinkKind::Webhook => Err(walbox_sink::SinkError::Config(
             "an HTTP receiver keeps no record walbox can read back".into(),
         )),
@@ -242,6 +247,13 @@ async fn pubsub_letter_ids(config: &Config, dlq: &str, timeout: Duration) -> Res
 /// Runs the audit; fails when events are missing or out of order.
 pub async fn run(args: Args) -> Result<()> {
     let config = Config::load(&args.overrides)?;
+    if config.sink.kind == SinkKind::Sqs {
+        bail!(
+            "verify reads the events back from the destination, and reading an SQS queue \
+             takes its messages away from its consumers; audit the consumers' own store by \
+             event_id (the message attribute) instead"
+        );
+    }
     if config.sink.kind == SinkKind::Webhook {
         bail!(
             "verify reads the events back from the destination, and an HTTP receiver keeps \

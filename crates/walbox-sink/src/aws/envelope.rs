@@ -15,7 +15,8 @@
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
-use serde_json::{Map, Value};
+#[cfg(test)]
+use serde_json::Value;
 use walbox_outbox::Event;
 
 use crate::OwnedRecord;
@@ -86,37 +87,75 @@ fn push_string(out: &mut Vec<u8>, s: &str) {
     let _ = serde_json::to_writer(&mut *out, s);
 }
 
+/// A record's JSON object as read back: the value kept as the text it was
+/// written as (numbers beyond what a float holds stay as they are).
+#[derive(serde::Deserialize)]
+struct Wire<'a> {
+    event_id: String,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    key_base64: Option<String>,
+    #[serde(default, deserialize_with = "members")]
+    headers: Vec<(String, String)>,
+    #[serde(default, deserialize_with = "members")]
+    headers_base64: Vec<(String, String)>,
+    #[serde(default, borrow, deserialize_with = "raw")]
+    value: Option<&'a serde_json::value::RawValue>,
+    #[serde(default)]
+    value_base64: Option<String>,
+}
+
+/// A member present as any JSON, `null` included (which an `Option` alone
+/// would take for absent).
+fn raw<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<&'de serde_json::value::RawValue>, D::Error> {
+    <&serde_json::value::RawValue as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+/// Reads a JSON object's members in order, duplicates kept.
+fn members<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<(String, String)>, D::Error> {
+    struct Members;
+    impl<'de> serde::de::Visitor<'de> for Members {
+        type Value = Vec<(String, String)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object of strings")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(pair) = map.next_entry::<String, String>()? {
+                out.push(pair);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_map(Members)
+}
+
 /// A record's JSON object read back: `None` when it is not one walbox wrote.
 pub(crate) fn decode(data: &[u8], partition: i32, offset: i64) -> Option<OwnedRecord> {
-    let Value::Object(o) = serde_json::from_slice::<Value>(data).ok()? else {
-        return None;
+    let wire: Wire<'_> = serde_json::from_slice(data).ok()?;
+    let key = match (wire.key, wire.key_base64) {
+        (Some(k), _) => Some(k.into_bytes()),
+        (None, Some(b)) => Some(STANDARD.decode(b).ok()?),
+        (None, None) => None,
     };
-    let text = |name: &str| o.get(name).and_then(Value::as_str);
-    let bytes = |name: &str| text(name).and_then(|t| STANDARD.decode(t).ok());
-    let event_id = text("event_id")?.to_owned();
-    let key = match text("key") {
-        Some(k) => Some(k.as_bytes().to_vec()),
-        None => bytes("key_base64"),
-    };
-    let mut headers: Vec<(String, Vec<u8>)> = Vec::new();
-    let empty = Map::new();
-    for (k, v) in o
-        .get("headers")
-        .and_then(Value::as_object)
-        .unwrap_or(&empty)
-    {
-        headers.push((k.clone(), v.as_str()?.as_bytes().to_vec()));
+    let mut headers: Vec<(String, Vec<u8>)> = wire
+        .headers
+        .into_iter()
+        .map(|(k, v)| (k, v.into_bytes()))
+        .collect();
+    for (k, v) in wire.headers_base64 {
+        headers.push((k, STANDARD.decode(v).ok()?));
     }
-    for (k, v) in o
-        .get("headers_base64")
-        .and_then(Value::as_object)
-        .unwrap_or(&empty)
-    {
-        headers.push((k.clone(), STANDARD.decode(v.as_str()?).ok()?));
-    }
-    let value = match o.get("value") {
-        Some(v) => serde_json::to_vec(v).ok()?,
-        None => bytes("value_base64")?,
+    let value = match (wire.value, wire.value_base64) {
+        (Some(raw), _) => raw.get().as_bytes().to_vec(),
+        (None, Some(b)) => STANDARD.decode(b).ok()?,
+        (None, None) => return None,
     };
     Some(OwnedRecord {
         partition,
@@ -124,7 +163,7 @@ pub(crate) fn decode(data: &[u8], partition: i32, offset: i64) -> Option<OwnedRe
         key,
         value,
         headers,
-        message_id: Some(event_id),
+        message_id: Some(wire.event_id),
     })
 }
 
@@ -180,6 +219,22 @@ mod tests {
                 assert_eq!(back.value, value);
             }
         }
+        // A value beyond what a float holds reads back as written, and
+        // headers of one name are all kept.
+        let mut big = event(Some(b"k"), br#"{"n": 1e400}"#, true);
+        big.headers
+            .push(("event_id".into(), Bytes::from_static(b"again")));
+        let back = decode(&encode(&big), 0, 0).expect("read back");
+        assert_eq!(back.value, br#"{"n": 1e400}"#);
+        assert_eq!(
+            back.headers.iter().filter(|(k, _)| k == "event_id").count(),
+            2
+        );
+        let null = event(None, b"null", true);
+        assert_eq!(
+            decode(&encode(&null), 0, 0).expect("read back").value,
+            b"null"
+        );
         assert!(decode(b"[1]", 0, 0).is_none());
         assert!(decode(b"{\"value\": 1}", 0, 0).is_none(), "no event id");
     }

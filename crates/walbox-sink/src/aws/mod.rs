@@ -2,11 +2,19 @@
 //! a stand-in or a VPC endpoint), whose credentials (the standard chain,
 //! never printed), and the HTTPS client.
 //!
-//! - [`kinesis`]: Amazon Kinesis Data Streams, `PutRecords` batches.
+//! - [`kinesis`]: Amazon Kinesis Data Streams, `PutRecords` batches;
+//!   [`kinesis_read`]: reading a stream back, and a dead-letter stream's
+//!   letters after a replay's progress marker.
+//! - [`sqs`]: Amazon SQS, FIFO queues by default, `SendMessageBatch`;
+//!   [`attributes`]: headers as message attributes, and the FIFO ids.
 //! - [`envelope`]: the JSON record a Kinesis record carries.
 
+pub(crate) mod attributes;
 pub(crate) mod envelope;
 pub(crate) mod kinesis;
+pub(crate) mod kinesis_read;
+pub(crate) mod sqs;
+pub(crate) mod sqs_read;
 
 use serde::Deserialize;
 
@@ -90,6 +98,24 @@ impl AwsConnection {
                  in the AWS profile"
             )));
         }
+        // The chain is asked once now, so that no credentials at all stop
+        // walbox with the chain's own account of why, instead of every call
+        // failing as if the network did.
+        if let Some(provider) = config.credentials_provider() {
+            use aws_credential_types::provider::ProvideCredentials as _;
+            use aws_credential_types::provider::error::CredentialsError;
+            if let Err(e) = provider.provide_credentials().await {
+                let why = error_text(&e);
+                return Err(match e {
+                    CredentialsError::CredentialsNotLoaded(_)
+                    | CredentialsError::InvalidConfiguration(_) => SinkError::AwsAuthentication {
+                        service: table.trim_start_matches("sink.").to_owned(),
+                        reason: format!("no credentials from the AWS chain: {why}"),
+                    },
+                    _ => SinkError::Aws(format!("the AWS credential chain: {why}")),
+                });
+            }
+        }
         Ok(config)
     }
 }
@@ -127,6 +153,18 @@ fn shown_message(code: &str, message: Option<&str>) -> String {
         return "(the service's message quotes the signed request and is not shown)".to_owned();
     }
     message.lines().next().unwrap_or("").to_owned()
+}
+
+/// Whether an SQS error says the queue does not exist (the modeled error,
+/// or its code, which an answer without the query-compatibility header
+/// carries only in the body).
+pub(crate) fn no_such_queue(e: &aws_sdk_sqs::operation::get_queue_url::GetQueueUrlError) -> bool {
+    use aws_sdk_sqs::error::ProvideErrorMetadata as _;
+    e.is_queue_does_not_exist()
+        || matches!(
+            e.code(),
+            Some("QueueDoesNotExist" | "AWS.SimpleQueueService.NonExistentQueue")
+        )
 }
 
 /// What the answer to a whole call means, from the error code AWS gave

@@ -32,6 +32,8 @@ pub enum SinkKind {
     PubSub,
     /// Amazon Kinesis Data Streams (`[sink.kinesis]`).
     Kinesis,
+    /// Amazon SQS, FIFO queues by default (`[sink.sqs]`).
+    Sqs,
 }
 
 impl SinkKind {
@@ -48,6 +50,8 @@ impl SinkKind {
                 walbox_outbox::Protocol::Kafka
             }
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
+            // Message attributes carry headers as text, as Kafka's do.
+            SinkKind::Sqs => walbox_outbox::Protocol::Kafka,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
             SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
             SinkKind::PubSub => walbox_outbox::Protocol::PubSub,
@@ -59,7 +63,8 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `rabbitmq`, `redis`, `pubsub`, `webhook`, `kinesis` or `stdout`.
+    /// `kafka`, `nats`, `rabbitmq`, `redis`, `pubsub`, `webhook`, `kinesis`, `sqs`
+    /// or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -98,6 +103,9 @@ pub struct SinkConfig {
     /// The Kinesis sink's settings (`type = "kinesis"`).
     #[serde(default)]
     pub kinesis: walbox_sink::KinesisSinkConfig,
+    /// The SQS sink's settings (`type = "sqs"`).
+    #[serde(default)]
+    pub sqs: walbox_sink::SqsSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -129,6 +137,7 @@ impl Default for SinkConfig {
             rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
             pubsub: walbox_sink::PubSubSinkConfig::default(),
             kinesis: walbox_sink::KinesisSinkConfig::default(),
+            sqs: walbox_sink::SqsSinkConfig::default(),
         }
     }
 }
@@ -161,6 +170,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("rabbitmq", &self.rabbitmq)
             .field("pubsub", &self.pubsub)
             .field("kinesis", &self.kinesis)
+            .field("sqs", &self.sqs)
             .finish()
     }
 }
@@ -228,6 +238,14 @@ impl SinkConfig {
         let mut c = self.kinesis.clone();
         c.create_streams = self.create_topics;
         c.shards = self.topic_partitions;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The SQS sink's settings, with queue creation from `create_topics`.
+    pub fn sqs_sink(&self) -> Result<walbox_sink::SqsSinkConfig> {
+        let mut c = self.sqs.clone();
+        c.create_queues = self.create_topics;
         c.validate()?;
         Ok(c)
     }

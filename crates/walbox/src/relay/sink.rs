@@ -6,7 +6,7 @@ use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
     Deliveries, DeliveryError, KafkaSink, KinesisSink, NatsSink, PubSubSink, RabbitMqSink,
-    RedisSink, Sink, SinkError, StdoutSink, WebhookSink,
+    RedisSink, Sink, SinkError, SqsSink, StdoutSink, WebhookSink,
 };
 
 use super::transient;
@@ -22,6 +22,7 @@ pub(super) enum AnySink {
     Stdout(StdoutSink),
     Webhook(Box<WebhookSink>),
     Kinesis(Box<KinesisSink>),
+    Sqs(Box<SqsSink>),
 }
 
 /// Calls the same method on whichever sink `AnySink` holds.
@@ -36,6 +37,7 @@ macro_rules! each_sink {
             AnySink::Stdout($s) => $call,
             AnySink::Webhook($s) => $call,
             AnySink::Kinesis($s) => $call,
+            AnySink::Sqs($s) => $call,
         }
     };
 }
@@ -96,6 +98,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
         SinkKind::Kinesis => {
             let (sink, deliveries) = KinesisSink::new(config.sink.kinesis_sink()?)?;
             (AnySink::Kinesis(Box::new(sink)), deliveries)
+        }
+        SinkKind::Sqs => {
+            let (sink, deliveries) = SqsSink::new(config.sink.sqs_sink()?)?;
+            (AnySink::Sqs(Box::new(sink)), deliveries)
         }
     })
 }

@@ -1,0 +1,251 @@
+//! How an event's headers become SQS or SNS message attributes, and the ids
+//! those services take: what both services share.
+//!
+//! A message carries at most 10 attributes. The first is always `event_id`
+//! (the sink's own id field). The record's headers follow in order, as
+//! many as fit. When there are more than fit, or a header's name is not a
+//! valid attribute name, or repeats one, the last slot becomes
+//! `walbox_headers`: a JSON object holding every header that did not get
+//! an attribute of its own (a value that is no UTF-8 text as `{"base64":
+//! "..."}`). No header is dropped. A header value that is no text becomes
+//! a `Binary` attribute.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use sha2::Digest as _;
+use walbox_outbox::Event;
+
+/// The most attributes a message carries.
+pub(crate) const MAX_ATTRIBUTES: usize = 10;
+/// The attribute holding the headers without one of their own.
+pub(crate) const MORE_HEADERS: &str = "walbox_headers";
+/// The attribute holding the event id.
+pub(crate) const EVENT_ID: &str = "event_id";
+
+/// An attribute's value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Value {
+    /// `String`.
+    Text(String),
+    /// `Binary`.
+    Binary(Vec<u8>),
+}
+
+impl Value {
+    fn len(&self) -> usize {
+        match self {
+            Value::Text(t) => t.len(),
+            Value::Binary(b) => b.len(),
+        }
+    }
+}
+
+/// An event's attributes, in order.
+pub(crate) type Attributes = Vec<(String, Value)>;
+
+/// Whether `name` is an attribute name SQS and SNS take: 1 to 256 of
+/// `A-Z a-z 0-9 _ - .`, no `.` first or last or twice in a row, not
+/// starting with `AWS.` or `Amazon.` (any case).
+pub(crate) fn valid_name(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    (1..=256).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+        && !name.starts_with('.')
+        && !name.ends_with('.')
+        && !name.contains("..")
+        && !lower.starts_with("aws.")
+        && !lower.starts_with("amazon.")
+}
+
+/// Whether `text` holds only the characters SQS takes in a message body
+/// or a text attribute (XML's: tab, newline, carriage return, and from
+/// U+0020 on, but for surrogates and U+FFFE, U+FFFF).
+pub(crate) fn valid_text(text: &str) -> bool {
+    text.chars().all(|c| {
+        matches!(c, '\u{9}' | '\u{a}' | '\u{d}' | '\u{20}'..='\u{d7ff}' | '\u{e000}'..='\u{fffd}')
+            || c >= '\u{10000}'
+    })
+}
+
+/// A header value as an attribute value: text when it is valid text.
+fn value_of(bytes: &[u8]) -> Value {
+    match std::str::from_utf8(bytes) {
+        Ok(text) if valid_text(text) => Value::Text(text.to_owned()),
+        _ => Value::Binary(bytes.to_vec()),
+    }
+}
+
+/// The attributes of `event`.
+pub(crate) fn attributes(event: &Event) -> Attributes {
+    let mut out: Attributes = vec![(EVENT_ID.to_owned(), Value::Text(event.event_id.clone()))];
+    let mut own: Vec<(String, Value)> = Vec::new();
+    let mut rest: Vec<(&str, &[u8])> = Vec::new();
+    for (name, value) in &event.headers {
+        let taken = out
+            .iter()
+            .chain(own.iter())
+            .any(|(n, _)| n == name.as_ref());
+        if valid_name(name) && !taken && name.as_ref() != MORE_HEADERS {
+            own.push((name.to_string(), value_of(value)));
+        } else if name.as_ref() != EVENT_ID || value.as_ref() != event.event_id.as_bytes() {
+            // The format's own `event_id` header holds the id already there.
+            rest.push((name, value));
+        }
+    }
+    let room = MAX_ATTRIBUTES - 1;
+    if own.len() > room || !rest.is_empty() {
+        // The last slot holds what has no attribute of its own.
+        let keep = if own.len() >= room {
+            room - 1
+        } else {
+            own.len()
+        };
+        let moved: Vec<(String, Value)> = own.split_off(keep);
+        let mut object = serde_json::Map::new();
+        for (name, value) in moved
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.clone()))
+            .chain(rest.iter().map(|(n, v)| (*n, value_of(v))))
+        {
+            let json = match value {
+                Value::Text(t) => serde_json::Value::String(t),
+                Value::Binary(b) => serde_json::json!({"base64": STANDARD.encode(b)}),
+            };
+            // A name seen twice keeps every value, in an array.
+            match object.get_mut(name) {
+                Some(serde_json::Value::Array(all)) => all.push(json),
+                Some(first) => *first = serde_json::Value::Array(vec![first.take(), json]),
+                None => {
+                    object.insert(name.to_owned(), json);
+                }
+            }
+        }
+        out.extend(own);
+        out.push((
+            MORE_HEADERS.to_owned(),
+            Value::Text(serde_json::Value::Object(object).to_string()),
+        ));
+    } else {
+        out.extend(own);
+    }
+    out
+}
+
+/// The bytes attributes count toward a message's size: names, types and
+/// values.
+pub(crate) fn size(attributes: &Attributes) -> usize {
+    attributes
+        .iter()
+        .map(|(n, v)| n.len() + v.len() + "String".len())
+        .sum()
+}
+
+/// An id as SQS and SNS take it for `MessageGroupId` and
+/// `MessageDeduplicationId` (1 to 128 of the printable ASCII characters):
+/// `text` itself when it is one, else the SHA-256 of it in hex (the same
+/// text always gives the same id).
+pub(crate) fn fifo_id(text: &[u8]) -> String {
+    let valid = (1..=128).contains(&text.len()) && text.iter().all(|b| (0x21..=0x7e).contains(b));
+    if valid {
+        return String::from_utf8_lossy(text).into_owned();
+    }
+    sha2::Sha256::digest(text)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The deduplication id of `event`: its event id, or for a replay's copy
+/// the event id and the replay's name (the crate's rule 2 for destinations
+/// that deduplicate).
+pub(crate) fn dedup_id(event: &Event) -> String {
+    match event.origin.replay_name() {
+        Some(name) => fifo_id(format!("{}_replay_{name}", event.event_id).as_bytes()),
+        None => fifo_id(event.event_id.as_bytes()),
+    }
+}
+
+/// The group id of `event`: from its key, or for an event without a key
+/// from its event id (no order is promised for it).
+pub(crate) fn group_id(event: &Event) -> String {
+    match &event.key {
+        Some(k) => fifo_id(k),
+        None => fifo_id(event.event_id.as_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn event(headers: &[(&str, &[u8])]) -> Event {
+        let mut e = crate::batched::tests_event("e-1", "k");
+        e.headers = headers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned().into(), Bytes::copy_from_slice(v)))
+            .collect();
+        e
+    }
+
+    #[test]
+    fn every_header_is_carried_in_ten_attributes_at_most() {
+        // Few headers: each its own, the format's event_id not repeated.
+        let few = attributes(&event(&[("event_id", b"e-1"), ("event_type", b"Placed")]));
+        assert_eq!(
+            few,
+            vec![
+                ("event_id".into(), Value::Text("e-1".into())),
+                ("event_type".into(), Value::Text("Placed".into())),
+            ]
+        );
+        // Many, a bad name, a binary value: 10 attributes, the rest in JSON.
+        let names: Vec<String> = (0..12).map(|i| format!("h{i}")).collect();
+        let mut headers: Vec<(&str, &[u8])> =
+            names.iter().map(|n| (n.as_str(), &b"v"[..])).collect();
+        headers.push(("AWS.reserved", b"x"));
+        headers.push(("raw", &[0xff]));
+        let many = attributes(&event(&headers));
+        assert_eq!(many.len(), MAX_ATTRIBUTES);
+        assert_eq!(many[0].0, "event_id");
+        let (last, Value::Text(json)) = &many[9] else {
+            panic!("{many:?}")
+        };
+        assert_eq!(last, MORE_HEADERS);
+        let rest: serde_json::Value = serde_json::from_str(json).unwrap();
+        for n in &names[8..] {
+            assert_eq!(rest[n], "v", "{rest}");
+        }
+        assert_eq!(rest["AWS.reserved"], "x");
+        assert_eq!(rest["raw"]["base64"], "/w==");
+        // Every header is somewhere.
+        for n in &names[..8] {
+            assert!(many.iter().any(|(k, _)| k == n));
+        }
+        // A binary value with room to spare is a Binary attribute.
+        let binary = attributes(&event(&[("raw", &[0xff])]));
+        assert_eq!(binary[1].1, Value::Binary(vec![0xff]));
+    }
+
+    #[test]
+    fn ids_are_what_fifo_takes_and_stable() {
+        assert_eq!(fifo_id(b"order-17"), "order-17");
+        let long = fifo_id(&[b'x'; 200]);
+        assert_eq!(long.len(), 64);
+        assert_eq!(long, fifo_id(&[b'x'; 200]));
+        assert_eq!(fifo_id("ordre-é".as_bytes()).len(), 64);
+        assert_eq!(fifo_id(b"a b").len(), 64, "a space is not taken");
+        let mut e = event(&[]);
+        assert_eq!(dedup_id(&e), "e-1");
+        e.origin = walbox_outbox::Origin::Replay {
+            from: walbox_pgoutput::Lsn(0x10),
+        };
+        assert_ne!(dedup_id(&e), "e-1");
+        assert!(dedup_id(&e).starts_with("e-1_replay_"));
+        assert!(valid_text("a\tb\n"));
+        assert!(!valid_text("a\u{1}b"));
+        assert!(!valid_name(".a") && !valid_name("a..b") && !valid_name("amazon.x"));
+    }
+}

@@ -1,0 +1,210 @@
+//! walbox into SQS FIFO queues (LocalStack) from a real PostgreSQL: entries
+//! that AWS would fail out of a `SendMessageBatch` (played by the test
+//! kit's fault proxy, which answers chosen entries as failed and never
+//! forwards them) are sent again before anything later of their group, so
+//! every key's messages stay in commit order and none is missing; a resend
+//! after a kill is dropped by the queue's deduplication (exactly once
+//! within the window); a standard queue is refused unless order is given
+//! up; a missing queue stops walbox naming it; the credentials never reach
+//! the log, even at trace.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::*;
+use walbox_testkit::{FaultProxy, Kinesalite, LocalStack, OUTBOX_DDL, PgCluster};
+
+const TOPIC: &str = "outbox.order";
+
+/// A cluster with the outbox table and the environment that points walbox
+/// at `endpoint` with `[sink]` lines `sink` and `[sink.sqs]` lines `sqs`.
+async fn servers(
+    endpoint: &str,
+    sink: &str,
+    sqs: &str,
+) -> (
+    PgCluster,
+    tokio_postgres::Client,
+    Vec<(&'static str, String)>,
+) {
+    let pg = PgCluster::start().unwrap();
+    let db = pg.connect("postgres").await.unwrap();
+    db.batch_execute(OUTBOX_DDL).await.unwrap();
+    let toml = format!(
+        "[sink]\ntype = \"sqs\"\n{sink}\n\n[sink.sqs]\nendpoint_url = \"{endpoint}\"\n\
+         region = \"us-east-1\"\nretry_initial_ms = 20\nretry_max_ms = 200\n{sqs}\n"
+    );
+    let mut env = vec![
+        ("WALBOX_DSN", pg.conninfo("postgres")),
+        ("WALBOX_SLOT", "walbox".into()),
+        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
+        (
+            "WALBOX_CHECKPOINT",
+            checkpoint_path(&pg).display().to_string(),
+        ),
+        ("WALBOX_CONFIG", config_file(&pg, "walbox-sqs.toml", &toml)),
+    ];
+    env.extend(Kinesalite::client_env());
+    (pg, db, env)
+}
+
+/// Every message the queue of `topic` holds, taken from it in the order it
+/// hands them out.
+async fn drain(endpoint: &str, topic: &str) -> Vec<walbox_sink::OwnedRecord> {
+    let config = walbox_sink::SqsSinkConfig {
+        endpoint_url: Some(endpoint.to_owned()),
+        region: Some("us-east-1".into()),
+        credentials: Some(Kinesalite::credentials()),
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    walbox_sink::drain_sqs_queue(&config, topic, std::time::Duration::from_secs(120), |r| {
+        out.push(walbox_sink::OwnedRecord {
+            partition: r.partition(),
+            offset: r.offset(),
+            key: r.key().map(<[u8]>::to_vec),
+            value: r.value().unwrap_or_default().to_vec(),
+            headers: ["event_id", "walbox_commit_lsn", "walbox_index"]
+                .iter()
+                .filter_map(|n| Some(((*n).to_owned(), r.header(n)?.as_bytes().to_vec())))
+                .collect(),
+            message_id: r.event_id(),
+        });
+    })
+    .await
+    .unwrap()
+    .expect("the queue exists");
+    out
+}
+
+fn seq(r: &walbox_sink::OwnedRecord) -> i64 {
+    let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
+    v["payload"]["seq"].as_i64().unwrap()
+}
+
+/// Every event of the table there exactly once, each key's in commit order.
+fn assert_all_once_in_key_order(records: &[walbox_sink::OwnedRecord], ids: &HashSet<String>) {
+    let mut next: HashMap<Vec<u8>, i64> = HashMap::new();
+    let mut seen = HashSet::new();
+    for r in records {
+        let id = r.message_id.clone().expect("every message names its event");
+        assert!(seen.insert(id.clone()), "event {id} stored twice");
+        let key = r.key.clone().expect("a group");
+        let expected = next.entry(key.clone()).or_insert(0);
+        assert_eq!(
+            seq(r),
+            *expected,
+            "group {}: out of commit order",
+            String::from_utf8_lossy(&key)
+        );
+        *expected += 1;
+    }
+    assert_eq!(&seen, ids, "the queue holds every event of the table");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_failed_out_of_a_batch_go_again_before_anything_later_of_their_group() {
+    let sqs = LocalStack::start().unwrap();
+    let proxy = FaultProxy::start(format!("127.0.0.1:{}", sqs.port()).parse().unwrap()).unwrap();
+    // Every message of order-1 fails twice, and one in four of the others
+    // once.
+    let attempts: Arc<std::sync::Mutex<HashMap<String, usize>>> = Arc::default();
+    let scattered = Arc::new(AtomicUsize::new(0));
+    {
+        let attempts = Arc::clone(&attempts);
+        let scattered = Arc::clone(&scattered);
+        proxy.fail_when(move |e| {
+            let dedup = e.json["MessageDeduplicationId"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let group = e.json["MessageGroupId"].as_str().unwrap_or_default();
+            let mut seen = attempts.lock().unwrap();
+            let n = seen.entry(dedup).or_insert(0);
+            *n += 1;
+            if group == "order-1" {
+                *n <= 2
+            } else {
+                *n == 1 && scattered.fetch_add(1, Ordering::SeqCst).is_multiple_of(4)
+            }
+        });
+    }
+    let (pg, db, env) = servers(&proxy.endpoint(), "create_topics = true", "").await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 2, 10, 10, 6).await;
+    caught_up(&db, &walbox).await;
+    // Killed, and run again from the confirmed position: what it sends
+    // again within the window, the queue drops.
+    walbox.kill9();
+    write_events_from(&pg, 1, 5, 4, 2, 6).await;
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    assert!(
+        proxy.failed() >= 2 * 200 / 6,
+        "the proxy failed entries ({} of {} calls)",
+        proxy.failed(),
+        proxy.calls()
+    );
+    let records = drain(&sqs.endpoint(), TOPIC).await;
+    assert_all_once_in_key_order(&records, &outbox_ids(&db).await);
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standard_queues_missing_queues_and_credentials() {
+    let sqs = LocalStack::start().unwrap();
+    let (pg, db, mut env) = servers(&sqs.endpoint(), "", "").await;
+    setup(&env);
+    write_events(&pg, 1, 1, 2, 2).await;
+
+    // A standard queue without `ordered = false`: refused at start.
+    let standard = config_file(
+        &pg,
+        "walbox-sqs-standard.toml",
+        &format!(
+            "[sink]\ntype = \"sqs\"\n\n[sink.sqs]\nendpoint_url = \"{}\"\nregion = \
+             \"us-east-1\"\nfifo = false\n",
+            sqs.endpoint()
+        ),
+    );
+    let mut refused = env.clone();
+    refused.retain(|(k, _)| *k != "WALBOX_CONFIG");
+    refused.push(("WALBOX_CONFIG", standard));
+    let (exit, out, err) = walbox_cmd(&["run"], &refused);
+    assert_ne!(exit, Some(0));
+    assert!(err.contains("ordered = false"), "{out}\n{err}");
+
+    // No queue and no create_topics: walbox stops naming the queue.
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let status = walbox.wait(std::time::Duration::from_secs(60));
+    assert_ne!(code(status), Some(0));
+    let log = walbox.log();
+    assert!(
+        log.contains("\"outbox-order.fifo\" does not exist"),
+        "{log}"
+    );
+
+    // At trace, with the queue made: neither the secret key nor the
+    // session token is printed.
+    const SECRET: &str = "sqs-Secret-51e0aa";
+    const TOKEN: &str = "sqs-Session-Token-9d1e";
+    env.retain(|(k, _)| *k != "AWS_SECRET_ACCESS_KEY");
+    env.push(("AWS_SECRET_ACCESS_KEY", SECRET.into()));
+    env.push(("AWS_SESSION_TOKEN", TOKEN.into()));
+    env.push(("WALBOX_LOG", "trace".into()));
+    env.push(("WALBOX_CREATE_TOPICS", "true".into()));
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let log = walbox.log();
+    assert!(log.contains("TRACE"), "trace logging is on");
+    assert!(!log.contains(SECRET), "the secret key is in the log");
+    assert!(!log.contains(TOKEN), "the session token is in the log");
+    let records = drain(&sqs.endpoint(), TOPIC).await;
+    assert_all_once_in_key_order(&records, &outbox_ids(&db).await);
+}
