@@ -44,7 +44,7 @@ demo: deps
 TEST_JOBS ?= 3
 # The conformance suite's cells wait on their servers most of the time: four
 # at once.
-RUN_TESTS = scripts/run-tests.py -j $(TEST_JOBS) --threads conformance=4
+RUN_TESTS = scripts/run-tests.py -j $(TEST_JOBS) --threads conformance=4 --threads front_door=4
 
 ## Everything CI checks: formatting, lints, unit, property and end-to-end tests
 ## (the conformance suite in its short profile among them).
@@ -67,7 +67,7 @@ test-vendor:
 ## major only.
 PG_VERSION ?= 15
 E2E_SKIP ?=
-DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook kinesis sqs conformance front_door
+DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook pubsub kinesis sqs conformance front_door
 E2E_TESTS = $(filter-out $(E2E_SKIP),$(basename $(notdir $(wildcard tests/*.rs crates/walbox-pgoutput/tests/*.rs))))
 test-e2e:
 	@echo "== end-to-end tests on PostgreSQL $(PG_VERSION)$(if $(E2E_SKIP), (not: $(E2E_SKIP)))"

@@ -11,6 +11,10 @@
 #     disabled, never started
 #   - promtool (Debian's prometheus package) and systemd-analyze (systemd), which
 #     check the alert rules and the service file in deploy/
+#   - Java (default-jre-headless) and Google's Pub/Sub emulator, which the Pub/Sub
+#     sink's tests start; the emulator comes from Google's package
+#     google-cloud-cli-pubsub-emulator, whose apt repository this script does not
+#     reach: it is checked for, and its absence stops with what to install
 #   - python3 with venv, in which tests/formats.rs installs the CloudEvents SDK
 #     that parses walbox's CloudEvents records
 #   - kinesalite and LocalStack, the Kinesis and SQS/SNS stand-ins of the
@@ -67,6 +71,7 @@ if ! $build_only; then
   command -v nats-server >/dev/null 2>&1 || apt_packages+=(nats-server)
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || apt_packages+=(rabbitmq-server)
   command -v redis-server >/dev/null 2>&1 || apt_packages+=(redis-server)
+  command -v java >/dev/null 2>&1 || apt_packages+=(default-jre-headless)
 fi
 
 if [ ${#apt_packages[@]} -gt 0 ]; then
@@ -105,6 +110,20 @@ if $build_only; then
   exit 0
 fi
 
+pubsub_jar_dir=/usr/lib/google-cloud-sdk/platform/pubsub-emulator/lib
+if [ -n "${WALBOX_PUBSUB_EMULATOR_JAR:-}" ]; then
+  [ -f "$WALBOX_PUBSUB_EMULATOR_JAR" ] || {
+    echo "deps: WALBOX_PUBSUB_EMULATOR_JAR=$WALBOX_PUBSUB_EMULATOR_JAR is not a file" >&2
+    exit 1
+  }
+elif ! compgen -G "$pubsub_jar_dir/cloud-pubsub-emulator-*-all.jar" >/dev/null; then
+  echo "deps: Google's Pub/Sub emulator is missing (no $pubsub_jar_dir/cloud-pubsub-emulator-*-all.jar)." >&2
+  echo "deps: install the package google-cloud-cli-pubsub-emulator from Google's Cloud SDK apt" >&2
+  echo "deps: repository (as the gcloud CLI install guide says for Debian), or point" >&2
+  echo "deps: WALBOX_PUBSUB_EMULATOR_JAR at a cloud-pubsub-emulator-*-all.jar" >&2
+  exit 1
+fi
+
 cargo_bin="${CARGO_HOME:-$HOME/.cargo}/bin"
 tansu_bin=$(command -v tansu 2>/dev/null || echo "$cargo_bin/tansu")
 if [ -x "$tansu_bin" ] && "$tansu_bin" --version 2>/dev/null | grep -q " $TANSU_VERSION"; then
@@ -120,4 +139,4 @@ for major in "${majors[@]}"; do
   "$(dirname "$0")/pg-major.sh" "$major" >/dev/null
 done
 
-log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, rabbitmq-server, redis-server, tansu $TANSU_VERSION, kinesalite, localstack"
+log "ready: postgres server${majors[*]:+ (majors: ${majors[*]})}, build tools, promtool, systemd-analyze, nats-server, rabbitmq-server, redis-server, java, the Pub/Sub emulator, tansu $TANSU_VERSION, kinesalite, localstack"

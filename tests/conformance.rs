@@ -110,6 +110,7 @@ cells! {
     rabbitmq_exchange => Sink::RabbitExchange,
     rabbitmq_stream => Sink::RabbitStream,
     redis => Sink::Redis,
+    pubsub => Sink::PubSub,
     webhook => Sink::Webhook,
     stdout => Sink::Stdout,
     kinesis => Sink::Kinesis,

@@ -482,6 +482,12 @@ async fn webhook_from_init_to_events_and_what_doctor_names() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_from_init_to_events_and_what_doctor_names() {
+    let f = FrontDoor::run("pubsub").await;
+    f.doctor_passes(|c| c.to_owned(), "Pub/Sub emulator at");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kinesis_from_init_to_events_and_what_doctor_names() {
     let f = FrontDoor::run("kinesis").await;
     let fixed = |c: &str| set(c, "[outbox]", "topic", "\"front.door.fixed\"");

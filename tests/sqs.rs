@@ -67,7 +67,7 @@ async fn drain(endpoint: &str, topic: &str) -> Vec<walbox_sink::OwnedRecord> {
             offset: r.offset(),
             key: r.key().map(<[u8]>::to_vec),
             value: r.value().unwrap_or_default().to_vec(),
-            headers: ["event_id", "walbox_commit_lsn", "walbox_index"]
+            headers: ["event_id", "walbox_commit_lsn", "walbox_index", "tenant"]
                 .iter()
                 .filter_map(|n| Some(((*n).to_owned(), r.header(n)?.as_bytes().to_vec())))
                 .collect(),
@@ -198,6 +198,14 @@ async fn standard_queues_missing_queues_and_credentials() {
     env.push(("AWS_SESSION_TOKEN", TOKEN.into()));
     env.push(("WALBOX_LOG", "trace".into()));
     env.push(("WALBOX_CREATE_TOPICS", "true".into()));
+    // A header with an empty value, which SQS takes as no attribute: it
+    // goes in walbox_headers, and the event is stored, not refused.
+    db.batch_execute(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+         VALUES ('order', 'order-empty', 'OrderPlaced', '{\"seq\": 0}', '{\"tenant\": \"\"}')",
+    )
+    .await
+    .unwrap();
     let mut walbox = Walbox::spawn(&["run"], &env);
     caught_up(&db, &walbox).await;
     walbox.stop();
@@ -207,4 +215,16 @@ async fn standard_queues_missing_queues_and_credentials() {
     assert!(!log.contains(TOKEN), "the session token is in the log");
     let records = drain(&sqs.endpoint(), TOPIC).await;
     assert_all_once_in_key_order(&records, &outbox_ids(&db).await);
+    let empty = records
+        .iter()
+        .find(|r| r.key.as_deref() == Some(&b"order-empty"[..]))
+        .expect("the event with an empty header is stored");
+    assert!(
+        empty
+            .headers
+            .iter()
+            .any(|(k, v)| k == "tenant" && v.is_empty()),
+        "{:?}",
+        empty.headers
+    );
 }

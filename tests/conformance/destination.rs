@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use walbox_testkit::kafka::Record;
 use walbox_testkit::{
-    Broker, BrokerOptions, BrokerStorage, Kinesalite, LocalStack, NatsServer, Receiver, RedisServer,
+    Broker, BrokerOptions, BrokerStorage, Kinesalite, LocalStack, NatsServer, PubSubEmulator,
+    Receiver, RedisServer,
 };
 
 use crate::common::{SECRET, dead_letter_path, node};
@@ -19,6 +20,7 @@ pub enum Sink {
     RabbitExchange,
     RabbitStream,
     Redis,
+    PubSub,
     Webhook,
     Stdout,
     Kinesis,
@@ -41,9 +43,12 @@ impl Sink {
     pub fn promise(self) -> Promise {
         match self {
             Sink::Nats | Sink::RabbitStream | Sink::Redis | Sink::Sqs => Promise::ExactlyOnce,
-            Sink::Kafka | Sink::RabbitExchange | Sink::Webhook | Sink::Stdout | Sink::Kinesis => {
-                Promise::AtLeastOnce
-            }
+            Sink::Kafka
+            | Sink::RabbitExchange
+            | Sink::PubSub
+            | Sink::Webhook
+            | Sink::Stdout
+            | Sink::Kinesis => Promise::AtLeastOnce,
         }
     }
 
@@ -55,10 +60,10 @@ impl Sink {
     }
 
     /// Whether the destination's server keeps what it acknowledged across
-    /// its own restart (LocalStack keeps everything in memory: a restart is
-    /// an empty server).
+    /// its own restart (the Pub/Sub emulator and LocalStack keep everything
+    /// in memory: a restart is an empty server).
     pub fn keeps_data_across_restart(self) -> bool {
-        !matches!(self, Sink::Sqs)
+        !matches!(self, Sink::PubSub | Sink::Sqs)
     }
 
     /// Whether `walbox dlq replay` can read this sink's dead letters back.
@@ -78,6 +83,7 @@ impl Sink {
             Sink::Stdout => ("stdout", None),
             Sink::Kinesis => ("kinesis", None),
             Sink::Sqs => ("sqs", None),
+            Sink::PubSub => ("pubsub", None),
         }
     }
 
@@ -107,10 +113,76 @@ enum Server {
     Nats(NatsServer),
     Rabbit(Option<tokio::sync::RwLockReadGuard<'static, walbox_testkit::RabbitMq>>),
     Redis(RedisServer),
+    /// The binary's emulator, or one of the cell's own (a cell that
+    /// restarts it).
+    PubSub(PubSubServer),
     Webhook(Receiver),
     Stdout,
     Kinesis(Kinesalite),
-    Sqs(LocalStack),
+    /// The binary's LocalStack, or one of the cell's own (a cell that
+    /// restarts it).
+    Sqs(SqsServer),
+}
+
+enum SqsServer {
+    Shared(&'static LocalStack),
+    Own(LocalStack),
+}
+
+impl SqsServer {
+    fn get(&self) -> &LocalStack {
+        match self {
+            SqsServer::Shared(l) => l,
+            SqsServer::Own(l) => l,
+        }
+    }
+}
+
+/// The binary's LocalStack, started on first use, gone when the binary
+/// ends.
+fn localstack() -> &'static LocalStack {
+    static LOCALSTACK: std::sync::OnceLock<LocalStack> = std::sync::OnceLock::new();
+    LOCALSTACK.get_or_init(|| {
+        let l = LocalStack::start().expect("starting localstack");
+        l.removed_when_this_process_ends().unwrap();
+        l
+    })
+}
+
+enum PubSubServer {
+    Shared(&'static PubSubEmulator),
+    Own(PubSubEmulator),
+}
+
+impl PubSubServer {
+    fn get(&self) -> &PubSubEmulator {
+        match self {
+            PubSubServer::Shared(e) => e,
+            PubSubServer::Own(e) => e,
+        }
+    }
+}
+
+/// The binary's Pub/Sub emulator, started on first use, gone when the
+/// binary ends.
+fn pubsub_emulator() -> &'static PubSubEmulator {
+    static EMULATOR: std::sync::OnceLock<PubSubEmulator> = std::sync::OnceLock::new();
+    EMULATOR.get_or_init(|| {
+        let e = PubSubEmulator::start().expect("starting the pubsub emulator");
+        e.removed_when_this_process_ends().unwrap();
+        e
+    })
+}
+
+/// The subscriptions a Pub/Sub cell reads its topics back through, made
+/// before walbox publishes (a subscription holds only what comes after
+/// it), with message ordering.
+fn pubsub_subscriptions(emulator: &PubSubEmulator, name: &str) {
+    for topic in [format!("{name}.order"), format!("{name}.dlq")] {
+        emulator
+            .create_subscription(&format!("{topic}.sub"), &topic, true)
+            .expect("creating the cell's subscriptions");
+    }
 }
 
 /// One cell's destination: its server and the names the cell uses there.
@@ -125,6 +197,8 @@ pub struct Destination {
     /// What was taken from each SQS queue so far (reading a queue takes
     /// its messages).
     drained: tokio::sync::Mutex<std::collections::HashMap<String, Vec<Copy>>>,
+    /// What was read of each Pub/Sub topic so far (reading acknowledges).
+    pulled: tokio::sync::Mutex<std::collections::HashMap<String, Vec<Copy>>>,
 }
 
 impl Destination {
@@ -160,10 +234,25 @@ impl Destination {
                 Server::Rabbit(Some(node))
             }
             Sink::Redis => Server::Redis(RedisServer::start().expect("starting redis-server")),
+            Sink::PubSub => {
+                let server = if restartable {
+                    PubSubServer::Own(PubSubEmulator::start().expect("starting the emulator"))
+                } else {
+                    PubSubServer::Shared(
+                        tokio::task::spawn_blocking(pubsub_emulator).await.unwrap(),
+                    )
+                };
+                pubsub_subscriptions(server.get(), name);
+                Server::PubSub(server)
+            }
             Sink::Webhook => Server::Webhook(Receiver::start().expect("starting the receiver")),
             Sink::Stdout => Server::Stdout,
             Sink::Kinesis => Server::Kinesis(Kinesalite::start().expect("starting kinesalite")),
-            Sink::Sqs => Server::Sqs(LocalStack::start().expect("starting localstack")),
+            Sink::Sqs => Server::Sqs(if restartable {
+                SqsServer::Own(LocalStack::start().expect("starting localstack"))
+            } else {
+                SqsServer::Shared(tokio::task::spawn_blocking(localstack).await.unwrap())
+            }),
         };
         Destination {
             sink,
@@ -171,6 +260,7 @@ impl Destination {
             server,
             printed: std::sync::Mutex::new(Vec::new()),
             drained: tokio::sync::Mutex::new(std::collections::HashMap::new()),
+            pulled: tokio::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
 
@@ -236,6 +326,16 @@ impl Destination {
                 ),
                 Vec::new(),
             ),
+            Server::PubSub(emulator) => (
+                format!(
+                    "[sink]\ntype = \"pubsub\"\ncreate_topics = true\n\n[sink.pubsub]\n\
+                     project = \"{}\"\nemulator_host = \"{}\"\nretry_initial_ms = 50\n\
+                     retry_max_ms = 1000\nrequest_timeout_ms = 5000\n",
+                    PubSubEmulator::PROJECT,
+                    emulator.get().host()
+                ),
+                Vec::new(),
+            ),
             Server::Webhook(receiver) => (
                 format!(
                     "[sink]\ntype = \"webhook\"\n\n[sink.webhook]\n\
@@ -262,7 +362,7 @@ impl Destination {
                     "[sink]\ntype = \"sqs\"\ncreate_topics = true\n\n[sink.sqs]\n\
                      endpoint_url = \"{}\"\nregion = \"us-east-1\"\nretry_initial_ms = 50\n\
                      retry_max_ms = 1000\n",
-                    sqs.endpoint()
+                    sqs.get().endpoint()
                 ),
                 Kinesalite::client_env(),
             ),
@@ -314,6 +414,18 @@ impl Destination {
                 tokio::time::sleep(down).await;
                 redis.start_again().unwrap();
             }
+            Server::PubSub(PubSubServer::Own(emulator)) => {
+                // Back empty: the cell's subscriptions are made again (what
+                // walbox publishes before they are is kept nowhere).
+                emulator.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                emulator.start_again().unwrap();
+                pubsub_subscriptions(emulator, &self.name);
+            }
+            Server::PubSub(PubSubServer::Shared(_)) => {
+                panic!("the binary's emulator is shared: a cell that restarts it has its own")
+            }
             Server::Webhook(receiver) => {
                 receiver.set_script(|_| walbox_testkit::webhook::Reply::Reset);
                 while_down().await;
@@ -327,11 +439,14 @@ impl Destination {
                 tokio::time::sleep(down).await;
                 kinesis.start_again().unwrap();
             }
-            Server::Sqs(sqs) => {
+            Server::Sqs(SqsServer::Own(sqs)) => {
                 sqs.kill9().unwrap();
                 while_down().await;
                 tokio::time::sleep(down).await;
                 sqs.start_again().unwrap();
+            }
+            Server::Sqs(SqsServer::Shared(_)) => {
+                panic!("a cell that restarts LocalStack has its own")
             }
         }
     }
@@ -420,6 +535,33 @@ impl Destination {
                 .unwrap();
                 out
             }
+            Server::PubSub(emulator) => {
+                let config = walbox_sink::PubSubSinkConfig {
+                    project: PubSubEmulator::PROJECT.into(),
+                    emulator_host: Some(emulator.get().host()),
+                    ..Default::default()
+                };
+                // Reading acknowledges: what was read before is kept here,
+                // and what came since is added after it.
+                let mut pulled = self.pulled.lock().await;
+                let held = pulled.entry(topic.to_owned()).or_default();
+                let before = held.len() as i64;
+                let mut new = Vec::new();
+                walbox_sink::read_subscription(
+                    &config,
+                    &format!("{topic}.sub"),
+                    Duration::from_secs(5),
+                    |r| {
+                        let mut copy = Copy::of_view(topic, &r, r.event_id());
+                        copy.offset += before;
+                        new.push(copy);
+                    },
+                )
+                .await
+                .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
+                held.extend(new);
+                held.clone()
+            }
             Server::Webhook(receiver) => {
                 let path = format!("/hooks/{topic}");
                 receiver
@@ -449,7 +591,7 @@ impl Destination {
             }
             Server::Sqs(sqs) => {
                 let config = walbox_sink::SqsSinkConfig {
-                    endpoint_url: Some(sqs.endpoint()),
+                    endpoint_url: Some(sqs.get().endpoint()),
                     region: Some("us-east-1".into()),
                     credentials: Some(Kinesalite::credentials()),
                     ..Default::default()

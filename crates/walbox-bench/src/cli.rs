@@ -8,7 +8,8 @@ use crate::Error;
 const USAGE: &str = "\
 usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                     [--rates LIST] [--only LIST] [--svg-dir DIR] [--walbox PATH]
-                    [--webhook-events N] [--alloc-events N] [--walbox-counting PATH]
+                    [--webhook-events N] [--pubsub-events N] [--alloc-events N]
+                    [--walbox-counting PATH]
                     [--baseline PATH]
 
   --events N          backlog size, a multiple of 10 (default 1000000)
@@ -18,8 +19,9 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
   --steady-seconds N  seconds of writing per steady rate (default 60)
   --rates LIST        steady rates in events/s (default 1000,5000,20000)
   --only LIST         scenarios to run: backlog, polling, messages, allocations,
-                      big-txn, steady, webhook (default all)
+                      big-txn, steady, webhook, pubsub (default all)
   --webhook-events N  events of each webhook run, a multiple of 10 (default 20000)
+  --pubsub-events N   events of the Pub/Sub run, a multiple of 10 (default 20000)
   --alloc-events N    events of each allocations run, a multiple of 10 (default 100000)
   --svg-dir DIR       where a full run writes its charts
   --walbox PATH       the walbox binary (default: next to this one)
@@ -45,6 +47,8 @@ pub struct Args {
     pub rates: Vec<u64>,
     /// Events of each run of the webhook scenario.
     pub webhook_events: u64,
+    /// Events of the Pub/Sub scenario's run.
+    pub pubsub_events: u64,
     /// Events of each run of the allocations scenario.
     pub alloc_events: u64,
     /// The walbox that counts its allocations (`--walbox-counting`), when it
@@ -67,10 +71,12 @@ pub enum Scenario {
     Webhook,
     /// Allocations per event, counted by a counting build of walbox.
     Allocations,
+    /// A backlog published to the Pub/Sub emulator, next to a plain client.
+    PubSub,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 7] = [
+    pub const ALL: [Scenario; 8] = [
         Scenario::Backlog,
         Scenario::Polling,
         Scenario::Messages,
@@ -78,6 +84,7 @@ impl Scenario {
         Scenario::BigTxn,
         Scenario::Steady,
         Scenario::Webhook,
+        Scenario::PubSub,
     ];
 
     fn parse(s: &str) -> Result<Self, Error> {
@@ -88,10 +95,11 @@ impl Scenario {
             "big-txn" => Scenario::BigTxn,
             "steady" => Scenario::Steady,
             "webhook" => Scenario::Webhook,
+            "pubsub" => Scenario::PubSub,
             "allocations" => Scenario::Allocations,
             other => {
                 return Err(format!(
-                    "--only: unknown scenario {other:?} (backlog, polling, messages, allocations, big-txn, steady, webhook)"
+                    "--only: unknown scenario {other:?} (backlog, polling, messages, allocations, big-txn, steady, webhook, pubsub)"
                 )
                 .into());
             }
@@ -120,6 +128,7 @@ pub fn args() -> Result<Option<Args>, Error> {
         only: Scenario::ALL.to_vec(),
         rates: vec![1_000, 5_000, 20_000],
         webhook_events: 20_000,
+        pubsub_events: 20_000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -145,6 +154,9 @@ pub fn args() -> Result<Option<Args>, Error> {
                     .next()
                     .ok_or("--webhook-events needs a number")?
                     .parse()?;
+            }
+            "--pubsub-events" => {
+                a.pubsub_events = it.next().ok_or("--pubsub-events needs a number")?.parse()?;
             }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
             "--baseline" => {
@@ -175,6 +187,9 @@ pub fn args() -> Result<Option<Args>, Error> {
     }
     if a.webhook_events == 0 || !a.webhook_events.is_multiple_of(10) {
         return Err("--webhook-events must be a positive multiple of 10".into());
+    }
+    if a.pubsub_events == 0 || !a.pubsub_events.is_multiple_of(10) {
+        return Err("--pubsub-events must be a positive multiple of 10".into());
     }
     if a.alloc_events == 0 || !a.alloc_events.is_multiple_of(10) {
         return Err("--alloc-events must be a positive multiple of 10".into());

@@ -57,10 +57,15 @@
 //!    `walbox run` to the test kit's HTTP receiver, the events spread over 1, 16
 //!    and 256 keys (so as many requests in flight), one run each.
 //!
+//! 6. Google Cloud Pub/Sub (`pubsub.rs`): `--pubsub-events` (default 20,000)
+//!    published by `walbox run` to the test kit's Pub/Sub emulator, then the
+//!    same messages published by a plain client the way walbox does (one
+//!    request in flight per ordering key); the ratio of their times.
+//!
 //! A contender that writes to the broker or JetStream must have added every event
 //! to it by the end of its run (`delivered.rs`), else the bench fails.
 //!
-//! `--only backlog,polling,messages,big-txn,steady,webhook` runs some of them and `--rates` picks
+//! `--only backlog,polling,messages,big-txn,steady,webhook,pubsub` runs some of them and `--rates` picks
 //! the steady rates; only a full run writes the charts. Figures are printed with
 //! the setup they came from.
 
@@ -72,6 +77,7 @@ mod contenders;
 mod delivered;
 mod messages;
 mod polling;
+mod pubsub;
 mod report;
 mod scenarios;
 mod steady;
@@ -208,6 +214,14 @@ async fn main() -> Result<(), Error> {
         webhooks = bench.webhook(n).await?;
     }
 
+    // 6. A backlog published to Pub/Sub's emulator, next to a plain client.
+    let mut pubsub_run = None;
+    if runs(Scenario::PubSub) {
+        let n = bench.a.pubsub_events;
+        println!("scenario 6: {n} events to the Pub/Sub emulator, then a plain client");
+        pubsub_run = Some(bench.pubsub(n).await?);
+    }
+
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mem_gb = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -294,6 +308,7 @@ async fn main() -> Result<(), Error> {
         report::print_steady(bench.a.steady_seconds, &steady);
     }
     webhook::print(&webhooks);
+    pubsub::print(pubsub_run.as_ref());
     // The charts compare all contenders: only a full run writes them.
     if let Some(dir) = &bench.a.svg_dir
         && bench.a.only.len() == Scenario::ALL.len()

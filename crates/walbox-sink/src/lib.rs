@@ -19,6 +19,9 @@
 //!   the entry already there.
 //! - [`RabbitMqSink`]: RabbitMQ, to an exchange with publisher confirms and
 //!   `mandatory`, or to streams with deduplicating named producers.
+//! - [`PubSubSink`]: Google Cloud Pub/Sub over its REST API, the aggregate
+//!   key as ordering key, one request in flight per key (a key pauses while a
+//!   failed request is sent again), acknowledged on the message ids.
 //! - [`StdoutSink`]: JSON lines (topic, key, headers, value), acknowledged once
 //!   written and flushed to the pipe or file (not once read); a closed pipe
 //!   fails deliveries for good.
@@ -88,6 +91,7 @@ mod lanes;
 mod nats;
 mod nats_reader;
 pub mod probe;
+mod pubsub;
 mod rabbitmq;
 mod reader;
 mod redis_streams;
@@ -110,6 +114,11 @@ pub use nats::{
     DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage,
 };
 pub use nats_reader::{DurableLetters, read_subject};
+pub use pubsub::{
+    DROPPED_HEADERS_ATTRIBUTE as PUBSUB_DROPPED_HEADERS_ATTRIBUTE, EMULATOR_HOST_ENV, PubSubSink,
+    PubSubSinkConfig, SubscriptionLetters, create_subscription, describe as describe_pubsub,
+    read_subscription,
+};
 pub use rabbitmq::{
     PASSWORD_ENV as RABBITMQ_PASSWORD_ENV, QueueLetters, RabbitMqMode, RabbitMqSink,
     RabbitMqSinkConfig, StreamLetters as RabbitStreamLetters, USER_ENV as RABBITMQ_USER_ENV,
@@ -264,6 +273,34 @@ pub enum SinkError {
     /// acknowledged.
     #[error("{0}; the session ends, and the next one sends again what was not acknowledged")]
     TaskDied(String),
+    /// Pub/Sub could not be reached or did not answer; a new session may
+    /// succeed.
+    #[error("pubsub: {0}")]
+    PubSub(String),
+    /// Pub/Sub refused a request for good (not for one event): permissions,
+    /// a project that does not exist. Trying again would only repeat it.
+    #[error("pubsub: {0}")]
+    PubSubRefused(String),
+    /// No credentials for Pub/Sub, or Pub/Sub refused them. Trying again
+    /// would only repeat it.
+    #[error(
+        "pubsub: no usable credentials: {0}; walbox uses Application Default Credentials \
+         (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login, or the \
+         metadata server), or none with PUBSUB_EMULATOR_HOST"
+    )]
+    PubSubAuthentication(String),
+    /// A dead-letter topic has no subscription to keep its letters.
+    #[error(
+        "pubsub: dead-letter topic {topic:?} has no subscription {subscription:?}, so letters \
+         published there would be kept nowhere; create it (gcloud pubsub subscriptions create \
+         {subscription} --topic {topic} --expiration-period never), or set create_topics = true"
+    )]
+    PubSubMissingSubscription {
+        /// The dead-letter topic.
+        topic: String,
+        /// The subscription walbox expects (`letters_subscription`).
+        subscription: String,
+    },
     /// Writing to standard output failed.
     #[error("writing to stdout: {0}")]
     Io(#[from] std::io::Error),

@@ -51,7 +51,8 @@ enum Inner<'a> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OwnedRecord {
     /// Its partition (a Kinesis stream's shard, in the order the stream
-    /// lists them); 0 for a RabbitMQ queue or stream.
+    /// lists them); 0 for a RabbitMQ queue or stream and a Pub/Sub
+    /// subscription.
     pub partition: i32,
     /// Its place in the queue (from 0) or its stream offset.
     pub offset: i64,

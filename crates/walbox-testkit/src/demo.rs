@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use crate::kafka::Record;
 use crate::{
-    Broker, Kinesalite, LocalStack, NatsServer, PgCluster, RabbitMq, Receiver, RedisServer,
-    wait_until_async,
+    Broker, Kinesalite, LocalStack, NatsServer, PgCluster, PubSubEmulator, RabbitMq, Receiver,
+    RedisServer, wait_until_async,
 };
 
 /// Concurrent writers.
@@ -34,10 +34,15 @@ pub const SINKS: &[&str] = &[
     "rabbitmq-stream",
     "redis",
     "webhook",
+    "pubsub",
     "kinesis",
     "sqs",
     "stdout",
 ];
+
+/// The subscription the demo reads a Pub/Sub topic back through, made
+/// before walbox publishes (a subscription holds what comes after it).
+pub const PUBSUB_SUBSCRIPTION: &str = "outbox.order.demo";
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -53,6 +58,8 @@ enum Server {
     Webhook(Receiver),
     /// The file walbox's standard output goes to.
     Stdout(tempfile::TempDir),
+    /// Google's Pub/Sub emulator, with the demo's subscription.
+    PubSub(PubSubEmulator),
     /// kinesalite, a Kinesis stand-in.
     Kinesis(Kinesalite),
     /// LocalStack's SQS, and the records drained from the queue so far
@@ -90,6 +97,12 @@ impl Destination {
             "redis" => Server::Redis(RedisServer::start()?),
             "webhook" => Server::Webhook(Receiver::start()?),
             "stdout" => Server::Stdout(tempfile::tempdir()?),
+            "pubsub" => {
+                let emulator = PubSubEmulator::start()?;
+                emulator.removed_when_this_process_ends()?;
+                emulator.create_subscription(PUBSUB_SUBSCRIPTION, TOPIC, true)?;
+                Server::PubSub(emulator)
+            }
             "kinesis" => Server::Kinesis(Kinesalite::start()?),
             "sqs" => Server::Sqs(LocalStack::start()?, tokio::sync::Mutex::new(Vec::new())),
             other => {
@@ -110,6 +123,9 @@ impl Destination {
             Server::Redis(_) => "a Redis server (an fsynced append-only file)",
             Server::Webhook(_) => "an HTTP receiver",
             Server::Stdout(_) => "a file for walbox's standard output",
+            Server::PubSub(_) => {
+                "Google's Pub/Sub emulator and a subscription with message ordering"
+            }
             Server::Kinesis(_) => "kinesalite (a Kinesis stand-in, records kept on disk)",
             Server::Sqs(..) => "LocalStack's SQS (FIFO queues)",
         }
@@ -128,6 +144,7 @@ impl Destination {
             Server::Stdout(_) => self.stdout_path().display().to_string(),
             Server::Kinesis(k) => k.endpoint(),
             Server::Sqs(l, _) => l.endpoint(),
+            Server::PubSub(e) => e.host(),
         }
     }
 
@@ -224,6 +241,25 @@ impl Destination {
                 return Ok(out);
             }
             Server::Stdout(_) => return Ok(config.to_owned()),
+            Server::PubSub(e) => {
+                let mut out = config.to_owned();
+                for (default, ours) in [
+                    (
+                        "project = \"my-project\"".to_owned(),
+                        format!("project = \"{}\"", PubSubEmulator::PROJECT),
+                    ),
+                    (
+                        "# emulator_host = \"127.0.0.1:8085\"   # example".to_owned(),
+                        format!("emulator_host = \"{}\"", e.host()),
+                    ),
+                ] {
+                    if out.matches(default.as_str()).count() != 1 {
+                        return Err(format!("the configuration holds no {default:?}").into());
+                    }
+                    out = out.replace(&default, &ours);
+                }
+                return Ok(out);
+            }
             Server::Kinesis(k) => (
                 "# endpoint_url = \"https://kinesis.us-east-1.amazonaws.com\"   # example"
                     .to_owned(),
@@ -251,6 +287,9 @@ impl Destination {
             Server::Redis(_) => format!("stream {TOPIC}"),
             Server::Webhook(r) => format!("endpoint {}/hooks/{TOPIC}", r.base_url()),
             Server::Stdout(_) => "standard output".to_owned(),
+            Server::PubSub(_) => {
+                format!("topic {TOPIC} (read through subscription {PUBSUB_SUBSCRIPTION})")
+            }
             Server::Kinesis(_) => format!("Kinesis stream {TOPIC}"),
             Server::Sqs(..) => "SQS queue outbox-order.fifo".to_owned(),
         }
@@ -267,6 +306,7 @@ impl Destination {
             Server::Redis(_) => "in the stream",
             Server::Webhook(_) => "at the endpoint (2xx)",
             Server::Stdout(_) => "on standard output",
+            Server::PubSub(_) => "in the topic",
             Server::Kinesis(_) => "in the stream",
             Server::Sqs(..) => "in the queue",
         }
@@ -278,6 +318,7 @@ impl Destination {
         match &self.server {
             Server::Kafka(_) => "each on one partition, in commit order",
             Server::Webhook(_) => "each one request at a time, in commit order",
+            Server::PubSub(_) => "each one ordering key, in commit order",
             Server::Kinesis(_) => "each in one shard, in commit order",
             Server::Sqs(..) => "each one message group, in commit order",
             _ => "each in commit order",
@@ -342,6 +383,9 @@ impl Destination {
                     })
                     .collect())
             }
+            Server::PubSub(e) => Ok(tokio::task::block_in_place(|| {
+                e.read_at_least(PUBSUB_SUBSCRIPTION, TOPIC, wanted, limit)
+            })?),
             Server::Kinesis(k) => wait_until_async("the stream's records", limit, || async {
                 let got = crate::kinesis::read_stream(&k.endpoint(), TOPIC)
                     .await
@@ -396,6 +440,7 @@ impl Destination {
                 r.delivered().len()
             ),
             Server::Stdout(_) => std::fs::read_to_string(self.stdout_path()).unwrap_or_default(),
+            Server::PubSub(e) => e.log_tail(),
             Server::Kinesis(k) => k.log_tail(),
             Server::Sqs(l, _) => l.log_tail(),
         }

@@ -8,8 +8,12 @@
 //! before it is forwarded (so the server never stores it) and put back
 //! into the answer as failed: a `Records` item with `ErrorCode`
 //! `ProvisionedThroughputExceededException` (and `FailedRecordCount`
-//! raised), or a `Failed` item with `Code` `InternalError`. Every other
-//! request is forwarded as it is. The stand-ins check no signatures, so a
+//! raised), or a `Failed` item with `Code` `InternalError`. A Pub/Sub
+//! Publish request (`POST .../topics/T:publish`) is all or nothing: when the
+//! script picks any of its `messages`, none reaches the server and the call
+//! is answered `400 INVALID_ARGUMENT`, as Pub/Sub refuses a request holding
+//! a message it takes for invalid. Every other request is forwarded as it
+//! is. The stand-ins check no signatures, so a
 //! request changed on its way is still taken.
 
 use std::net::SocketAddr;
@@ -27,14 +31,15 @@ use crate::{Result, TestkitError};
 /// One entry of a batch call, as the script sees it.
 #[derive(Debug, Clone)]
 pub struct Entry<'a> {
-    /// The call's action (`PutRecords`, `SendMessageBatch`).
+    /// The call's action (`PutRecords`, `SendMessageBatch`, `Publish`).
     pub action: &'a str,
     /// How many batch calls came before this one.
     pub call: usize,
     /// The entry's place in its call.
     pub index: usize,
     /// The entry as sent (a Kinesis record: `PartitionKey`, `Data` in
-    /// base64; an SQS entry: `Id`, `MessageBody`, `MessageGroupId`, ...).
+    /// base64; an SQS entry: `Id`, `MessageBody`, `MessageGroupId`, ...; a
+    /// Pub/Sub message: `data` in base64, `attributes`, `orderingKey`).
     pub json: &'a Value,
 }
 
@@ -131,7 +136,7 @@ impl FaultProxy {
         self.inner.counts.lock().map(|c| c.calls).unwrap_or(0)
     }
 
-    /// Entries answered as failed so far.
+    /// Entries answered as failed so far (for Pub/Sub: Publish calls refused).
     #[must_use]
     pub fn failed(&self) -> usize {
         self.inner.counts.lock().map(|c| c.failed).unwrap_or(0)
@@ -195,6 +200,11 @@ async fn handle(
         .await
         .map_err(std::io::Error::other)?
         .to_bytes();
+    if parts.uri.path().ends_with(":publish")
+        && let Some(refused) = refuse_publish(&inner, &body)
+    {
+        return Ok(refused);
+    }
     let target = parts
         .headers
         .get("x-amz-target")
@@ -266,6 +276,45 @@ async fn handle(
     response
         .body(Full::new(answer))
         .map_err(std::io::Error::other)
+}
+
+/// A Pub/Sub Publish request's answer when the script picks one of its
+/// messages: the whole call refused, nothing forwarded.
+fn refuse_publish(inner: &Inner, body: &[u8]) -> Option<Response<Full<Bytes>>> {
+    let request = serde_json::from_slice::<Value>(body).ok()?;
+    let call = {
+        let mut counts = inner.counts.lock().expect("not poisoned");
+        counts.calls += 1;
+        counts.calls - 1
+    };
+    let script = Arc::clone(&inner.script.lock().expect("not poisoned"));
+    let picked = request
+        .get("messages")
+        .and_then(Value::as_array)?
+        .iter()
+        .enumerate()
+        .any(|(index, json)| {
+            script(&Entry {
+                action: "Publish",
+                call,
+                index,
+                json,
+            })
+        });
+    if !picked {
+        return None;
+    }
+    inner.counts.lock().expect("not poisoned").failed += 1;
+    let answer = serde_json::json!({"error": {
+        "code": 400,
+        "message": "Invalid message (injected by the test proxy)",
+        "status": "INVALID_ARGUMENT",
+    }});
+    Response::builder()
+        .status(400)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(answer.to_string())))
+        .ok()
 }
 
 /// Whether every entry of the request was picked to fail.

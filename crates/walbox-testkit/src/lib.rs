@@ -17,6 +17,9 @@
 //!   with its own data directory, `appendonly yes` and `appendfsync always`
 //!   (stop, restart on the same directory, SIGKILL), optionally with a
 //!   password.
+//! - [`PubSubEmulator`]: Google's Pub/Sub emulator (Java) as an unprivileged
+//!   user on a free port, in memory only (a restart is an empty server),
+//!   with topic and subscription set-up.
 //! - [`TcpProxy`]: a TCP proxy between a program and a server that cuts every
 //!   connection, refuses new ones and accepts again on command, and counts
 //!   the connections it holds (link faults).
@@ -32,7 +35,8 @@
 //!   through a SIGKILL (stop, restart, SIGKILL).
 //! - [`LocalStack`]: LocalStack (SQS and SNS, `scripts/aws.sh`) on a free
 //!   port, in memory (kill -9, start again empty).
-//! - [`FaultProxy`]: an HTTP proxy in front of an AWS stand-in that answers
+//! - [`FaultProxy`]: an HTTP proxy in front of an AWS stand-in (or the Pub/Sub
+//!   emulator, whose Publish requests it refuses whole) that answers
 //!   chosen entries of a batch call (Kinesis `PutRecords`, SQS
 //!   `SendMessageBatch`) as failed without forwarding them, as AWS does
 //!   when it throttles part of a batch.
@@ -54,6 +58,7 @@ mod postgres;
 mod process;
 pub mod prometheus;
 mod proxy;
+pub mod pubsub;
 pub mod rabbitmq;
 pub mod redis;
 mod tls;
@@ -69,6 +74,7 @@ pub use nats::{NatsOptions, NatsServer};
 pub use postgres::{PgCluster, PgOptions, StopMode, major_bindir, server_major};
 pub use prometheus::Prometheus;
 pub use proxy::TcpProxy;
+pub use pubsub::PubSubEmulator;
 pub use rabbitmq::RabbitMq;
 pub use redis::{RedisOptions, RedisServer};
 pub use tls::TlsFiles;

@@ -69,6 +69,30 @@ impl LocalStack {
         self.port
     }
 
+    /// Makes sure LocalStack goes when this process ends, however it ends
+    /// (one kept in a `static` is never dropped): a watcher in a process
+    /// group of its own waits for this process to exit, then kills
+    /// LocalStack's group.
+    pub fn removed_when_this_process_ends(&self) -> Result<()> {
+        let Some(child) = &self.child else {
+            return Ok(());
+        };
+        let script = format!(
+            "while kill -0 {me} 2>/dev/null; do sleep 1; done; kill -9 -{group} 2>/dev/null",
+            me = std::process::id(),
+            group = child.id(),
+        );
+        let mut cmd = std::process::Command::new("/bin/sh");
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        cmd.args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        cmd.spawn()
+            .map_err(TestkitError::io("starting", "/bin/sh"))?;
+        Ok(())
+    }
+
     /// Kills the server with SIGKILL and waits until it is gone.
     pub fn kill9(&mut self) -> Result<()> {
         self.end(Signal::SIGKILL)

@@ -17,7 +17,9 @@
 //! acknowledgements of the messages of the dead-letter queue the user bound (`sink.rabbitmq.dead_letter_queue`), with RabbitMQ
 //! streams as an offset the broker stores per dead-letter stream (each
 //! letter's event published as a replay of its own, under producer names
-//! apart from the stream's).
+//! apart from the stream's), with Google Cloud Pub/Sub as the
+//! acknowledgements of the dead-letter topic's letters subscription (taken
+//! in commit order; a letter that still fails is handed back).
 //!
 //! A letter's event is published under its own event id (a dead letter holds
 //! `{id}.dlq` on NATS), so a run again after a kill, before its progress was
@@ -33,8 +35,9 @@ use bytes::Bytes;
 use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_header, header};
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{
-    DurableLetters, KafkaSink, KinesisLetters, KinesisSink, NatsSink, QueueLetters, RabbitMqSink,
-    RabbitStreamLetters, RedisSink, Sink, SqsLetters, SqsSink, StreamLetters, WebhookSink,
+    DurableLetters, KafkaSink, KinesisLetters, KinesisSink, NatsSink, PubSubSink, QueueLetters,
+    RabbitMqSink, RabbitStreamLetters, RedisSink, Sink, SqsLetters, SqsSink, StreamLetters,
+    SubscriptionLetters, WebhookSink,
 };
 
 use crate::catalog::{self, ident};
@@ -413,9 +416,21 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 {
                     let mut letters = Vec::new();
                     read.each(|r| letters.push(parse(&r)));
+                    // A letter that can never be replayed stays in the
+                    // queue (deleting it would lose it): handed back, and
+                    // the replay of this queue ends with the round.
+                    let kept: HashSet<i64> = letters
+                        .iter()
+                        .filter(|l| l.never_replayable().is_some())
+                        .map(|l| l.offset)
+                        .collect();
                     let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
-                    let clean = matches!(&published, Ok(failed) if failed.is_empty());
-                    let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                    let clean =
+                        kept.is_empty() && matches!(&published, Ok(failed) if failed.is_empty());
+                    let done = |offset: i64| {
+                        !kept.contains(&offset)
+                            && matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)))
+                    };
                     read.settle(done)
                         .await
                         .with_context(|| format!("recording progress on {dlq}"))?;
@@ -485,6 +500,28 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
             .await
             .with_context(|| format!("recording progress on {queue}"))?;
             result?;
+        }
+        SinkKind::PubSub => {
+            let sink_config = config.sink.pubsub_sink()?;
+            let (mut sink, mut deliveries) = PubSubSink::new(sink_config.clone())?;
+            for dlq in &topics {
+                // The letters subscription keeps the progress: a letter
+                // replayed is acknowledged, one that still fails handed back.
+                let Some(read) = SubscriptionLetters::read(&sink_config, dlq, TIMEOUT)
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                let mut letters = Vec::new();
+                read.each(|r| letters.push(parse(&r)));
+                let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                let done = |offset: i64| matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)));
+                read.settle(done)
+                    .await
+                    .with_context(|| format!("recording progress on {dlq}"))?;
+                published?;
+            }
         }
         SinkKind::Stdout => return Err(nothing_stored()),
     }
@@ -557,8 +594,8 @@ fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
         "walbox dlq replay reads dead letters back from where they were stored, and [sink] \
          type = \"stdout\" stores none (they went to standard output with the events); set \
-         [sink] type = \"kafka\", \"nats\", \"redis\", \"rabbitmq\" or \"webhook\" (or --sink) \
-         to replay the dead letters it stored"
+         [sink] type = \"kafka\", \"nats\", \"redis\", \"rabbitmq\", \"pubsub\", \"kinesis\", \
+         \"sqs\" or \"webhook\" (or --sink) to replay the dead letters it stored"
     )
 }
 

@@ -378,6 +378,17 @@ pub async fn run(config: &Config, standby_dsn: Option<&str>) -> Result<()> {
             ),
         }
     }
+    if config.sink.kind == crate::config::SinkKind::PubSub {
+        match walbox_sink::describe_pubsub(&config.sink.pubsub_sink()?).await {
+            Ok((ok, warn)) => {
+                r.add(Verdict::Ok, ok);
+                if let Some(w) = warn {
+                    r.add(Verdict::Warn, w);
+                }
+            }
+            Err(e) => r.add(Verdict::Fail, format!("sink.pubsub: {e}")),
+        }
+    }
     if config.sink.kind == crate::config::SinkKind::RabbitMq {
         match config.sink.rabbitmq.mode {
             walbox_sink::RabbitMqMode::Stream => r.add(

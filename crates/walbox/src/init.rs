@@ -50,6 +50,7 @@ fn sink_part(kind: SinkKind) -> &'static str {
         SinkKind::RabbitMq => include_str!("init/rabbitmq.toml"),
         SinkKind::Kinesis => include_str!("init/kinesis.toml"),
         SinkKind::Sqs => include_str!("init/sqs.toml"),
+        SinkKind::PubSub => include_str!("init/pubsub.toml"),
     }
 }
 
@@ -110,6 +111,10 @@ fn addresses(kind: SinkKind) -> &'static str {
         SinkKind::Sqs => {
             "sink.sqs.region (credentials come from the AWS chain: AWS_ACCESS_KEY_ID and \
              AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web identity or instance metadata)"
+        }
+        SinkKind::PubSub => {
+            "sink.pubsub.project and endpoint (credentials come from Application Default \
+             Credentials: GOOGLE_APPLICATION_CREDENTIALS, gcloud's, or the metadata server)"
         }
     }
 }

@@ -195,6 +195,22 @@ async fn read_records(
         SinkKind::Kafka | SinkKind::Stdout => tokio::task::block_in_place(|| {
             walbox_sink::read_topic(properties, topic, timeout, each)
         }),
+        SinkKind::PubSub => {
+            let pubsub = config
+                .sink
+                .pubsub_sink()
+                .map_err(|e| walbox_sink::SinkError::Config(e.to_string()))?;
+            let Some(subscription) = pubsub.verify_subscription_of(topic) else {
+                return Err(walbox_sink::SinkError::Config(
+                    "sink.pubsub.verify_subscription: name the subscription ({topic} for the \
+                     topic) that walbox verify reads back; made before the events were \
+                     published, with message ordering, for audits only (verify acknowledges \
+                     what it reads)"
+                        .into(),
+                ));
+            };
+            walbox_sink::read_subscription(&pubsub, &subscription, timeout, each).await
+        }
         SinkKind::Kinesis => {
             let kinesis = config
                 .sink
@@ -213,6 +229,19 @@ async fn read_records(
             "an HTTP receiver keeps no record walbox can read back".into(),
         )),
     }
+}
+
+/// The event ids of the dead letters a Pub/Sub dead-letter topic's letters
+/// subscription holds, read and handed back (left for `walbox dlq replay`).
+async fn pubsub_letter_ids(config: &Config, dlq: &str, timeout: Duration) -> Result<Vec<String>> {
+    let pubsub = config.sink.pubsub_sink()?;
+    let Some(letters) = walbox_sink::SubscriptionLetters::read(&pubsub, dlq, timeout).await? else {
+        return Ok(Vec::new());
+    };
+    let mut ids = Vec::new();
+    letters.each(|r| ids.push(r.header(header::EVENT_ID).unwrap_or_default().to_owned()));
+    letters.settle(|_| false).await?;
+    Ok(ids)
 }
 
 /// Runs the audit; fails when events are missing or out of order.
@@ -313,6 +342,10 @@ pub async fn run(args: Args) -> Result<()> {
     dead_letter_topics.sort();
     dead_letter_topics.dedup();
     for dlq in dead_letter_topics.iter().filter(|t| !topics.contains(t)) {
+        if config.sink.kind == SinkKind::PubSub {
+            dead.extend(pubsub_letter_ids(&config, dlq, timeout).await?);
+            continue;
+        }
         let mut ids = Vec::new();
         let ids = read_records(&config, &properties, dlq, timeout, |r| {
             ids.push(r.header(header::EVENT_ID).unwrap_or_default().to_owned());

@@ -30,6 +30,8 @@ pub enum Protocol {
     Http,
     /// AMQP 1.0 messages (application properties).
     Amqp,
+    /// Google Cloud Pub/Sub messages (attributes).
+    PubSub,
 }
 
 /// How CloudEvents travel over one protocol.
@@ -83,6 +85,16 @@ impl Protocol {
                 protocol: self,
                 default_mode: CloudEventsMode::Binary,
                 prefix: "cloudEvents_",
+                percent_encoded: false,
+                data_content_type: "content-type",
+                structured_content_type: "content-type",
+            },
+            // Google's Pub/Sub binding: `ce-` attributes, UTF-8 values as
+            // they are, the content type in `content-type`.
+            Protocol::PubSub => Binding {
+                protocol: self,
+                default_mode: CloudEventsMode::Binary,
+                prefix: "ce-",
                 percent_encoded: false,
                 data_content_type: "content-type",
                 structured_content_type: "content-type",

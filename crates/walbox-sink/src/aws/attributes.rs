@@ -69,32 +69,52 @@ pub(crate) fn valid_text(text: &str) -> bool {
     })
 }
 
-/// A header value as an attribute value: text when it is valid text.
-fn value_of(bytes: &[u8]) -> Value {
-    match std::str::from_utf8(bytes) {
+/// A header value as an attribute value: text when it is valid text,
+/// else binary; `None` for an empty value, which SQS and SNS take in
+/// neither form.
+fn value_of(bytes: &[u8]) -> Option<Value> {
+    if bytes.is_empty() {
+        return None;
+    }
+    Some(match std::str::from_utf8(bytes) {
         Ok(text) if valid_text(text) => Value::Text(text.to_owned()),
         _ => Value::Binary(bytes.to_vec()),
+    })
+}
+
+/// A value as the JSON of `walbox_headers`: text, or `{"base64": ...}`.
+fn json_of(bytes: &[u8]) -> serde_json::Value {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => serde_json::Value::String(text.to_owned()),
+        Err(_) => serde_json::json!({"base64": STANDARD.encode(bytes)}),
     }
 }
 
 /// The attributes of `event`.
 pub(crate) fn attributes(event: &Event) -> Attributes {
-    let mut out: Attributes = vec![(EVENT_ID.to_owned(), Value::Text(event.event_id.clone()))];
+    let mut out: Attributes = Vec::new();
     let mut own: Vec<(String, Value)> = Vec::new();
     let mut rest: Vec<(&str, &[u8])> = Vec::new();
+    match value_of(event.event_id.as_bytes()) {
+        Some(id) => out.push((EVENT_ID.to_owned(), id)),
+        None => rest.push((EVENT_ID, event.event_id.as_bytes())),
+    }
     for (name, value) in &event.headers {
         let taken = out
             .iter()
             .chain(own.iter())
             .any(|(n, _)| n == name.as_ref());
-        if valid_name(name) && !taken && name.as_ref() != MORE_HEADERS {
-            own.push((name.to_string(), value_of(value)));
-        } else if name.as_ref() != EVENT_ID || value.as_ref() != event.event_id.as_bytes() {
+        let same_id = name.as_ref() == EVENT_ID && value.as_ref() == event.event_id.as_bytes();
+        match value_of(value) {
+            Some(v) if valid_name(name) && !taken && name.as_ref() != MORE_HEADERS => {
+                own.push((name.to_string(), v));
+            }
             // The format's own `event_id` header holds the id already there.
-            rest.push((name, value));
+            _ if same_id && !out.is_empty() => {}
+            _ => rest.push((name, value)),
         }
     }
-    let room = MAX_ATTRIBUTES - 1;
+    let room = MAX_ATTRIBUTES - out.len();
     if own.len() > room || !rest.is_empty() {
         // The last slot holds what has no attribute of its own.
         let keep = if own.len() >= room {
@@ -104,15 +124,17 @@ pub(crate) fn attributes(event: &Event) -> Attributes {
         };
         let moved: Vec<(String, Value)> = own.split_off(keep);
         let mut object = serde_json::Map::new();
-        for (name, value) in moved
+        for (name, json) in moved
             .iter()
-            .map(|(n, v)| (n.as_str(), v.clone()))
-            .chain(rest.iter().map(|(n, v)| (*n, value_of(v))))
+            .map(|(n, v)| {
+                let bytes = match v {
+                    Value::Text(t) => t.as_bytes(),
+                    Value::Binary(b) => b.as_slice(),
+                };
+                (n.as_str(), json_of(bytes))
+            })
+            .chain(rest.iter().map(|(n, v)| (*n, json_of(v))))
         {
-            let json = match value {
-                Value::Text(t) => serde_json::Value::String(t),
-                Value::Binary(b) => serde_json::json!({"base64": STANDARD.encode(b)}),
-            };
             // A name seen twice keeps every value, in an array.
             match object.get_mut(name) {
                 Some(serde_json::Value::Array(all)) => all.push(json),
@@ -157,14 +179,28 @@ pub(crate) fn fifo_id(text: &[u8]) -> String {
         .collect()
 }
 
-/// The deduplication id of `event`: its event id, or for a replay's copy
-/// the event id and the replay's name (the crate's rule 2 for destinations
-/// that deduplicate).
+/// The deduplication id of `event`: the SHA-256 of its event id and its
+/// source position (commit LSN and index), and for a replay's copy the
+/// replay's name too (the crate's rule 2 for destinations that
+/// deduplicate). A resend of the event (after a crash, a lost answer, a
+/// dead-letter replay run again) has the same id and is dropped; another
+/// event that happens to carry the same event id (two tables' `bigserial`
+/// ids, an id handed out again) has another position, so it is never taken
+/// for a duplicate of it. A snapshot taken again gives its rows positions
+/// of its own: they are stored again (at least once, same `event_id`).
 pub(crate) fn dedup_id(event: &Event) -> String {
-    match event.origin.replay_name() {
-        Some(name) => fifo_id(format!("{}_replay_{name}", event.event_id).as_bytes()),
-        None => fifo_id(event.event_id.as_bytes()),
+    let mut text = format!(
+        "{}\n{}\n{}",
+        event.event_id, event.position.commit_lsn, event.position.index
+    );
+    if let Some(name) = event.origin.replay_name() {
+        text.push_str("\nreplay ");
+        text.push_str(&name);
     }
+    sha2::Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// The group id of `event`: from its key, or for an event without a key
@@ -227,6 +263,21 @@ mod tests {
         // A binary value with room to spare is a Binary attribute.
         let binary = attributes(&event(&[("raw", &[0xff])]));
         assert_eq!(binary[1].1, Value::Binary(vec![0xff]));
+        // An empty value, which SQS refuses as an attribute, goes in the JSON.
+        let empty = attributes(&event(&[("trace", b""), ("type", b"Placed")]));
+        assert!(
+            !empty
+                .iter()
+                .any(|(_, v)| *v == Value::Text(String::new()) || *v == Value::Binary(vec![])),
+            "{empty:?}"
+        );
+        let (_, Value::Text(json)) = empty.last().unwrap() else {
+            panic!("{empty:?}")
+        };
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(json).unwrap()["trace"],
+            ""
+        );
     }
 
     #[test]
@@ -237,13 +288,19 @@ mod tests {
         assert_eq!(long, fifo_id(&[b'x'; 200]));
         assert_eq!(fifo_id("ordre-é".as_bytes()).len(), 64);
         assert_eq!(fifo_id(b"a b").len(), 64, "a space is not taken");
-        let mut e = event(&[]);
-        assert_eq!(dedup_id(&e), "e-1");
-        e.origin = walbox_outbox::Origin::Replay {
+        // The same event sent again: the same id; another event with the
+        // same event id at another position, or a replay's copy: another.
+        let e = event(&[]);
+        assert_eq!(dedup_id(&e), dedup_id(&e.clone()));
+        assert_eq!(dedup_id(&e).len(), 64);
+        let mut other = e.clone();
+        other.position.index += 1;
+        assert_ne!(dedup_id(&other), dedup_id(&e));
+        let mut replayed = e.clone();
+        replayed.origin = walbox_outbox::Origin::Replay {
             from: walbox_pgoutput::Lsn(0x10),
         };
-        assert_ne!(dedup_id(&e), "e-1");
-        assert!(dedup_id(&e).starts_with("e-1_replay_"));
+        assert_ne!(dedup_id(&replayed), dedup_id(&e));
         assert!(valid_text("a\tb\n"));
         assert!(!valid_text("a\u{1}b"));
         assert!(!valid_name(".a") && !valid_name("a..b") && !valid_name("amazon.x"));

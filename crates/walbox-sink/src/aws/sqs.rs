@@ -38,6 +38,8 @@ use crate::{Deliveries, DeliveryClass, Sink, SinkError};
 const MAX_ENTRIES: usize = 10;
 /// SQS's largest message (body and attributes), and a batch's.
 const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+/// The longest queue name SQS takes.
+const MAX_QUEUE_NAME: usize = 80;
 /// The deduplication window of a FIFO queue.
 pub const DEDUP_WINDOW: Duration = Duration::from_secs(300);
 
@@ -218,9 +220,19 @@ impl SqsSinkConfig {
                 }
             })
             .collect();
-        if self.fifo {
-            name.push_str(".fifo");
+        let suffix = if self.fifo { ".fifo" } else { "" };
+        if name.len() + suffix.len() > MAX_QUEUE_NAME {
+            // Too long for SQS: its start and a hash of the whole topic.
+            use sha2::Digest as _;
+            let hash: String = sha2::Sha256::digest(topic.as_bytes())[..8]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            name.truncate(MAX_QUEUE_NAME - suffix.len() - hash.len() - 1);
+            name.push('-');
+            name.push_str(&hash);
         }
+        name.push_str(suffix);
         name
     }
 }
@@ -264,18 +276,27 @@ fn attribute_value(value: &Value) -> MessageAttributeValue {
     built.build().expect("the data type is set")
 }
 
-/// Whether a failed entry's code says the message itself is refused.
-fn refused_class(code: &str) -> Option<DeliveryClass> {
-    match code {
-        "MessageTooLong" | "BatchRequestTooLong" => Some(DeliveryClass::MessageTooLarge),
+/// What a failed entry's answer means: a fault of the sender (`SenderFault`,
+/// or a code that says the message is refused) is the message's, refused
+/// for good (its dead letter takes its place); anything else (throttled, an
+/// internal error) is sent again.
+fn entry_answer(code: &str, sender_fault: bool, said: String) -> Answer {
+    let code = code.strip_suffix("Exception").unwrap_or(code);
+    let class = match code {
+        "MessageTooLong" | "BatchRequestTooLong" => DeliveryClass::MessageTooLarge,
         "InvalidMessageContents"
         | "InvalidParameterValue"
         | "InvalidAttributeName"
         | "InvalidAttributeValue"
         | "MissingParameter"
-        | "InvalidBatchEntryId" => Some(DeliveryClass::InvalidRecord),
-        _ => None,
-    }
+        | "InvalidBatchEntryId" => DeliveryClass::InvalidRecord,
+        "RequestThrottled" | "Throttling" | "ThrottlingException" | "KmsThrottled" => {
+            return Answer::Retry(said);
+        }
+        _ if sender_fault => DeliveryClass::InvalidRecord,
+        _ => return Answer::Retry(said),
+    };
+    Answer::Refused(class, said)
 }
 
 impl Api for Sqs {
@@ -339,10 +360,7 @@ impl Api for Sqs {
                 failed.code(),
                 failed.message().unwrap_or("").lines().next().unwrap_or("")
             );
-            *slot = Some(match refused_class(failed.code()) {
-                Some(class) if failed.sender_fault() => Answer::Refused(class, said),
-                _ => Answer::Retry(said),
-            });
+            *slot = Some(entry_answer(failed.code(), failed.sender_fault(), said));
         }
         Ok(answers
             .into_iter()
@@ -511,15 +529,6 @@ async fn queue_url(
 impl Sink for SqsSink {
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
         let name = self.config.queue_name(&event.topic);
-        if name.len() > 80 {
-            let why = format!(
-                "topic {:?} names queue {name:?}, longer than SQS's 80 characters",
-                event.topic
-            );
-            self.batched
-                .refuse(&event, token, DeliveryClass::InvalidTopic, why);
-            return Ok(());
-        }
         match self.message(&event) {
             Ok((message, size)) => {
                 let url = self.url(&name).await?;
@@ -544,6 +553,47 @@ impl Sink for SqsSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_senders_fault_is_the_messages_and_a_throttle_is_sent_again() {
+        let refused = |a: Answer| matches!(a, Answer::Refused(..));
+        assert!(refused(entry_answer(
+            "InvalidParameterValueException",
+            true,
+            String::new()
+        )));
+        assert!(refused(entry_answer(
+            "InvalidParameterValue",
+            true,
+            String::new()
+        )));
+        assert!(refused(entry_answer("SomethingNew", true, String::new())));
+        assert!(!refused(entry_answer(
+            "InternalError",
+            false,
+            String::new()
+        )));
+        assert!(!refused(entry_answer(
+            "RequestThrottled",
+            true,
+            String::new()
+        )));
+    }
+
+    #[test]
+    fn a_long_topic_and_its_dead_letters_name_queues_sqs_takes() {
+        let fifo = SqsSinkConfig::default();
+        let topic = "t".repeat(73);
+        let events = fifo.queue_name(&topic);
+        let letters = fifo.queue_name(&format!("{topic}.dlq"));
+        assert!(
+            events.len() <= 80 && letters.len() <= 80,
+            "{events} {letters}"
+        );
+        assert_ne!(events, letters);
+        assert!(letters.ends_with(".fifo"));
+        assert_eq!(letters, fifo.queue_name(&format!("{topic}.dlq")));
+    }
 
     #[test]
     fn topics_name_queues_sqs_takes() {
@@ -592,6 +642,10 @@ mod tests {
         e.value = bytes::Bytes::from_static(b"{}");
         let (m, _) = sink.message(&e).unwrap();
         assert_eq!(m.group.as_deref(), Some("k"));
-        assert_eq!(m.dedup.as_deref(), Some("e1"));
+        assert_eq!(m.dedup.as_deref().map(str::len), Some(64));
+        // Two events with one event id at two positions: two messages.
+        let mut other = e.clone();
+        other.position.commit_lsn = walbox_pgoutput::Lsn(2);
+        assert_ne!(sink.message(&other).unwrap().0.dedup, m.dedup);
     }
 }

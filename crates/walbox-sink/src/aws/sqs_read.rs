@@ -146,6 +146,7 @@ pub async fn drain_sqs_queue(
             continue;
         }
         empty = 0;
+        let mut done = Vec::new();
         for m in &messages {
             each(RecordView::owned(&record(
                 m,
@@ -153,14 +154,28 @@ pub async fn drain_sqs_queue(
             )));
             count += 1;
             if let Some(handle) = m.receipt_handle() {
-                client
-                    .delete_message()
-                    .queue_url(&url)
-                    .receipt_handle(handle)
-                    .send()
-                    .await
-                    .map_err(|e| setup_error(&e, "sqs", &format!("deleting from {url}")))?;
+                done.push(
+                    aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
+                        .id(done.len().to_string())
+                        .receipt_handle(handle)
+                        .build()
+                        .expect("id and handle are set"),
+                );
             }
+        }
+        // Deleted once handed over, ten to a call.
+        let out = client
+            .delete_message_batch()
+            .queue_url(&url)
+            .set_entries(Some(done))
+            .send()
+            .await
+            .map_err(|e| setup_error(&e, "sqs", &format!("deleting from {url}")))?;
+        if let Some(failed) = out.failed().first() {
+            return Err(SinkError::Read {
+                topic: topic.to_owned(),
+                reason: format!("deleting a message: {}", failed.code()),
+            });
         }
     }
     Ok(Some(count))
@@ -185,8 +200,11 @@ impl std::fmt::Debug for SqsLetters {
     }
 }
 
-/// How long a round holds its letters from other readers.
-const HOLD_S: i32 = 300;
+/// How long a round holds its letters from other readers: well inside the
+/// deduplication window, so that a run again after a kill (which sees the
+/// letters once the hold ends) republishes them while SQS still drops the
+/// copies.
+const HOLD_S: i32 = 60;
 
 impl SqsLetters {
     /// Opens the dead-letter queue `topic` names; `None` when it does not
@@ -256,5 +274,14 @@ impl SqsLetters {
             result?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_rerun_after_a_kill_sees_the_letters_inside_the_window() {
+        let hold = std::time::Duration::from_secs(u64::try_from(super::HOLD_S).unwrap());
+        assert!(hold * 2 <= super::super::sqs::DEDUP_WINDOW);
     }
 }

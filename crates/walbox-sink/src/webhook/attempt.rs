@@ -42,7 +42,7 @@ pub(super) struct Shared {
 static RETRIES: std::sync::Mutex<std::collections::BTreeMap<String, u64>> =
     std::sync::Mutex::new(std::collections::BTreeMap::new());
 
-fn count_retry(topic: &str) {
+pub(crate) fn count_retry(topic: &str) {
     let mut r = RETRIES
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -136,7 +136,7 @@ pub(super) fn sanitized(body: &[u8]) -> String {
 
 /// The delay before attempt `attempt + 1` (1 = the first retry): doubling from
 /// `initial`, at most `max`, drawn uniformly from its upper half (jitter).
-pub(super) fn backoff(attempt: u32, initial: Duration, max: Duration) -> Duration {
+pub(crate) fn backoff(attempt: u32, initial: Duration, max: Duration) -> Duration {
     let full = initial
         .saturating_mul(1u32 << attempt.saturating_sub(1).min(20))
         .min(max);

@@ -379,7 +379,8 @@ pub struct Overrides {
     pub table: Option<String>,
     /// Topic template for that table, e.g. `outbox.{aggregate_type}`: the
     /// Kafka topic, NATS subject, RabbitMQ routing key or stream, Redis stream
-    /// key, the webhook URL's {topic} or the stdout line's topic.
+    /// key, the webhook URL's {topic}, the Pub/Sub (pubsub) topic, the Kinesis
+    /// stream, the SQS queue or the stdout line's topic.
     #[arg(long, env = "WALBOX_TOPIC")]
     pub topic: Option<String>,
     /// Sink type: where events go.
@@ -571,6 +572,9 @@ impl Config {
         }
         if self.sink.kind == SinkKind::RabbitMq {
             self.sink.rabbitmq_sink(&self.source.slot)?;
+        }
+        if self.sink.kind == SinkKind::PubSub {
+            self.sink.pubsub_sink()?;
         }
         self.dead_letter.template()?;
         walbox_outbox::check_prefixes(&self.messages)

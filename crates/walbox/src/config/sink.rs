@@ -26,6 +26,10 @@ pub enum SinkKind {
     #[value(name = "rabbitmq")]
     #[serde(rename = "rabbitmq")]
     RabbitMq,
+    /// Google Cloud Pub/Sub (`[sink.pubsub]`).
+    #[value(name = "pubsub")]
+    #[serde(rename = "pubsub")]
+    PubSub,
     /// Amazon Kinesis Data Streams (`[sink.kinesis]`).
     Kinesis,
     /// Amazon SQS, FIFO queues by default (`[sink.sqs]`).
@@ -51,6 +55,7 @@ impl SinkKind {
             SinkKind::RabbitMq => "rabbitmq",
             SinkKind::Kinesis => "kinesis",
             SinkKind::Sqs => "sqs",
+            SinkKind::PubSub => "pubsub",
         }
     }
 
@@ -66,6 +71,7 @@ impl SinkKind {
             SinkKind::RabbitMq => "RabbitMQ (an exchange or streams)",
             SinkKind::Kinesis => "Amazon Kinesis Data Streams",
             SinkKind::Sqs => "Amazon SQS (FIFO queues)",
+            SinkKind::PubSub => "Google Cloud Pub/Sub (pubsub)",
         }
     }
 
@@ -85,6 +91,7 @@ impl SinkKind {
             SinkKind::Sqs => {
                 "the SQS queue (each character but A-Z a-z 0-9 _ - made -, and .fifo added)"
             }
+            SinkKind::PubSub => "the Pub/Sub topic",
         }
     }
 
@@ -105,6 +112,7 @@ impl SinkKind {
             SinkKind::Sqs => walbox_outbox::Protocol::Kafka,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
             SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
+            SinkKind::PubSub => walbox_outbox::Protocol::PubSub,
         }
     }
 }
@@ -113,8 +121,8 @@ impl SinkKind {
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
-    /// `kafka`, `nats`, `rabbitmq`, `redis`, `webhook`, `kinesis`, `sqs` or
-    /// `stdout`.
+    /// `kafka`, `nats`, `rabbitmq`, `redis`, `pubsub`, `webhook`, `kinesis`, `sqs`
+    /// or `stdout`.
     #[serde(rename = "type", default)]
     pub kind: SinkKind,
     /// Create missing topics instead of stopping.
@@ -147,6 +155,9 @@ pub struct SinkConfig {
     /// The RabbitMQ sink's settings (`type = "rabbitmq"`).
     #[serde(default)]
     pub rabbitmq: walbox_sink::RabbitMqSinkConfig,
+    /// The Google Cloud Pub/Sub sink's settings (`type = "pubsub"`).
+    #[serde(default)]
+    pub pubsub: walbox_sink::PubSubSinkConfig,
     /// The Kinesis sink's settings (`type = "kinesis"`).
     #[serde(default)]
     pub kinesis: walbox_sink::KinesisSinkConfig,
@@ -182,6 +193,7 @@ impl Default for SinkConfig {
             webhook: walbox_sink::WebhookSinkConfig::default(),
             redis: walbox_sink::RedisSinkConfig::default(),
             rabbitmq: walbox_sink::RabbitMqSinkConfig::default(),
+            pubsub: walbox_sink::PubSubSinkConfig::default(),
             kinesis: walbox_sink::KinesisSinkConfig::default(),
             sqs: walbox_sink::SqsSinkConfig::default(),
         }
@@ -214,6 +226,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("webhook", &self.webhook)
             .field("redis", &self.redis)
             .field("rabbitmq", &self.rabbitmq)
+            .field("pubsub", &self.pubsub)
             .field("kinesis", &self.kinesis)
             .field("sqs", &self.sqs)
             .finish()
@@ -302,6 +315,28 @@ impl SinkConfig {
         c.max_in_flight = self.max_in_flight;
         if c.producer.is_none() {
             c.producer = Some(format!("walbox.{slot}"));
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The Pub/Sub sink's settings, with the in-flight bound, topic
+    /// creation, the project from `GOOGLE_CLOUD_PROJECT` and the emulator
+    /// from `PUBSUB_EMULATOR_HOST` when the file gives neither.
+    pub fn pubsub_sink(&self) -> Result<walbox_sink::PubSubSinkConfig> {
+        let mut c = self.pubsub.clone();
+        c.max_in_flight = self.max_in_flight;
+        c.create_topics = self.create_topics;
+        if c.project.is_empty()
+            && let Ok(p) = std::env::var("GOOGLE_CLOUD_PROJECT")
+        {
+            c.project = p;
+        }
+        if c.emulator_host.is_none()
+            && let Ok(h) = std::env::var(walbox_sink::EMULATOR_HOST_ENV)
+            && !h.is_empty()
+        {
+            c.emulator_host = Some(h);
         }
         c.validate()?;
         Ok(c)

@@ -459,3 +459,38 @@ fn a_sink_url_whose_password_holds_a_slash_is_refused_without_showing_it() {
     assert!(e.contains("sink.redis.url"), "{e}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_pubsub_sink_takes_the_relays_bounds_and_topic_creation_and_its_binding() {
+    let c = Config::parse(
+        r#"
+        [sink]
+        type = "pubsub"
+        create_topics = true
+        max_in_flight = 500
+        [sink.pubsub]
+        project = "orders-prod"
+        emulator_host = "127.0.0.1:8085"
+        max_requests = 8
+        "#,
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    assert_eq!(c.sink.kind, SinkKind::PubSub);
+    assert_eq!(c.sink.kind.protocol(), walbox_outbox::Protocol::PubSub);
+    let binding = walbox_outbox::Protocol::PubSub.cloudevents();
+    assert_eq!(binding.prefix, "ce-");
+    assert!(!binding.percent_encoded);
+    let sink = c.sink.pubsub_sink().unwrap();
+    assert_eq!(sink.project, "orders-prod");
+    assert_eq!(sink.emulator_host.as_deref(), Some("127.0.0.1:8085"));
+    assert!(sink.create_topics);
+    assert_eq!(sink.max_in_flight, 500);
+    assert_eq!(sink.max_requests, 8);
+    let e = Config::parse(
+        "[sink]\ntype = \"pubsub\"\n[sink.pubsub]\nprojekt = \"p\"\n",
+        Path::new("t.toml"),
+    )
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("projekt"), "{e:#}");
+}

@@ -97,6 +97,8 @@ pub(super) async fn check(r: &mut Report, config: &Config) {
         },
         // The durability check (doctor.rs) connects with the credentials.
         SinkKind::Redis => {}
+        // doctor.rs says where it publishes and with which credentials.
+        SinkKind::PubSub => {}
         SinkKind::Stdout => r.add(
             Verdict::Ok,
             "sink type stdout: events go to standard output, nothing to reach",

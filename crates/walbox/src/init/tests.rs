@@ -55,6 +55,7 @@ fn sink_table_keys(kind: SinkKind) -> Option<&'static [&'static str]> {
         SinkKind::RabbitMq => Some(keys::<walbox_sink::RabbitMqSinkConfig>()),
         SinkKind::Kinesis => Some(keys::<walbox_sink::KinesisSinkConfig>()),
         SinkKind::Sqs => Some(keys::<walbox_sink::SqsSinkConfig>()),
+        SinkKind::PubSub => Some(keys::<walbox_sink::PubSubSinkConfig>()),
     }
 }
 
@@ -66,7 +67,7 @@ fn reads(kind: SinkKind, key: &str) -> bool {
     match kind {
         SinkKind::Kafka => true,
         SinkKind::Kinesis => matches!(key, "create_topics" | "topic_partitions"),
-        SinkKind::Sqs => key == "create_topics",
+        SinkKind::Sqs | SinkKind::PubSub => key == "create_topics",
         SinkKind::Stdout
         | SinkKind::Nats
         | SinkKind::Webhook

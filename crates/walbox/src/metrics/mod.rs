@@ -158,7 +158,7 @@ impl Metrics {
         r.register(
             "walbox_sink_retries",
             "Attempts the sink made again after a failure (a webhook's 408, 425, 429, 5xx, \
-             timeout or connection error), by topic",
+             timeout or connection error; a Pub/Sub publish that failed), by topic",
             self.sink_retries.clone(),
         );
         let gauges: [(&str, &str, &Gauge); 13] = [

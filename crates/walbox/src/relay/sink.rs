@@ -5,8 +5,8 @@ use std::time::Duration;
 use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
-    Deliveries, DeliveryError, KafkaSink, KinesisSink, NatsSink, RabbitMqSink, RedisSink, Sink,
-    SinkError, SqsSink, StdoutSink, WebhookSink,
+    Deliveries, DeliveryError, KafkaSink, KinesisSink, NatsSink, PubSubSink, RabbitMqSink,
+    RedisSink, Sink, SinkError, SqsSink, StdoutSink, WebhookSink,
 };
 
 use super::transient;
@@ -18,6 +18,7 @@ pub(super) enum AnySink {
     Nats(Box<NatsSink>),
     Redis(Box<RedisSink>),
     RabbitMq(Box<RabbitMqSink>),
+    PubSub(Box<PubSubSink>),
     Stdout(StdoutSink),
     Webhook(Box<WebhookSink>),
     Kinesis(Box<KinesisSink>),
@@ -32,6 +33,7 @@ macro_rules! each_sink {
             AnySink::Nats($s) => $call,
             AnySink::Redis($s) => $call,
             AnySink::RabbitMq($s) => $call,
+            AnySink::PubSub($s) => $call,
             AnySink::Stdout($s) => $call,
             AnySink::Webhook($s) => $call,
             AnySink::Kinesis($s) => $call,
@@ -81,6 +83,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
                 RabbitMqSink::new(config.sink.rabbitmq_sink(&config.source.slot)?)?;
             (AnySink::RabbitMq(Box::new(sink)), deliveries)
         }
+        SinkKind::PubSub => {
+            let (sink, deliveries) = PubSubSink::new(config.sink.pubsub_sink()?)?;
+            (AnySink::PubSub(Box::new(sink)), deliveries)
+        }
         SinkKind::Stdout => {
             let (sink, deliveries) = StdoutSink::new();
             (AnySink::Stdout(sink), deliveries)
@@ -101,7 +107,7 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
 }
 
 /// A sink that could not take an event: a Kafka client error or an unreachable
-/// NATS, Redis or RabbitMQ server may pass (a new session retries), anything else (a
+/// NATS, Redis, RabbitMQ or Pub/Sub server may pass (a new session retries), anything else (a
 /// missing topic or stream, refused credentials, configuration) would repeat.
 pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
     match e {
@@ -109,6 +115,7 @@ pub(super) fn sink_error(e: SinkError) -> anyhow::Error {
         | SinkError::Nats(_)
         | SinkError::Redis(_)
         | SinkError::RabbitMq(_)
+        | SinkError::PubSub(_)
         | SinkError::Aws(_)
         | SinkError::TaskDied(_) => transient(e),
         other => anyhow!(other),
