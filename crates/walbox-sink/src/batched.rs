@@ -352,6 +352,7 @@ fn settle<E>(
                     })
                 } else {
                     retries.fetch_add(1, Ordering::Relaxed);
+                    crate::kit::count_retry(&item.event.topic);
                     if attempts == 0 {
                         tracing::debug!(
                             event_id = %item.event.event_id,
@@ -463,7 +464,9 @@ mod tests {
             ("a3", "a"),
         ];
         for (token, (id, key)) in events.iter().enumerate() {
-            sink.send(Arc::from("s"), event(id, key), token, (*id).to_owned(), 10)
+            let mut e = event(id, key);
+            e.topic = "batched-retries".into();
+            sink.send(Arc::from("s"), e, token, (*id).to_owned(), 10)
                 .await
                 .unwrap();
         }
@@ -492,6 +495,14 @@ mod tests {
             assert!(a <= 1, "{call:?}");
         }
         assert_eq!(sink.retries().load(Ordering::Relaxed), 3);
+        // Counted by topic for walbox_sink_retries.
+        let counted = crate::kit::retries_by_topic();
+        assert!(
+            counted
+                .iter()
+                .any(|(t, n)| t == "batched-retries" && *n == 3),
+            "{counted:?}"
+        );
     }
 
     #[tokio::test]

@@ -68,6 +68,31 @@ pub(crate) fn failure(event: &Event, class: DeliveryClass, reason: String) -> De
     }
 }
 
+/// Retries so far in this process, by topic (for `walbox_sink_retries`).
+static RETRIES: Mutex<std::collections::BTreeMap<String, u64>> =
+    Mutex::new(std::collections::BTreeMap::new());
+
+/// A sink sends something of `topic` again after a failure.
+pub(crate) fn count_retry(topic: &str) {
+    let mut r = RETRIES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *r.entry(topic.to_owned()).or_insert(0) += 1;
+}
+
+/// Sends made again after a failure so far in this process, by topic: a
+/// webhook's 408, 425, 429, 5xx, timeouts and connection errors, a Pub/Sub
+/// publish, a Kinesis record or SQS message throttled or failed.
+#[must_use]
+pub fn retries_by_topic() -> Vec<(String, u64)> {
+    RETRIES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .map(|(t, n)| (t.clone(), *n))
+        .collect()
+}
+
 /// Whether `event` is a dead letter (it carries the error class).
 pub(crate) fn is_dead_letter(event: &Event) -> bool {
     event

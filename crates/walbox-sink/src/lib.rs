@@ -110,6 +110,7 @@ pub use aws::sqs_read::{SqsLetters, drain_sqs_queue};
 pub use crypto::install_crypto_provider;
 pub use delivery::{Delivery, DeliveryClass, DeliveryError, RejectedRecord};
 pub use kafka::{KafkaSink, KafkaSinkConfig};
+pub use kit::retries_by_topic;
 pub use nats::{
     DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER, NatsSink, NatsSinkConfig, NatsStorage,
 };
@@ -135,7 +136,6 @@ pub use webhook::{
     DROPPED_HEADERS_HEADER as WEBHOOK_DROPPED_HEADERS_HEADER, DeadLetterFile,
     KEY_ENCODING_HEADER as WEBHOOK_KEY_ENCODING_HEADER, KEY_HEADER as WEBHOOK_KEY_HEADER,
     LetterLine, ReplayStart, WebhookSink, WebhookSinkConfig, read_letters, replayed_path,
-    retries_by_topic,
 };
 
 /// Receives one [`Delivery`] per event sent.

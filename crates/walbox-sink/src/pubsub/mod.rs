@@ -54,8 +54,9 @@ pub use reader::{SubscriptionLetters, create_subscription, read_subscription};
 use client::{ApiError, Client};
 use message::{Prepared, prepare, publish_body, sanitized_topic, valid_topic};
 
+use crate::kit::count_retry;
 use crate::kit::{Close, Lifecycle, Reports, SessionTask, failure, is_dead_letter};
-use crate::webhook::{backoff, count_retry};
+use crate::webhook::backoff;
 use crate::{Deliveries, DeliveryClass, DeliveryError, Sink, SinkError};
 
 /// What the session's publishing shares.

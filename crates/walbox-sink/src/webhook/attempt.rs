@@ -13,6 +13,7 @@
 //! - any other 4xx: the receiver refuses the event; it is dead-lettered with
 //!   the status and a short, sanitized excerpt of the answer.
 
+use crate::kit::count_retry;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
@@ -36,29 +37,6 @@ pub(super) struct Shared {
     pub connections: Arc<Semaphore>,
     /// Attempts that failed and were tried again.
     pub retries: Arc<AtomicU64>,
-}
-
-/// Retries so far in this process, by topic (for `walbox_sink_retries_total`).
-static RETRIES: std::sync::Mutex<std::collections::BTreeMap<String, u64>> =
-    std::sync::Mutex::new(std::collections::BTreeMap::new());
-
-pub(crate) fn count_retry(topic: &str) {
-    let mut r = RETRIES
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    *r.entry(topic.to_owned()).or_insert(0) += 1;
-}
-
-/// Attempts made again after a failure so far in this process, by topic: a
-/// webhook's 408, 425, 429, 5xx, timeouts and connection errors.
-#[must_use]
-pub fn retries_by_topic() -> Vec<(String, u64)> {
-    RETRIES
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .iter()
-        .map(|(t, n)| (t.clone(), *n))
-        .collect()
 }
 
 /// The most bytes of a refusal's answer a dead letter keeps.

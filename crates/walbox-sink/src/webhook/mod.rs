@@ -41,8 +41,7 @@ use tokio::sync::{Mutex, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use walbox_outbox::Event;
 
-pub use attempt::retries_by_topic;
-pub(crate) use attempt::{backoff, count_retry};
+pub(crate) use attempt::backoff;
 pub use config::WebhookSinkConfig;
 pub use dead_letters::{DeadLetterFile, LetterLine, ReplayStart, read_letters, replayed_path};
 pub use request::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER, KEY_HEADER};
