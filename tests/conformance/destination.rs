@@ -66,6 +66,14 @@ impl Sink {
         !matches!(self, Sink::PubSub | Sink::Sqs)
     }
 
+    /// Whether the sink has one call per key out at a time against a
+    /// server that answers a call in milliseconds, not microseconds (the
+    /// AWS stand-ins): a key's events go at one round trip each, so the
+    /// histories give it writers paced to that, and a smaller snapshot.
+    pub fn one_round_trip_per_event_of_a_key(self) -> bool {
+        matches!(self, Sink::Kinesis | Sink::Sqs)
+    }
+
     /// Whether `walbox dlq replay` can read this sink's dead letters back.
     pub fn dead_letters_replayable(self) -> bool {
         !matches!(self, Sink::Stdout)
