@@ -67,7 +67,7 @@ test-vendor:
 ## major only.
 PG_VERSION ?= 15
 E2E_SKIP ?=
-DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook pubsub kinesis sqs conformance front_door
+DESTINATION_TESTS = nats nats_records nats_link formats kafka_security deploy rabbitmq redis webhook pubsub kinesis sqs sns conformance front_door
 E2E_TESTS = $(filter-out $(E2E_SKIP),$(basename $(notdir $(wildcard tests/*.rs crates/walbox-pgoutput/tests/*.rs))))
 test-e2e:
 	@echo "== end-to-end tests on PostgreSQL $(PG_VERSION)$(if $(E2E_SKIP), (not: $(E2E_SKIP)))"

@@ -115,6 +115,7 @@ cells! {
     stdout => Sink::Stdout,
     kinesis => Sink::Kinesis,
     sqs => Sink::Sqs,
+    sns => Sink::Sns,
 }
 
 /// The rows of the markdown table that follows `marker` in `text`, each its

@@ -534,6 +534,35 @@ async fn sqs_from_init_to_events_and_what_doctor_names() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sns_from_init_to_events_and_what_doctor_names() {
+    let f = FrontDoor::run("sns").await;
+    // The demo's topic has its subscribed queue; a topic walbox would make
+    // has none until its consumers subscribe, and SNS drops what it gets
+    // before then.
+    f.doctor_passes(
+        |c| set(c, "[outbox]", "topic", "\"outbox.order\""),
+        "SNS topic outbox-order.fifo exists, with 1 subscription",
+    );
+    let fixed = |c: &str| set(c, "[outbox]", "topic", "\"front.door.fixed\"");
+    f.doctor_passes(
+        |c| fixed(c),
+        "SNS topic front-door-fixed.fifo (topic front.door.fixed) does not exist; walbox \
+         creates it (create_topics), and stops until it has a subscription",
+    );
+    f.doctor_fails(
+        |c| fixed(c).replace("create_topics = true", "create_topics = false"),
+        &[
+            "SNS topic front-door-fixed.fifo (topic front.door.fixed) does not exist: create it \
+           as a FIFO topic",
+        ],
+    );
+    f.doctor_fails(
+        |c| c.replace("# fifo = true", "fifo = false"),
+        &["ordered = false"],
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdout_from_init_to_events() {
     let f = FrontDoor::run("stdout").await;
     f.doctor_passes(|c| c.to_owned(), "nothing to reach");

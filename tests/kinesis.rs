@@ -13,79 +13,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
-use walbox_testkit::{FaultProxy, Kinesalite, OUTBOX_DDL, PgCluster};
+use walbox_testkit::{FaultProxy, Kinesalite};
 
 const STREAM: &str = "outbox.order";
-
-/// A cluster with the outbox table and the environment that points walbox
-/// at `endpoint` with `[sink]` lines `sink` and `[sink.kinesis]` lines
-/// `kinesis`.
-async fn servers(
-    endpoint: &str,
-    sink: &str,
-    kinesis: &str,
-) -> (
-    PgCluster,
-    tokio_postgres::Client,
-    Vec<(&'static str, String)>,
-) {
-    let pg = PgCluster::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    let toml = format!(
-        "[sink]\ntype = \"kinesis\"\n{sink}\n\n[sink.kinesis]\nendpoint_url = \"{endpoint}\"\n\
-         region = \"us-east-1\"\nretry_initial_ms = 20\nretry_max_ms = 200\n{kinesis}\n"
-    );
-    let mut env = vec![
-        ("WALBOX_DSN", pg.conninfo("postgres")),
-        ("WALBOX_SLOT", "walbox".into()),
-        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
-        (
-            "WALBOX_CHECKPOINT",
-            checkpoint_path(&pg).display().to_string(),
-        ),
-        (
-            "WALBOX_CONFIG",
-            config_file(&pg, "walbox-kinesis.toml", &toml),
-        ),
-    ];
-    env.extend(Kinesalite::client_env());
-    (pg, db, env)
-}
-
-/// Everything `stream` holds, in each shard's order.
-async fn read(endpoint: &str, stream: &str) -> Vec<walbox_sink::OwnedRecord> {
-    let config = walbox_sink::KinesisSinkConfig {
-        endpoint_url: Some(endpoint.to_owned()),
-        region: Some("us-east-1".into()),
-        credentials: Some(Kinesalite::credentials()),
-        ..Default::default()
-    };
-    let mut out = Vec::new();
-    walbox_sink::read_kinesis_stream(&config, stream, std::time::Duration::from_secs(60), |r| {
-        out.push(walbox_sink::OwnedRecord {
-            partition: r.partition(),
-            offset: r.offset(),
-            key: r.key().map(<[u8]>::to_vec),
-            value: r.value().unwrap_or_default().to_vec(),
-            headers: ["event_id", "walbox_commit_lsn", "walbox_index"]
-                .iter()
-                .filter_map(|n| Some(((*n).to_owned(), r.header(n)?.as_bytes().to_vec())))
-                .collect(),
-            message_id: r.event_id(),
-        });
-    })
-    .await
-    .unwrap()
-    .expect("the stream exists");
-    out
-}
-
-/// The `seq` of a record's payload.
-fn seq(r: &walbox_sink::OwnedRecord) -> i64 {
-    let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
-    v["payload"]["seq"].as_i64().unwrap()
-}
 
 /// Every event of the table there, and each key's first copies in commit
 /// order (seq 0, 1, 2, ... with no gap).
@@ -142,7 +72,8 @@ async fn records_failed_out_of_a_batch_go_again_before_anything_later_of_their_k
             }
         });
     }
-    let (pg, db, env) = servers(
+    let (pg, db, env) = aws_servers(
+        "kinesis",
         &proxy.endpoint(),
         "create_topics = true\ntopic_partitions = 2",
         "",
@@ -159,7 +90,7 @@ async fn records_failed_out_of_a_batch_go_again_before_anything_later_of_their_k
         proxy.failed(),
         proxy.calls()
     );
-    let records = read(&kinesis.endpoint(), STREAM).await;
+    let records = read_kinesis(&kinesis.endpoint(), STREAM).await;
     assert_all_there_in_key_order(&records, &outbox_ids(&db).await);
     // The same key is always in the same shard.
     let mut shard: HashMap<Vec<u8>, i32> = HashMap::new();
@@ -179,7 +110,7 @@ async fn records_failed_out_of_a_batch_go_again_before_anything_later_of_their_k
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_stream_stops_walbox_naming_it_and_credentials_never_reach_the_log() {
     let kinesis = Kinesalite::start().unwrap();
-    let (pg, db, mut env) = servers(&kinesis.endpoint(), "", "").await;
+    let (pg, db, mut env) = aws_servers("kinesis", &kinesis.endpoint(), "", "").await;
     setup(&env);
     // No credentials anywhere in the chain: walbox stops and says so.
     let mut bare: Vec<(&str, String)> = env
@@ -225,6 +156,6 @@ async fn a_missing_stream_stops_walbox_naming_it_and_credentials_never_reach_the
     );
     assert!(!log.contains(SECRET), "the secret key is in the log");
     assert!(!log.contains(TOKEN), "the session token is in the log");
-    let records = read(&kinesis.endpoint(), STREAM).await;
+    let records = read_kinesis(&kinesis.endpoint(), STREAM).await;
     assert_all_there_in_key_order(&records, &outbox_ids(&db).await);
 }

@@ -10,100 +10,14 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
-use walbox_testkit::{FaultProxy, Kinesalite, LocalStack, OUTBOX_DDL, PgCluster};
+use walbox_testkit::{FaultProxy, LocalStack};
 
 const TOPIC: &str = "outbox.order";
-
-/// A cluster with the outbox table and the environment that points walbox
-/// at `endpoint` with `[sink]` lines `sink` and `[sink.sqs]` lines `sqs`.
-async fn servers(
-    endpoint: &str,
-    sink: &str,
-    sqs: &str,
-) -> (
-    PgCluster,
-    tokio_postgres::Client,
-    Vec<(&'static str, String)>,
-) {
-    let pg = PgCluster::start().unwrap();
-    let db = pg.connect("postgres").await.unwrap();
-    db.batch_execute(OUTBOX_DDL).await.unwrap();
-    let toml = format!(
-        "[sink]\ntype = \"sqs\"\n{sink}\n\n[sink.sqs]\nendpoint_url = \"{endpoint}\"\n\
-         region = \"us-east-1\"\nretry_initial_ms = 20\nretry_max_ms = 200\n{sqs}\n"
-    );
-    let mut env = vec![
-        ("WALBOX_DSN", pg.conninfo("postgres")),
-        ("WALBOX_SLOT", "walbox".into()),
-        ("WALBOX_PUBLICATION", "walbox_outbox".into()),
-        (
-            "WALBOX_CHECKPOINT",
-            checkpoint_path(&pg).display().to_string(),
-        ),
-        ("WALBOX_CONFIG", config_file(&pg, "walbox-sqs.toml", &toml)),
-    ];
-    env.extend(Kinesalite::client_env());
-    (pg, db, env)
-}
-
-/// Every message the queue of `topic` holds, taken from it in the order it
-/// hands them out.
-async fn drain(endpoint: &str, topic: &str) -> Vec<walbox_sink::OwnedRecord> {
-    let config = walbox_sink::SqsSinkConfig {
-        endpoint_url: Some(endpoint.to_owned()),
-        region: Some("us-east-1".into()),
-        credentials: Some(Kinesalite::credentials()),
-        ..Default::default()
-    };
-    let mut out = Vec::new();
-    walbox_sink::drain_sqs_queue(&config, topic, std::time::Duration::from_secs(120), |r| {
-        out.push(walbox_sink::OwnedRecord {
-            partition: r.partition(),
-            offset: r.offset(),
-            key: r.key().map(<[u8]>::to_vec),
-            value: r.value().unwrap_or_default().to_vec(),
-            headers: ["event_id", "walbox_commit_lsn", "walbox_index", "tenant"]
-                .iter()
-                .filter_map(|n| Some(((*n).to_owned(), r.header(n)?.as_bytes().to_vec())))
-                .collect(),
-            message_id: r.event_id(),
-        });
-    })
-    .await
-    .unwrap()
-    .expect("the queue exists");
-    out
-}
-
-fn seq(r: &walbox_sink::OwnedRecord) -> i64 {
-    let v: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
-    v["payload"]["seq"].as_i64().unwrap()
-}
-
-/// Every event of the table there exactly once, each key's in commit order.
-fn assert_all_once_in_key_order(records: &[walbox_sink::OwnedRecord], ids: &HashSet<String>) {
-    let mut next: HashMap<Vec<u8>, i64> = HashMap::new();
-    let mut seen = HashSet::new();
-    for r in records {
-        let id = r.message_id.clone().expect("every message names its event");
-        assert!(seen.insert(id.clone()), "event {id} stored twice");
-        let key = r.key.clone().expect("a group");
-        let expected = next.entry(key.clone()).or_insert(0);
-        assert_eq!(
-            seq(r),
-            *expected,
-            "group {}: out of commit order",
-            String::from_utf8_lossy(&key)
-        );
-        *expected += 1;
-    }
-    assert_eq!(&seen, ids, "the queue holds every event of the table");
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn entries_failed_out_of_a_batch_go_again_before_anything_later_of_their_group() {
@@ -132,7 +46,7 @@ async fn entries_failed_out_of_a_batch_go_again_before_anything_later_of_their_g
             }
         });
     }
-    let (pg, db, env) = servers(&proxy.endpoint(), "create_topics = true", "").await;
+    let (pg, db, env) = aws_servers("sqs", &proxy.endpoint(), "create_topics = true", "").await;
     setup(&env);
     let mut walbox = Walbox::spawn(&["run"], &env);
     write_events(&pg, 2, 10, 10, 6).await;
@@ -150,7 +64,7 @@ async fn entries_failed_out_of_a_batch_go_again_before_anything_later_of_their_g
         proxy.failed(),
         proxy.calls()
     );
-    let records = drain(&sqs.endpoint(), TOPIC).await;
+    let records = drain_queue(&sqs.endpoint(), TOPIC).await;
     assert_all_once_in_key_order(&records, &outbox_ids(&db).await);
     drop(pg);
 }
@@ -158,7 +72,7 @@ async fn entries_failed_out_of_a_batch_go_again_before_anything_later_of_their_g
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standard_queues_missing_queues_and_credentials() {
     let sqs = LocalStack::start().unwrap();
-    let (pg, db, mut env) = servers(&sqs.endpoint(), "", "").await;
+    let (pg, db, mut env) = aws_servers("sqs", &sqs.endpoint(), "", "").await;
     setup(&env);
     write_events(&pg, 1, 1, 2, 2).await;
 
@@ -213,7 +127,7 @@ async fn standard_queues_missing_queues_and_credentials() {
     assert!(log.contains("TRACE"), "trace logging is on");
     assert!(!log.contains(SECRET), "the secret key is in the log");
     assert!(!log.contains(TOKEN), "the session token is in the log");
-    let records = drain(&sqs.endpoint(), TOPIC).await;
+    let records = drain_queue(&sqs.endpoint(), TOPIC).await;
     assert_all_once_in_key_order(&records, &outbox_ids(&db).await);
     let empty = records
         .iter()

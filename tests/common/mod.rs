@@ -1,5 +1,7 @@
 //! Helpers shared by the end-to-end tests in this directory, by concern:
 //!
+//! - [`aws`]: the AWS destinations' stand-ins' environment for walbox, and
+//!   their records read back.
 //! - [`process`]: the `walbox` process and its commands, environment and output.
 //! - [`positions`]: the server's WAL position, the slot's confirmed position and
 //!   walbox's checkpoint, and waiting on them.
@@ -22,6 +24,7 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
+mod aws;
 mod kill_loop;
 mod messages;
 mod nats;
@@ -36,6 +39,8 @@ mod webhook;
 mod writers;
 
 // Each test binary uses a different part.
+#[allow(unused_imports)]
+pub use aws::*;
 #[allow(unused_imports)]
 pub use kill_loop::*;
 #[allow(unused_imports)]

@@ -25,6 +25,7 @@ pub enum Sink {
     Stdout,
     Kinesis,
     Sqs,
+    Sns,
 }
 
 /// What a destination promises for the events of a session that ended by a
@@ -42,7 +43,9 @@ impl Sink {
     /// What `docs/guarantees.md` says of this sink after a crash.
     pub fn promise(self) -> Promise {
         match self {
-            Sink::Nats | Sink::RabbitStream | Sink::Redis | Sink::Sqs => Promise::ExactlyOnce,
+            Sink::Nats | Sink::RabbitStream | Sink::Redis | Sink::Sqs | Sink::Sns => {
+                Promise::ExactlyOnce
+            }
             Sink::Kafka
             | Sink::RabbitExchange
             | Sink::PubSub
@@ -63,7 +66,7 @@ impl Sink {
     /// its own restart (the Pub/Sub emulator and LocalStack keep everything
     /// in memory: a restart is an empty server).
     pub fn keeps_data_across_restart(self) -> bool {
-        !matches!(self, Sink::PubSub | Sink::Sqs)
+        !matches!(self, Sink::PubSub | Sink::Sqs | Sink::Sns)
     }
 
     /// Whether the sink has one call per key out at a time against a
@@ -71,7 +74,7 @@ impl Sink {
     /// AWS stand-ins): a key's events go at one round trip each, so the
     /// histories give it writers paced to that, and a smaller snapshot.
     pub fn one_round_trip_per_event_of_a_key(self) -> bool {
-        matches!(self, Sink::Kinesis | Sink::Sqs)
+        matches!(self, Sink::Kinesis | Sink::Sqs | Sink::Sns)
     }
 
     /// Whether `walbox dlq replay` can read this sink's dead letters back.
@@ -91,6 +94,7 @@ impl Sink {
             Sink::Stdout => ("stdout", None),
             Sink::Kinesis => ("kinesis", None),
             Sink::Sqs => ("sqs", None),
+            Sink::Sns => ("sns", None),
             Sink::PubSub => ("pubsub", None),
         }
     }
@@ -99,7 +103,7 @@ impl Sink {
     pub fn window(self) -> Option<&'static str> {
         match self {
             Sink::Nats => Some("duplicate window"),
-            Sink::Sqs => Some("deduplication window"),
+            Sink::Sqs | Sink::Sns => Some("deduplication window"),
             _ => None,
         }
     }
@@ -130,6 +134,9 @@ enum Server {
     /// The binary's LocalStack, or one of the cell's own (a cell that
     /// restarts it).
     Sqs(SqsServer),
+    /// The binary's LocalStack, or one of the cell's own, with the cell's
+    /// topics subscribed by queues.
+    Sns(SqsServer),
 }
 
 enum SqsServer {
@@ -143,6 +150,24 @@ impl SqsServer {
             SqsServer::Shared(l) => l,
             SqsServer::Own(l) => l,
         }
+    }
+}
+
+/// The SNS topics of cell `name` (its events' and its letters') and the
+/// queue subscribed to each, which the cell reads.
+fn sns_queues(name: &str) -> [(String, String); 2] {
+    [
+        (format!("{name}-order.fifo"), format!("{name}-events.fifo")),
+        (format!("{name}-dlq.fifo"), format!("{name}-letters.fifo")),
+    ]
+}
+
+/// Makes the SNS topics of cell `name` and subscribes its queues to them.
+async fn subscribe_sns_queues(localstack: &LocalStack, name: &str) {
+    for (topic, queue) in sns_queues(name) {
+        walbox_testkit::localstack::subscribe_queue(&localstack.endpoint(), &topic, &queue)
+            .await
+            .expect("subscribing the cell's queues");
     }
 }
 
@@ -256,6 +281,15 @@ impl Destination {
             Sink::Webhook => Server::Webhook(Receiver::start().expect("starting the receiver")),
             Sink::Stdout => Server::Stdout,
             Sink::Kinesis => Server::Kinesis(Kinesalite::start().expect("starting kinesalite")),
+            Sink::Sns => {
+                let server = if restartable {
+                    SqsServer::Own(LocalStack::start().expect("starting localstack"))
+                } else {
+                    SqsServer::Shared(tokio::task::spawn_blocking(localstack).await.unwrap())
+                };
+                subscribe_sns_queues(server.get(), name).await;
+                Server::Sns(server)
+            }
             Sink::Sqs => Server::Sqs(if restartable {
                 SqsServer::Own(LocalStack::start().expect("starting localstack"))
             } else {
@@ -365,6 +399,16 @@ impl Destination {
                 ),
                 Kinesalite::client_env(),
             ),
+            Server::Sns(sns) => (
+                format!(
+                    "[sink]\ntype = \"sns\"\ncreate_topics = true\n\n[sink.sns]\n\
+                     endpoint_url = \"{}\"\nregion = \"us-east-1\"\nretry_initial_ms = 50\n\
+                     retry_max_ms = 1000\ndead_letter_queue = \"{}\"\n",
+                    sns.get().endpoint(),
+                    sns_queues(name)[1].1
+                ),
+                Kinesalite::client_env(),
+            ),
             Server::Sqs(sqs) => (
                 format!(
                     "[sink]\ntype = \"sqs\"\ncreate_topics = true\n\n[sink.sqs]\n\
@@ -453,9 +497,28 @@ impl Destination {
                 tokio::time::sleep(down).await;
                 sqs.start_again().unwrap();
             }
-            Server::Sqs(SqsServer::Shared(_)) => {
+            Server::Sns(SqsServer::Own(sns)) => {
+                // Back empty, without the topics and their subscriptions:
+                // the cell subscribes again when walbox says so
+                // (`subscribe_again`).
+                sns.kill9().unwrap();
+                while_down().await;
+                tokio::time::sleep(down).await;
+                sns.start_again().unwrap();
+            }
+            Server::Sqs(SqsServer::Shared(_)) | Server::Sns(SqsServer::Shared(_)) => {
                 panic!("a cell that restarts LocalStack has its own")
             }
+        }
+    }
+
+    /// Subscribes the cell's queues to its SNS topics again (after a
+    /// restart of the server, which keeps none): what walbox's message
+    /// advises when it stops at a topic without a subscription.
+    pub async fn subscribe_again(&self) {
+        match &self.server {
+            Server::Sns(server) => subscribe_sns_queues(server.get(), &self.name).await,
+            _ => panic!("only SNS topics need subscriptions made again"),
         }
     }
 
@@ -597,38 +660,20 @@ impl Destination {
                 .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
                 out
             }
-            Server::Sqs(sqs) => {
-                let config = walbox_sink::SqsSinkConfig {
-                    endpoint_url: Some(sqs.get().endpoint()),
-                    region: Some("us-east-1".into()),
-                    credentials: Some(Kinesalite::credentials()),
-                    ..Default::default()
+            Server::Sns(sns) => {
+                // Read through the queue subscribed to the topic.
+                let [(_, events), (_, letters)] = sns_queues(&self.name);
+                let queue = if topic.ends_with(".dlq") {
+                    letters
+                } else {
+                    events
                 };
-                if topic.ends_with(".dlq") {
-                    // Looked at, not taken: `walbox dlq replay` reads them.
-                    let Some(mut letters) = walbox_sink::SqsLetters::open(&config, topic)
-                        .await
-                        .unwrap_or_else(|e| panic!("reading {topic}: {e}"))
-                    else {
-                        return Vec::new();
-                    };
-                    letters.next_round().await.unwrap();
-                    let mut out = Vec::new();
-                    letters.each(|r| out.push(Copy::of_view(topic, &r, r.event_id())));
-                    letters.settle(|_| false).await.unwrap();
-                    return out;
-                }
-                let mut drained = self.drained.lock().await;
-                let held = drained.entry(topic.to_owned()).or_default();
-                let before = held.len();
-                walbox_sink::drain_sqs_queue(&config, topic, timeout, |r| {
-                    let mut copy = Copy::of_view(topic, &r, r.event_id());
-                    copy.offset += i64::try_from(before).unwrap();
-                    held.push(copy);
-                })
-                .await
-                .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
-                held.clone()
+                self.read_sqs(sns.get().endpoint(), topic, &queue, timeout)
+                    .await
+            }
+            Server::Sqs(sqs) => {
+                self.read_sqs(sqs.get().endpoint(), topic, topic, timeout)
+                    .await
             }
             Server::Stdout => {
                 let printed = self.printed.lock().unwrap();
@@ -650,6 +695,49 @@ impl Destination {
                 out
             }
         }
+    }
+
+    /// What the SQS queue `queue` names (an SQS sink's topic, or the queue
+    /// subscribed to an SNS topic) holds, as copies of `topic`: taken from
+    /// the queue and kept (reading takes a queue's messages), but a
+    /// dead-letter queue's, looked at and left for `walbox dlq replay`.
+    async fn read_sqs(
+        &self,
+        endpoint: String,
+        topic: &str,
+        queue: &str,
+        timeout: Duration,
+    ) -> Vec<Copy> {
+        let config = walbox_sink::SqsSinkConfig {
+            endpoint_url: Some(endpoint),
+            region: Some("us-east-1".into()),
+            credentials: Some(Kinesalite::credentials()),
+            ..Default::default()
+        };
+        if topic.ends_with(".dlq") {
+            let Some(mut letters) = walbox_sink::SqsLetters::open(&config, queue)
+                .await
+                .unwrap_or_else(|e| panic!("reading {topic}: {e}"))
+            else {
+                return Vec::new();
+            };
+            letters.next_round().await.unwrap();
+            let mut out = Vec::new();
+            letters.each(|r| out.push(Copy::of_view(topic, &r, r.event_id())));
+            letters.settle(|_| false).await.unwrap();
+            return out;
+        }
+        let mut drained = self.drained.lock().await;
+        let held = drained.entry(topic.to_owned()).or_default();
+        let before = held.len();
+        walbox_sink::drain_sqs_queue(&config, queue, timeout, |r| {
+            let mut copy = Copy::of_view(topic, &r, r.event_id());
+            copy.offset += i64::try_from(before).unwrap();
+            held.push(copy);
+        })
+        .await
+        .unwrap_or_else(|e| panic!("reading {topic}: {e}"));
+        held.clone()
     }
 
     /// The dead letters the cell's letters topic holds (for the webhook

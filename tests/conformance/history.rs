@@ -200,6 +200,7 @@ pub fn sink_name(sink: Sink) -> &'static str {
         Sink::Stdout => "stdout",
         Sink::Kinesis => "kinesis",
         Sink::Sqs => "sqs",
+        Sink::Sns => "sns",
     }
 }
 
@@ -449,6 +450,9 @@ pub async fn kill_and_restart(sink: Sink, format: Format) {
 /// write, back after a while: walbox goes on by itself, nothing is lost.
 #[allow(clippy::print_stderr)] // says when the history does not apply
 pub async fn broker_restart(sink: Sink, format: Format) {
+    if sink == Sink::Sns {
+        return broker_restart_unsubscribed(format).await;
+    }
     if !sink.keeps_data_across_restart() {
         return broker_restart_empty(sink, format).await;
     }
@@ -517,6 +521,63 @@ async fn broker_restart_empty(sink: Sink, format: Format) {
         &expected,
         |key| key.starts_with('v'),
         false,
+    );
+    assert!(count.keys().any(|id| expected[id].0.starts_with('v')));
+}
+
+/// SNS keeps nothing, subscriptions included: LocalStack killed -9 while
+/// walbox publishes comes back with no topic and no subscription. walbox
+/// must not publish into a topic nobody reads: it stops, naming the topic
+/// and what to do. The user subscribes the consumers' queues again, as the
+/// message says, and runs walbox again; every event committed from the
+/// restart on (while walbox was stopped too) is then in the queue, exactly
+/// once, each key in order.
+async fn broker_restart_unsubscribed(format: Format) {
+    let sink = Sink::Sns;
+    let mut cell = Cell::new(sink, format, "brokerrestart", "").await;
+    setup(&cell.env);
+    let start = current_lsn(&cell.db).await;
+    let before = Writers::paced(&cell.pg, 2, 40).await;
+    let mut walbox = cell.run();
+    cell.wait_progress(&walbox, Some(start));
+    cell.dest
+        .restart_server(Duration::from_secs(2), || async {})
+        .await;
+    let mut written = before.stop().await;
+    // Written while walbox finds the topic gone, makes it again, and stops.
+    let during = Writers::paced_prefixed(&cell.pg, 2, "v", 40).await;
+    let status = walbox.wait(Duration::from_secs(240));
+    let log = walbox.log();
+    cell.ended(&walbox);
+    assert!(
+        !status.success(),
+        "{sink:?} x {format:?}: walbox went on publishing to a topic without a subscription; \
+         log:\n{log}"
+    );
+    assert!(
+        log.contains("has no subscription") && log.contains("subscribe its consumers"),
+        "{sink:?} x {format:?}: walbox's message says the topic has no subscription and what \
+         to do; log:\n{log}"
+    );
+    // The recovery the message advises: the consumers' queues subscribed
+    // again, then walbox run again.
+    cell.dest.subscribe_again().await;
+    let resumed = current_lsn(&cell.db).await;
+    let mut walbox = cell.run();
+    cell.wait_progress(&walbox, Some(resumed));
+    written.extend(during.stop().await);
+    caught_up(&cell.db, &walbox).await;
+    walbox.stop();
+    cell.ended(&walbox);
+    let expected = cell.expected(&written).await;
+    let copies = cell.dest.read(&cell.dest.topic()).await;
+    let count = check_copies_of(
+        sink,
+        format,
+        &copies,
+        &expected,
+        |key| key.starts_with('v'),
+        true,
     );
     assert!(count.keys().any(|id| expected[id].0.starts_with('v')));
 }

@@ -105,6 +105,7 @@ use walbox_outbox::Event;
 pub use aws::AwsConnection;
 pub use aws::kinesis::{KinesisSink, KinesisSinkConfig};
 pub use aws::kinesis_read::{KinesisLetters, read_kinesis_stream};
+pub use aws::sns::{SnsSink, SnsSinkConfig};
 pub use aws::sqs::{SqsSink, SqsSinkConfig};
 pub use aws::sqs_read::{SqsLetters, drain_sqs_queue};
 pub use crypto::install_crypto_provider;

@@ -580,3 +580,66 @@ pub async fn sqs(config: &crate::SqsSinkConfig, names: &[String]) -> Vec<Finding
     }
     out
 }
+
+/// SNS: the credentials the AWS chain finds, each topic `names` names
+/// exists (or may be created) and has a subscription (SNS keeps nothing: a
+/// message published to a topic without one is gone), and the dead-letter
+/// queue `dlq replay` reads exists.
+pub async fn sns(config: &crate::SnsSinkConfig, names: &[String]) -> Vec<Finding> {
+    let sdk = match tokio::time::timeout(ANSWER_WITHIN, config.connection().sdk_config("sink.sns"))
+        .await
+    {
+        Err(_) => return vec![fail("the AWS credential chain gave no answer in time")],
+        Ok(Err(e)) => return vec![fail(format!("{e}"))],
+        Ok(Ok(sdk)) => sdk,
+    };
+    let client = aws_sdk_sns::Client::new(&sdk);
+    let mut out = vec![ok("the AWS credential chain gives credentials for SNS")];
+    for topic in names {
+        let name = config.topic_name(topic);
+        let found = tokio::time::timeout(
+            ANSWER_WITHIN,
+            crate::aws::sns::topic_arn(&client, &name, false, config.fifo),
+        )
+        .await;
+        out.push(match found {
+            Err(_) => fail(format!(
+                "SNS did not answer within {} s: check sink.sns.region and endpoint_url",
+                ANSWER_WITHIN.as_secs()
+            )),
+            Ok(Err(SinkError::MissingTopic(_))) if config.create_topics => ok(format!(
+                "SNS topic {name} (topic {topic}) does not exist; walbox creates it \
+                 (create_topics), and stops until it has a subscription"
+            )),
+            Ok(Err(SinkError::MissingTopic(_))) => fail(format!(
+                "SNS topic {name} (topic {topic}) does not exist: create it{}, or set \
+                 create_topics = true in [sink]",
+                if config.fifo { " as a FIFO topic" } else { "" }
+            )),
+            Ok(Err(e)) => fail(format!(
+                "{e}: check the AWS credentials and walbox's rights (sns:ListTopics, \
+                 sns:Publish)"
+            )),
+            Ok(Ok(arn)) => match crate::aws::sns::subscriptions(&client, &arn).await {
+                Ok(0) if !config.allow_no_subscription => fail(format!(
+                    "SNS topic {name} has no subscription: SNS would drop every message \
+                     published to it; subscribe its consumers first"
+                )),
+                Ok(n) => ok(format!(
+                    "SNS topic {name} exists, with {n} subscription{}",
+                    if n == 1 { "" } else { "s" }
+                )),
+                Err(e) => fail(format!("{e}")),
+            },
+        });
+    }
+    if config.dead_letter_queue.is_none() {
+        out.push(Finding {
+            verdict: Verdict::Warn,
+            text: "sink.sns.dead_letter_queue is not set: walbox dlq replay has no queue to \
+                   read the dead letters back from"
+                .to_owned(),
+        });
+    }
+    out
+}

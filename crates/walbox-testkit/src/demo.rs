@@ -37,12 +37,22 @@ pub const SINKS: &[&str] = &[
     "pubsub",
     "kinesis",
     "sqs",
+    "sns",
     "stdout",
 ];
 
 /// The subscription the demo reads a Pub/Sub topic back through, made
 /// before walbox publishes (a subscription holds what comes after it).
 pub const PUBSUB_SUBSCRIPTION: &str = "outbox.order.demo";
+
+/// The SQS queue walbox's events go to with the sqs sink (the topic's name
+/// made a FIFO queue's).
+pub const SQS_QUEUE: &str = "outbox-order.fifo";
+/// The SNS topic walbox's events go to with the sns sink.
+pub const SNS_TOPIC: &str = "outbox-order.fifo";
+/// The SQS queue the demo subscribes to [`SNS_TOPIC`] (raw delivery) before
+/// walbox publishes, and reads back: SNS keeps nothing of its own.
+pub const SNS_QUEUE: &str = "outbox-order-demo.fifo";
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -65,6 +75,9 @@ enum Server {
     /// LocalStack's SQS, and the records drained from the queue so far
     /// (reading a queue takes its messages).
     Sqs(LocalStack, tokio::sync::Mutex<Vec<Record>>),
+    /// LocalStack's SNS, with [`SNS_QUEUE`] subscribed to the demo's topic,
+    /// and the records drained from that queue so far.
+    Sns(LocalStack, tokio::sync::Mutex<Vec<Record>>),
 }
 
 /// The demo's destination of one sink type.
@@ -105,6 +118,12 @@ impl Destination {
             }
             "kinesis" => Server::Kinesis(Kinesalite::start()?),
             "sqs" => Server::Sqs(LocalStack::start()?, tokio::sync::Mutex::new(Vec::new())),
+            "sns" => {
+                let localstack = LocalStack::start()?;
+                crate::localstack::subscribe_queue(&localstack.endpoint(), SNS_TOPIC, SNS_QUEUE)
+                    .await?;
+                Server::Sns(localstack, tokio::sync::Mutex::new(Vec::new()))
+            }
             other => {
                 return Err(format!("--sink {other}: use one of {}", SINKS.join(", ")).into());
             }
@@ -128,6 +147,7 @@ impl Destination {
             }
             Server::Kinesis(_) => "kinesalite (a Kinesis stand-in, records kept on disk)",
             Server::Sqs(..) => "LocalStack's SQS (FIFO queues)",
+            Server::Sns(..) => "LocalStack's SNS (a FIFO topic) and an SQS queue subscribed to it",
         }
     }
 
@@ -143,7 +163,7 @@ impl Destination {
             Server::Webhook(r) => r.base_url(),
             Server::Stdout(_) => self.stdout_path().display().to_string(),
             Server::Kinesis(k) => k.endpoint(),
-            Server::Sqs(l, _) => l.endpoint(),
+            Server::Sqs(l, _) | Server::Sns(l, _) => l.endpoint(),
             Server::PubSub(e) => e.host(),
         }
     }
@@ -154,7 +174,7 @@ impl Destination {
     #[must_use]
     pub fn env(&self) -> Vec<(&'static str, String)> {
         match &self.server {
-            Server::Kinesis(_) | Server::Sqs(..) => Kinesalite::client_env(),
+            Server::Kinesis(_) | Server::Sqs(..) | Server::Sns(..) => Kinesalite::client_env(),
             _ => Vec::new(),
         }
     }
@@ -269,6 +289,10 @@ impl Destination {
                 "# endpoint_url = \"https://sqs.us-east-1.amazonaws.com\"   # example".to_owned(),
                 format!("endpoint_url = \"{}\"", l.endpoint()),
             ),
+            Server::Sns(l, _) => (
+                "# endpoint_url = \"https://sns.us-east-1.amazonaws.com\"   # example".to_owned(),
+                format!("endpoint_url = \"{}\"", l.endpoint()),
+            ),
         };
         if config.matches(default.as_str()).count() != 1 {
             return Err(format!("the configuration holds no {default:?} to fill in").into());
@@ -291,7 +315,10 @@ impl Destination {
                 format!("topic {TOPIC} (read through subscription {PUBSUB_SUBSCRIPTION})")
             }
             Server::Kinesis(_) => format!("Kinesis stream {TOPIC}"),
-            Server::Sqs(..) => "SQS queue outbox-order.fifo".to_owned(),
+            Server::Sqs(..) => format!("SQS queue {SQS_QUEUE}"),
+            Server::Sns(..) => {
+                format!("SNS topic {SNS_TOPIC} (read through SQS queue {SNS_QUEUE})")
+            }
         }
     }
 
@@ -309,6 +336,7 @@ impl Destination {
             Server::PubSub(_) => "in the topic",
             Server::Kinesis(_) => "in the stream",
             Server::Sqs(..) => "in the queue",
+            Server::Sns(..) => "in the topic's subscribed queue",
         }
     }
 
@@ -320,7 +348,7 @@ impl Destination {
             Server::Webhook(_) => "each one request at a time, in commit order",
             Server::PubSub(_) => "each one ordering key, in commit order",
             Server::Kinesis(_) => "each in one shard, in commit order",
-            Server::Sqs(..) => "each one message group, in commit order",
+            Server::Sqs(..) | Server::Sns(..) => "each one message group, in commit order",
             _ => "each in commit order",
         }
     }
@@ -394,26 +422,8 @@ impl Destination {
             })
             .await
             .map_err(Into::into),
-            Server::Sqs(l, drained) => {
-                let mut drained = drained.lock().await;
-                let deadline = tokio::time::Instant::now() + limit;
-                while drained.len() < wanted {
-                    if tokio::time::Instant::now() > deadline {
-                        return Err(format!(
-                            "{} of {wanted} messages in the queue after {limit:?}",
-                            drained.len()
-                        )
-                        .into());
-                    }
-                    let more = crate::localstack::drain(&l.endpoint(), "outbox-order.fifo").await?;
-                    if more.is_empty() {
-                        // The queue is not made yet, or walbox is behind.
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                    drained.extend(more);
-                }
-                Ok(drained.clone())
-            }
+            Server::Sqs(l, drained) => drain_at_least(l, SQS_QUEUE, drained, wanted, limit).await,
+            Server::Sns(l, drained) => drain_at_least(l, SNS_QUEUE, drained, wanted, limit).await,
             Server::Stdout(_) => {
                 let path = self.stdout_path();
                 wait_until_async("walbox's lines", limit, || async {
@@ -442,9 +452,39 @@ impl Destination {
             Server::Stdout(_) => std::fs::read_to_string(self.stdout_path()).unwrap_or_default(),
             Server::PubSub(e) => e.log_tail(),
             Server::Kinesis(k) => k.log_tail(),
-            Server::Sqs(l, _) => l.log_tail(),
+            Server::Sqs(l, _) | Server::Sns(l, _) => l.log_tail(),
         }
     }
+}
+
+/// Every message of SQS queue `queue` drained so far, once at least `wanted`
+/// are (up to `limit`): reading a queue takes its messages, so they are
+/// kept in `drained`.
+async fn drain_at_least(
+    localstack: &LocalStack,
+    queue: &str,
+    drained: &tokio::sync::Mutex<Vec<Record>>,
+    wanted: usize,
+    limit: Duration,
+) -> Result<Vec<Record>, Error> {
+    let mut drained = drained.lock().await;
+    let deadline = tokio::time::Instant::now() + limit;
+    while drained.len() < wanted {
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!(
+                "{} of {wanted} messages in queue {queue} after {limit:?}",
+                drained.len()
+            )
+            .into());
+        }
+        let more = crate::localstack::drain(&localstack.endpoint(), queue).await?;
+        if more.is_empty() {
+            // The queue is not made yet, or walbox is behind.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        drained.extend(more);
+    }
+    Ok(drained.clone())
 }
 
 /// The whole lines the stdout sink wrote to `path` (`{"topic", "key",

@@ -292,3 +292,62 @@ pub async fn drain(
         }
     }
 }
+
+/// Makes the FIFO topic `topic` and the FIFO queue `queue` on the LocalStack
+/// at `endpoint` (as walbox makes them: deduplicating by the ids it gives,
+/// not by content), and subscribes the queue to the topic with raw
+/// delivery (the message's body and attributes as they were published).
+pub async fn subscribe_queue(
+    endpoint: &str,
+    topic: &str,
+    queue: &str,
+) -> std::result::Result<(), String> {
+    let sdk = crate::kinesis::sdk_config(endpoint).await;
+    let sns = aws_sdk_sns::Client::new(&sdk);
+    let sqs = aws_sdk_sqs::Client::new(&sdk);
+    let topic_arn = sns
+        .create_topic()
+        .name(topic)
+        .attributes("FifoTopic", "true")
+        .attributes("ContentBasedDeduplication", "false")
+        .send()
+        .await
+        .map_err(|e| format!("creating topic {topic}: {e:?}"))?
+        .topic_arn()
+        .unwrap_or_default()
+        .to_owned();
+    let url = sqs
+        .create_queue()
+        .queue_name(queue)
+        .attributes(aws_sdk_sqs::types::QueueAttributeName::FifoQueue, "true")
+        .attributes(
+            aws_sdk_sqs::types::QueueAttributeName::ContentBasedDeduplication,
+            "false",
+        )
+        .send()
+        .await
+        .map_err(|e| format!("creating queue {queue}: {e:?}"))?
+        .queue_url()
+        .unwrap_or_default()
+        .to_owned();
+    let queue_arn = sqs
+        .get_queue_attributes()
+        .queue_url(&url)
+        .attribute_names(aws_sdk_sqs::types::QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .map_err(|e| format!("the ARN of {queue}: {e:?}"))?
+        .attributes()
+        .and_then(|a| a.get(&aws_sdk_sqs::types::QueueAttributeName::QueueArn))
+        .cloned()
+        .unwrap_or_default();
+    sns.subscribe()
+        .topic_arn(&topic_arn)
+        .protocol("sqs")
+        .endpoint(&queue_arn)
+        .attributes("RawMessageDelivery", "true")
+        .send()
+        .await
+        .map_err(|e| format!("subscribing {queue} to {topic}: {e:?}"))?;
+    Ok(())
+}

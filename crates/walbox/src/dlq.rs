@@ -36,8 +36,8 @@ use walbox_outbox::{Mapper, MessageMapper, Position, TableConfig, dead_letter_he
 use walbox_pgoutput::{Lsn, TupleValue};
 use walbox_sink::{
     DurableLetters, KafkaSink, KinesisLetters, KinesisSink, NatsSink, PubSubSink, QueueLetters,
-    RabbitMqSink, RabbitStreamLetters, RedisSink, Sink, SqsLetters, SqsSink, StreamLetters,
-    SubscriptionLetters, WebhookSink,
+    RabbitMqSink, RabbitStreamLetters, RedisSink, Sink, SnsSink, SqsLetters, SqsSink,
+    StreamLetters, SubscriptionLetters, WebhookSink,
 };
 
 use crate::catalog::{self, ident};
@@ -401,6 +401,61 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 let Some(mut read) = SqsLetters::open(&sink_config, dlq)
                     .await
                     .with_context(|| format!("reading {dlq}"))?
+                else {
+                    continue;
+                };
+                // Round by round: a FIFO queue hands out a group's next
+                // letter once the one before it is deleted. A round with a
+                // letter that still fails (or a dry run) ends the replay of
+                // this queue: its letters go back.
+                while read
+                    .next_round()
+                    .await
+                    .with_context(|| format!("reading {dlq}"))?
+                    > 0
+                {
+                    let mut letters = Vec::new();
+                    read.each(|r| letters.push(parse(&r)));
+                    // A letter that can never be replayed stays in the
+                    // queue (deleting it would lose it): handed back, and
+                    // the replay of this queue ends with the round.
+                    let kept: HashSet<i64> = letters
+                        .iter()
+                        .filter(|l| l.never_replayable().is_some())
+                        .map(|l| l.offset)
+                        .collect();
+                    let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
+                    let clean =
+                        kept.is_empty() && matches!(&published, Ok(failed) if failed.is_empty());
+                    let done = |offset: i64| {
+                        !kept.contains(&offset)
+                            && matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)))
+                    };
+                    read.settle(done)
+                        .await
+                        .with_context(|| format!("recording progress on {dlq}"))?;
+                    published?;
+                    if !clean || args.dry_run {
+                        break;
+                    }
+                }
+            }
+        }
+        SinkKind::Sns => {
+            let sink_config = config.sink.sns_sink()?;
+            let Some(queue) = sink_config.dead_letter_queue.clone() else {
+                bail!(
+                    "sink.sns.dead_letter_queue: name the SQS queue subscribed (raw delivery) to \
+                     the dead-letter topics, which walbox dlq replay reads; an SNS topic keeps \
+                     nothing itself"
+                );
+            };
+            let (mut sink, mut deliveries) = SnsSink::new(sink_config.clone())?;
+            // One queue holds the letters of every dead-letter topic.
+            for dlq in [queue.as_str()] {
+                let Some(mut read) = SqsLetters::open_queue(&sink_config.connection(), dlq)
+                    .await
+                    .with_context(|| format!("reading queue {dlq}"))?
                 else {
                     continue;
                 };

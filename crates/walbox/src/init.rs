@@ -51,6 +51,7 @@ fn sink_part(kind: SinkKind) -> &'static str {
         SinkKind::Kinesis => include_str!("init/kinesis.toml"),
         SinkKind::Sqs => include_str!("init/sqs.toml"),
         SinkKind::PubSub => include_str!("init/pubsub.toml"),
+        SinkKind::Sns => include_str!("init/sns.toml"),
     }
 }
 
@@ -111,6 +112,11 @@ fn addresses(kind: SinkKind) -> &'static str {
         SinkKind::Sqs => {
             "sink.sqs.region (credentials come from the AWS chain: AWS_ACCESS_KEY_ID and \
              AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web identity or instance metadata)"
+        }
+        SinkKind::Sns => {
+            "sink.sns.region and dead_letter_queue (credentials come from the AWS chain: \
+             AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, web identity or instance \
+             metadata)"
         }
         SinkKind::PubSub => {
             "sink.pubsub.project and endpoint (credentials come from Application Default \

@@ -220,6 +220,9 @@ async fn read_records(
                 .await?
                 .ok_or_else(|| walbox_sink::SinkError::MissingTopic(topic.to_owned()))
         }
+        SinkKind::Sns => Err(walbox_sink::SinkError::Config(
+            "an SNS topic keeps nothing to read back".into(),
+        )),
         SinkKind::Sqs => Err(walbox_sink::SinkError::Config(
             "an SQS queue hands its messages to its consumers: reading it back would take them \
              away"
@@ -247,6 +250,13 @@ async fn pubsub_letter_ids(config: &Config, dlq: &str, timeout: Duration) -> Res
 /// Runs the audit; fails when events are missing or out of order.
 pub async fn run(args: Args) -> Result<()> {
     let config = Config::load(&args.overrides)?;
+    if config.sink.kind == SinkKind::Sns {
+        bail!(
+            "verify reads the events back from the destination, and an SNS topic keeps \
+             nothing; audit a subscribed queue's consumers by event_id (the message attribute) \
+             instead"
+        );
+    }
     if config.sink.kind == SinkKind::Sqs {
         bail!(
             "verify reads the events back from the destination, and reading an SQS queue \

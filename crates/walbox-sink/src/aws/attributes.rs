@@ -12,8 +12,13 @@
 
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
+use std::sync::Arc;
+
 use sha2::Digest as _;
 use walbox_outbox::Event;
+
+use crate::DeliveryClass;
+use crate::batched::Answer;
 
 /// The most attributes a message carries.
 pub(crate) const MAX_ATTRIBUTES: usize = 10;
@@ -210,6 +215,124 @@ pub(crate) fn group_id(event: &Event) -> String {
         Some(k) => fifo_id(k),
         None => fifo_id(event.event_id.as_bytes()),
     }
+}
+
+/// The name an SQS queue or SNS topic gets from `topic`: every character
+/// but `A-Z a-z 0-9 _ -` made `-`, `.fifo` added for FIFO (a topic ending
+/// in `.fifo` keeps one), and a name longer than `max` cut, with 16 hex
+/// digits of the topic's SHA-256 so that it stays its own.
+pub(crate) fn aws_name(topic: &str, fifo: bool, max: usize) -> String {
+    let stem = if fifo {
+        topic.strip_suffix(".fifo").unwrap_or(topic)
+    } else {
+        topic
+    };
+    let mut name: String = stem
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let suffix = if fifo { ".fifo" } else { "" };
+    if name.len() + suffix.len() > max {
+        let hash: String = sha2::Sha256::digest(topic.as_bytes())[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        name.truncate(max - suffix.len() - hash.len() - 1);
+        name.push('-');
+        name.push_str(&hash);
+    }
+    name.push_str(suffix);
+    name
+}
+
+/// A message as SQS's `SendMessageBatch` and SNS's `PublishBatch` take it.
+#[derive(Debug, Clone)]
+pub(crate) struct Message {
+    pub(crate) body: Arc<str>,
+    pub(crate) attributes: Arc<Attributes>,
+    pub(crate) group: Option<String>,
+    pub(crate) dedup: Option<String>,
+}
+
+/// The message `event` becomes (FIFO ids when `fifo`), or why it cannot be
+/// one: a body that is no text SQS and SNS take, or a message above
+/// `max_bytes` (`table`'s `max_message_bytes`).
+pub(crate) fn message(
+    event: &Event,
+    fifo: bool,
+    max_bytes: usize,
+    table: &str,
+) -> Result<(Message, usize), (DeliveryClass, String)> {
+    let body = std::str::from_utf8(&event.value).map_err(|_| {
+        (
+            DeliveryClass::InvalidRecord,
+            "the value is no UTF-8 text, which a message body must be".to_owned(),
+        )
+    })?;
+    if body.is_empty() || !valid_text(body) {
+        return Err((
+            DeliveryClass::InvalidRecord,
+            "the value is empty or holds characters a message body cannot (control \
+             characters other than tab, newline and carriage return)"
+                .to_owned(),
+        ));
+    }
+    let attributes = attributes(event);
+    let size = body.len() + self::size(&attributes);
+    if size > max_bytes {
+        return Err((
+            DeliveryClass::MessageTooLarge,
+            format!(
+                "the message is {size} bytes (body and attributes), above \
+                 {table}.max_message_bytes = {max_bytes}"
+            ),
+        ));
+    }
+    let (group, dedup) = if fifo {
+        (Some(group_id(event)), Some(dedup_id(event)))
+    } else {
+        (None, None)
+    };
+    Ok((
+        Message {
+            body: Arc::from(body),
+            attributes: Arc::new(attributes),
+            group,
+            dedup,
+        },
+        size,
+    ))
+}
+
+/// What a failed batch entry's answer means (SQS and SNS answer alike): a
+/// fault of the sender (`SenderFault`, or a code that says the message is
+/// refused) is the message's, refused for good (its dead letter takes its
+/// place); anything else (throttled, an internal error) is sent again.
+pub(crate) fn entry_answer(code: &str, sender_fault: bool, said: String) -> Answer {
+    let code = code.strip_suffix("Exception").unwrap_or(code);
+    let class = match code {
+        "MessageTooLong" | "BatchRequestTooLong" => DeliveryClass::MessageTooLarge,
+        "InvalidMessageContents"
+        | "InvalidParameterValue"
+        | "InvalidParameter"
+        | "InvalidAttributeName"
+        | "InvalidAttributeValue"
+        | "MissingParameter"
+        | "InvalidBatchEntryId"
+        | "ValidationError" => DeliveryClass::InvalidRecord,
+        "RequestThrottled" | "Throttling" | "Throttled" | "KmsThrottled" => {
+            return Answer::Retry(said);
+        }
+        _ if sender_fault => DeliveryClass::InvalidRecord,
+        _ => return Answer::Retry(said),
+    };
+    Answer::Refused(class, said)
 }
 
 #[cfg(test)]

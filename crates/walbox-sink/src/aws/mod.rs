@@ -5,6 +5,8 @@
 //! - [`kinesis`]: Amazon Kinesis Data Streams, `PutRecords` batches;
 //!   [`kinesis_read`]: reading a stream back, and a dead-letter stream's
 //!   letters after a replay's progress marker.
+//! - [`sns`]: Amazon SNS, FIFO topics by default, `PublishBatch`, never to
+//!   a topic without a subscription;
 //! - [`sqs`]: Amazon SQS, FIFO queues by default, `SendMessageBatch`;
 //!   [`attributes`]: headers as message attributes, and the FIFO ids.
 //! - [`envelope`]: the JSON record a Kinesis record carries.
@@ -13,6 +15,7 @@ pub(crate) mod attributes;
 pub(crate) mod envelope;
 pub(crate) mod kinesis;
 pub(crate) mod kinesis_read;
+pub(crate) mod sns;
 pub(crate) mod sqs;
 pub(crate) mod sqs_read;
 

@@ -29,7 +29,7 @@ use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName, SendMessageB
 use serde::Deserialize;
 use walbox_outbox::Event;
 
-use super::attributes::{self, Attributes, Value};
+use super::attributes::{self, Message, Value, entry_answer};
 use super::{AwsConnection, call_error, setup_error};
 use crate::batched::{Answer, Api, Batched, CallError, Limits};
 use crate::{Deliveries, DeliveryClass, Sink, SinkError};
@@ -205,45 +205,8 @@ impl SqsSinkConfig {
     /// The queue a topic names.
     #[must_use]
     pub fn queue_name(&self, topic: &str) -> String {
-        let stem = if self.fifo {
-            topic.strip_suffix(".fifo").unwrap_or(topic)
-        } else {
-            topic
-        };
-        let mut name: String = stem
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                    c
-                } else {
-                    '-'
-                }
-            })
-            .collect();
-        let suffix = if self.fifo { ".fifo" } else { "" };
-        if name.len() + suffix.len() > MAX_QUEUE_NAME {
-            // Too long for SQS: its start and a hash of the whole topic.
-            use sha2::Digest as _;
-            let hash: String = sha2::Sha256::digest(topic.as_bytes())[..8]
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
-            name.truncate(MAX_QUEUE_NAME - suffix.len() - hash.len() - 1);
-            name.push('-');
-            name.push_str(&hash);
-        }
-        name.push_str(suffix);
-        name
+        attributes::aws_name(topic, self.fifo, MAX_QUEUE_NAME)
     }
-}
-
-/// A message as `SendMessageBatch` takes it.
-#[derive(Debug, Clone)]
-pub(crate) struct Message {
-    body: Arc<str>,
-    attributes: Arc<Attributes>,
-    group: Option<String>,
-    dedup: Option<String>,
 }
 
 /// The service's part: one `SendMessageBatch` call to a queue URL.
@@ -274,29 +237,6 @@ fn attribute_value(value: &Value) -> MessageAttributeValue {
             .binary_value(Blob::new(b.clone())),
     };
     built.build().expect("the data type is set")
-}
-
-/// What a failed entry's answer means: a fault of the sender (`SenderFault`,
-/// or a code that says the message is refused) is the message's, refused
-/// for good (its dead letter takes its place); anything else (throttled, an
-/// internal error) is sent again.
-fn entry_answer(code: &str, sender_fault: bool, said: String) -> Answer {
-    let code = code.strip_suffix("Exception").unwrap_or(code);
-    let class = match code {
-        "MessageTooLong" | "BatchRequestTooLong" => DeliveryClass::MessageTooLarge,
-        "InvalidMessageContents"
-        | "InvalidParameterValue"
-        | "InvalidAttributeName"
-        | "InvalidAttributeValue"
-        | "MissingParameter"
-        | "InvalidBatchEntryId" => DeliveryClass::InvalidRecord,
-        "RequestThrottled" | "Throttling" | "ThrottlingException" | "KmsThrottled" => {
-            return Answer::Retry(said);
-        }
-        _ if sender_fault => DeliveryClass::InvalidRecord,
-        _ => return Answer::Retry(said),
-    };
-    Answer::Refused(class, said)
 }
 
 impl Api for Sqs {
@@ -439,49 +379,12 @@ impl SqsSink {
 
     /// The message `event` becomes, or why it cannot be one.
     fn message(&self, event: &Event) -> Result<(Message, usize), (DeliveryClass, String)> {
-        let body = std::str::from_utf8(&event.value).map_err(|_| {
-            (
-                DeliveryClass::InvalidRecord,
-                "the value is no UTF-8 text, which an SQS message body must be".to_owned(),
-            )
-        })?;
-        if body.is_empty() || !attributes::valid_text(body) {
-            return Err((
-                DeliveryClass::InvalidRecord,
-                "the value is empty or holds characters an SQS message body cannot (control \
-                 characters other than tab, newline and carriage return)"
-                    .to_owned(),
-            ));
-        }
-        let attributes = attributes::attributes(event);
-        let size = body.len() + attributes::size(&attributes);
-        if size > self.config.max_message_bytes {
-            return Err((
-                DeliveryClass::MessageTooLarge,
-                format!(
-                    "the message is {size} bytes (body and attributes), above \
-                     sink.sqs.max_message_bytes = {}",
-                    self.config.max_message_bytes
-                ),
-            ));
-        }
-        let (group, dedup) = if self.config.fifo {
-            (
-                Some(attributes::group_id(event)),
-                Some(attributes::dedup_id(event)),
-            )
-        } else {
-            (None, None)
-        };
-        Ok((
-            Message {
-                body: Arc::from(body),
-                attributes: Arc::new(attributes),
-                group,
-                dedup,
-            },
-            size,
-        ))
+        attributes::message(
+            event,
+            self.config.fifo,
+            self.config.max_message_bytes,
+            "sink.sqs",
+        )
     }
 }
 

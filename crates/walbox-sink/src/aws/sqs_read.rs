@@ -220,6 +220,26 @@ impl SqsLetters {
             }))
     }
 
+    /// Opens the queue named `queue` (a queue subscribed to SNS
+    /// dead-letter topics) with `connection`; `None` when it does not exist.
+    pub async fn open_queue(
+        connection: &super::AwsConnection,
+        queue: &str,
+    ) -> Result<Option<Self>, SinkError> {
+        let sdk = connection.sdk_config("sink.sns").await?;
+        let client = aws_sdk_sqs::Client::new(&sdk);
+        match client.get_queue_url().queue_name(queue).send().await {
+            Ok(out) => Ok(out.queue_url().map(|url| SqsLetters {
+                client,
+                url: url.to_owned(),
+                round: Vec::new(),
+                before: 0,
+            })),
+            Err(e) if e.as_service_error().is_some_and(super::no_such_queue) => Ok(None),
+            Err(e) => Err(setup_error(&e, "sqs", &format!("finding queue {queue:?}"))),
+        }
+    }
+
     /// Receives the next round: every letter the queue hands out now, held
     /// from other readers. Empty when none is left.
     pub async fn next_round(&mut self) -> Result<usize, SinkError> {

@@ -34,6 +34,8 @@ pub enum SinkKind {
     Kinesis,
     /// Amazon SQS, FIFO queues by default (`[sink.sqs]`).
     Sqs,
+    /// Amazon SNS, FIFO topics by default (`[sink.sns]`).
+    Sns,
 }
 
 impl SinkKind {
@@ -55,6 +57,7 @@ impl SinkKind {
             SinkKind::RabbitMq => "rabbitmq",
             SinkKind::Kinesis => "kinesis",
             SinkKind::Sqs => "sqs",
+            SinkKind::Sns => "sns",
             SinkKind::PubSub => "pubsub",
         }
     }
@@ -71,6 +74,7 @@ impl SinkKind {
             SinkKind::RabbitMq => "RabbitMQ (an exchange or streams)",
             SinkKind::Kinesis => "Amazon Kinesis Data Streams",
             SinkKind::Sqs => "Amazon SQS (FIFO queues)",
+            SinkKind::Sns => "Amazon SNS (FIFO topics)",
             SinkKind::PubSub => "Google Cloud Pub/Sub (pubsub)",
         }
     }
@@ -92,6 +96,9 @@ impl SinkKind {
                 "the SQS queue (each character but A-Z a-z 0-9 _ - made -, and .fifo added)"
             }
             SinkKind::PubSub => "the Pub/Sub topic",
+            SinkKind::Sns => {
+                "the SNS topic (each character but A-Z a-z 0-9 _ - made -, and .fifo added)"
+            }
         }
     }
 
@@ -109,7 +116,7 @@ impl SinkKind {
             }
             SinkKind::Nats => walbox_outbox::Protocol::Nats,
             // Message attributes carry headers as text, as Kafka's do.
-            SinkKind::Sqs => walbox_outbox::Protocol::Kafka,
+            SinkKind::Sqs | SinkKind::Sns => walbox_outbox::Protocol::Kafka,
             SinkKind::Webhook => walbox_outbox::Protocol::Http,
             SinkKind::RabbitMq => walbox_outbox::Protocol::Amqp,
             SinkKind::PubSub => walbox_outbox::Protocol::PubSub,
@@ -164,6 +171,9 @@ pub struct SinkConfig {
     /// The SQS sink's settings (`type = "sqs"`).
     #[serde(default)]
     pub sqs: walbox_sink::SqsSinkConfig,
+    /// The SNS sink's settings (`type = "sns"`).
+    #[serde(default)]
+    pub sns: walbox_sink::SnsSinkConfig,
 }
 
 fn default_partitions() -> i32 {
@@ -196,6 +206,7 @@ impl Default for SinkConfig {
             pubsub: walbox_sink::PubSubSinkConfig::default(),
             kinesis: walbox_sink::KinesisSinkConfig::default(),
             sqs: walbox_sink::SqsSinkConfig::default(),
+            sns: walbox_sink::SnsSinkConfig::default(),
         }
     }
 }
@@ -229,6 +240,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("pubsub", &self.pubsub)
             .field("kinesis", &self.kinesis)
             .field("sqs", &self.sqs)
+            .field("sns", &self.sns)
             .finish()
     }
 }
@@ -304,6 +316,14 @@ impl SinkConfig {
     pub fn sqs_sink(&self) -> Result<walbox_sink::SqsSinkConfig> {
         let mut c = self.sqs.clone();
         c.create_queues = self.create_topics;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The SNS sink's settings, with topic creation from `create_topics`.
+    pub fn sns_sink(&self) -> Result<walbox_sink::SnsSinkConfig> {
+        let mut c = self.sns.clone();
+        c.create_topics = self.create_topics;
         c.validate()?;
         Ok(c)
     }

@@ -53,7 +53,11 @@ pub(super) async fn check(r: &mut Report, config: &Config) {
     if !from_rows.is_empty()
         && matches!(
             kind,
-            SinkKind::Kafka | SinkKind::RabbitMq | SinkKind::Kinesis | SinkKind::Sqs
+            SinkKind::Kafka
+                | SinkKind::RabbitMq
+                | SinkKind::Kinesis
+                | SinkKind::Sqs
+                | SinkKind::Sns
         )
     {
         r.add(
@@ -89,6 +93,10 @@ pub(super) async fn check(r: &mut Report, config: &Config) {
         },
         SinkKind::Kinesis => match sink.kinesis_sink() {
             Ok(k) => add(r, probe::kinesis(&k, &fixed).await),
+            Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
+        },
+        SinkKind::Sns => match sink.sns_sink() {
+            Ok(c) => add(r, probe::sns(&c, &fixed).await),
             Err(e) => r.add(Verdict::Fail, format!("{e:#}")),
         },
         SinkKind::Sqs => match sink.sqs_sink() {

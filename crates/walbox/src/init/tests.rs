@@ -56,6 +56,7 @@ fn sink_table_keys(kind: SinkKind) -> Option<&'static [&'static str]> {
         SinkKind::Kinesis => Some(keys::<walbox_sink::KinesisSinkConfig>()),
         SinkKind::Sqs => Some(keys::<walbox_sink::SqsSinkConfig>()),
         SinkKind::PubSub => Some(keys::<walbox_sink::PubSubSinkConfig>()),
+        SinkKind::Sns => Some(keys::<walbox_sink::SnsSinkConfig>()),
     }
 }
 
@@ -67,7 +68,7 @@ fn reads(kind: SinkKind, key: &str) -> bool {
     match kind {
         SinkKind::Kafka => true,
         SinkKind::Kinesis => matches!(key, "create_topics" | "topic_partitions"),
-        SinkKind::Sqs | SinkKind::PubSub => key == "create_topics",
+        SinkKind::Sqs | SinkKind::PubSub | SinkKind::Sns => key == "create_topics",
         SinkKind::Stdout
         | SinkKind::Nats
         | SinkKind::Webhook

@@ -6,7 +6,7 @@ use anyhow::anyhow;
 use walbox_outbox::Event;
 use walbox_sink::{
     Deliveries, DeliveryError, KafkaSink, KinesisSink, NatsSink, PubSubSink, RabbitMqSink,
-    RedisSink, Sink, SinkError, SqsSink, StdoutSink, WebhookSink,
+    RedisSink, Sink, SinkError, SnsSink, SqsSink, StdoutSink, WebhookSink,
 };
 
 use super::transient;
@@ -23,6 +23,7 @@ pub(super) enum AnySink {
     Webhook(Box<WebhookSink>),
     Kinesis(Box<KinesisSink>),
     Sqs(Box<SqsSink>),
+    Sns(Box<SnsSink>),
 }
 
 /// Calls the same method on whichever sink `AnySink` holds.
@@ -38,6 +39,7 @@ macro_rules! each_sink {
             AnySink::Webhook($s) => $call,
             AnySink::Kinesis($s) => $call,
             AnySink::Sqs($s) => $call,
+            AnySink::Sns($s) => $call,
         }
     };
 }
@@ -102,6 +104,10 @@ pub(super) fn make_sink(config: &Config) -> anyhow::Result<(AnySink, Deliveries)
         SinkKind::Sqs => {
             let (sink, deliveries) = SqsSink::new(config.sink.sqs_sink()?)?;
             (AnySink::Sqs(Box::new(sink)), deliveries)
+        }
+        SinkKind::Sns => {
+            let (sink, deliveries) = SnsSink::new(config.sink.sns_sink()?)?;
+            (AnySink::Sns(Box::new(sink)), deliveries)
         }
     })
 }
