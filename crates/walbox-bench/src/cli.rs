@@ -8,7 +8,8 @@ use crate::Error;
 const USAGE: &str = "\
 usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                     [--rates LIST] [--only LIST] [--svg-dir DIR] [--walbox PATH]
-                    [--webhook-events N] [--pubsub-events N] [--alloc-events N]
+                    [--webhook-events N] [--pubsub-events N] [--aws-events N]
+                    [--alloc-events N]
                     [--walbox-counting PATH]
                     [--baseline PATH]
 
@@ -19,9 +20,11 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
   --steady-seconds N  seconds of writing per steady rate (default 60)
   --rates LIST        steady rates in events/s (default 1000,5000,20000)
   --only LIST         scenarios to run: backlog, polling, messages, allocations,
-                      big-txn, steady, webhook, pubsub (default all)
+                      big-txn, steady, webhook, pubsub, aws (default all)
   --webhook-events N  events of each webhook run, a multiple of 10 (default 20000)
   --pubsub-events N   events of the Pub/Sub run, a multiple of 10 (default 20000)
+  --aws-events N      events of each AWS run (Kinesis, SQS, SNS), a multiple of 10
+                      (default 10000)
   --alloc-events N    events of each allocations run, a multiple of 10 (default 100000)
   --svg-dir DIR       where a full run writes its charts
   --walbox PATH       the walbox binary (default: next to this one)
@@ -49,6 +52,8 @@ pub struct Args {
     pub webhook_events: u64,
     /// Events of the Pub/Sub scenario's run.
     pub pubsub_events: u64,
+    /// Events of each run of the AWS scenario.
+    pub aws_events: u64,
     /// Events of each run of the allocations scenario.
     pub alloc_events: u64,
     /// The walbox that counts its allocations (`--walbox-counting`), when it
@@ -73,10 +78,12 @@ pub enum Scenario {
     Allocations,
     /// A backlog published to the Pub/Sub emulator, next to a plain client.
     PubSub,
+    /// Kinesis, SQS and SNS on their stand-ins, each next to a plain SDK client.
+    Aws,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 8] = [
+    pub const ALL: [Scenario; 9] = [
         Scenario::Backlog,
         Scenario::Polling,
         Scenario::Messages,
@@ -85,6 +92,7 @@ impl Scenario {
         Scenario::Steady,
         Scenario::Webhook,
         Scenario::PubSub,
+        Scenario::Aws,
     ];
 
     fn parse(s: &str) -> Result<Self, Error> {
@@ -96,10 +104,11 @@ impl Scenario {
             "steady" => Scenario::Steady,
             "webhook" => Scenario::Webhook,
             "pubsub" => Scenario::PubSub,
+            "aws" => Scenario::Aws,
             "allocations" => Scenario::Allocations,
             other => {
                 return Err(format!(
-                    "--only: unknown scenario {other:?} (backlog, polling, messages, allocations, big-txn, steady, webhook, pubsub)"
+                    "--only: unknown scenario {other:?} (backlog, polling, messages, allocations, big-txn, steady, webhook, pubsub, aws)"
                 )
                 .into());
             }
@@ -129,6 +138,7 @@ pub fn args() -> Result<Option<Args>, Error> {
         rates: vec![1_000, 5_000, 20_000],
         webhook_events: 20_000,
         pubsub_events: 20_000,
+        aws_events: 10_000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -157,6 +167,9 @@ pub fn args() -> Result<Option<Args>, Error> {
             }
             "--pubsub-events" => {
                 a.pubsub_events = it.next().ok_or("--pubsub-events needs a number")?.parse()?;
+            }
+            "--aws-events" => {
+                a.aws_events = it.next().ok_or("--aws-events needs a number")?.parse()?;
             }
             "--walbox" => a.walbox = PathBuf::from(it.next().ok_or("--walbox needs a path")?),
             "--baseline" => {
@@ -190,6 +203,9 @@ pub fn args() -> Result<Option<Args>, Error> {
     }
     if a.pubsub_events == 0 || !a.pubsub_events.is_multiple_of(10) {
         return Err("--pubsub-events must be a positive multiple of 10".into());
+    }
+    if a.aws_events == 0 || !a.aws_events.is_multiple_of(10) {
+        return Err("--aws-events must be a positive multiple of 10".into());
     }
     if a.alloc_events == 0 || !a.alloc_events.is_multiple_of(10) {
         return Err("--alloc-events must be a positive multiple of 10".into());

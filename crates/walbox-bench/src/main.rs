@@ -62,17 +62,24 @@
 //!    same messages published by a plain client the way walbox does (one
 //!    request in flight per ordering key); the ratio of their times.
 //!
+//! 7. AWS (`aws.rs`): `--aws-events` (default 10,000) sent by `walbox run` to
+//!    Kinesis (kinesalite), SQS FIFO and SNS FIFO (LocalStack), each followed
+//!    by a plain AWS SDK client sending the same messages in the same per-key
+//!    order (one call per key in flight); the ratio of their times.
+//!
 //! A contender that writes to the broker or JetStream must have added every event
 //! to it by the end of its run (`delivered.rs`), else the bench fails.
 //!
-//! `--only backlog,polling,messages,big-txn,steady,webhook,pubsub` runs some of them and `--rates` picks
+//! `--only backlog,polling,messages,big-txn,steady,webhook,pubsub,aws` runs some of them and `--rates` picks
 //! the steady rates; only a full run writes the charts. Figures are printed with
 //! the setup they came from.
 
 #![allow(clippy::print_stdout)] // the report is the output
 
 mod allocations;
+mod aws;
 mod cli;
+mod cloud;
 mod contenders;
 mod delivered;
 mod messages;
@@ -222,6 +229,16 @@ async fn main() -> Result<(), Error> {
         pubsub_run = Some(bench.pubsub(n).await?);
     }
 
+    // 7. A backlog sent to each AWS stand-in, next to a plain SDK client.
+    let mut aws_runs = Vec::new();
+    if runs(Scenario::Aws) {
+        let n = bench.a.aws_events;
+        for service in aws::Service::ALL {
+            println!("scenario 7: {n} events to {service:?}, then a plain SDK client");
+            aws_runs.push(bench.aws(service, n).await?);
+        }
+    }
+
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let mem_gb = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -309,6 +326,7 @@ async fn main() -> Result<(), Error> {
     }
     webhook::print(&webhooks);
     pubsub::print(pubsub_run.as_ref());
+    aws::print(&aws_runs);
     // The charts compare all contenders: only a full run writes them.
     if let Some(dir) = &bench.a.svg_dir
         && bench.a.only.len() == Scenario::ALL.len()

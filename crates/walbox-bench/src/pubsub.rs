@@ -13,15 +13,13 @@
 //! once, timed from its first request to its last answer. The ratio is
 //! walbox's time over the plain client's.
 
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use walbox_testkit::PubSubEmulator;
 
 use crate::Error;
-use crate::contenders::{checkpoint_file, lsn, usage};
-use crate::scenarios::{Bench, INSERT, ROW_SELECT};
+use crate::scenarios::Bench;
 
 /// What the scenario measured.
 #[derive(Debug)]
@@ -45,27 +43,6 @@ impl Bench {
         let emulator = tokio::task::spawn_blocking(PubSubEmulator::start).await??;
         emulator.create_subscription("bench.count", TOPIC, false)?;
         emulator.create_subscription("bench.plain.count", PLAIN_TOPIC, false)?;
-        let slot = "bench_pubsub";
-        self.db.batch_execute("TRUNCATE outbox").await?;
-        self.db
-            .execute(
-                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-                &[&slot],
-            )
-            .await?;
-        self.db
-            .batch_execute(&format!(
-                "DO $$
-                 BEGIN
-                   FOR t IN 0..{last} LOOP
-                     {INSERT} {ROW_SELECT} FROM generate_series(t * 10, t * 10 + 9) n;
-                     COMMIT;
-                   END LOOP;
-                 END $$;",
-                last = events / 10 - 1
-            ))
-            .await?;
-        let end = lsn(&self.db, "SELECT pg_current_wal_lsn()::text").await?;
         let config = self.pg.client_dir().join("bench_pubsub.toml");
         std::fs::write(
             &config,
@@ -76,46 +53,8 @@ impl Bench {
                 emulator.host()
             ),
         )?;
-        let started = Instant::now();
-        let mut child = Command::new(&self.a.walbox)
-            .arg("run")
-            .env("WALBOX_CONFIG", &config)
-            .env("WALBOX_DSN", self.pg.conninfo("postgres"))
-            .env("WALBOX_SLOT", slot)
-            .env("WALBOX_CHECKPOINT", checkpoint_file(&self.pg, slot))
-            .env("WALBOX_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()?;
-        let deadline = started + Duration::from_secs(3_600);
-        loop {
-            let done: bool = self
-                .db
-                .query_one(
-                    "SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots \
-                     WHERE slot_name = $2",
-                    &[&end, &slot],
-                )
-                .await?
-                .get(0);
-            if done {
-                break;
-            }
-            if Instant::now() > deadline || child.try_wait()?.is_some() {
-                let _ = child.kill();
-                return Err("pubsub run: walbox did not confirm the last commit".into());
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let walbox_seconds = started.elapsed().as_secs_f64();
-        let (walbox_peak_rss_kb, walbox_cpu_seconds) = usage(child.id());
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(i32::try_from(child.id())?),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        child.wait()?;
-        self.db
-            .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
+        let walbox = self
+            .drain_backlog("bench_pubsub", events, &config, &[])
             .await?;
         let wanted = usize::try_from(events)?;
         let messages = {
@@ -150,9 +89,9 @@ impl Bench {
         }
         Ok(PubSubRun {
             events,
-            walbox_seconds,
-            walbox_cpu_seconds,
-            walbox_peak_rss_kb,
+            walbox_seconds: walbox.seconds,
+            walbox_cpu_seconds: walbox.cpu_seconds,
+            walbox_peak_rss_kb: walbox.peak_rss_kb,
             plain_seconds,
         })
     }

@@ -290,7 +290,7 @@ fn node_program() -> Result<PathBuf> {
 }
 
 /// A client of the test process for the stand-in at `endpoint`.
-pub(crate) async fn sdk_config(endpoint: &str) -> aws_config::SdkConfig {
+pub async fn sdk_config(endpoint: &str) -> aws_config::SdkConfig {
     aws_config::defaults(aws_config::BehaviorVersion::latest())
         .http_client(aws_smithy_http_client::Builder::new().build_http())
         .region(aws_config::Region::new("us-east-1"))

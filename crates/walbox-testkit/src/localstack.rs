@@ -293,6 +293,26 @@ pub async fn drain(
     }
 }
 
+/// Makes FIFO queue `queue` on the LocalStack at `endpoint` (deduplicating by
+/// the ids it is given, not by content), as walbox makes one; its URL.
+pub async fn create_fifo_queue(endpoint: &str, queue: &str) -> std::result::Result<String, String> {
+    let sqs = aws_sdk_sqs::Client::new(&crate::kinesis::sdk_config(endpoint).await);
+    Ok(sqs
+        .create_queue()
+        .queue_name(queue)
+        .attributes(aws_sdk_sqs::types::QueueAttributeName::FifoQueue, "true")
+        .attributes(
+            aws_sdk_sqs::types::QueueAttributeName::ContentBasedDeduplication,
+            "false",
+        )
+        .send()
+        .await
+        .map_err(|e| format!("creating queue {queue}: {e:?}"))?
+        .queue_url()
+        .unwrap_or_default()
+        .to_owned())
+}
+
 /// Makes the FIFO topic `topic` and the FIFO queue `queue` on the LocalStack
 /// at `endpoint` (as walbox makes them: deduplicating by the ids it gives,
 /// not by content), and subscribes the queue to the topic with raw
@@ -316,20 +336,7 @@ pub async fn subscribe_queue(
         .topic_arn()
         .unwrap_or_default()
         .to_owned();
-    let url = sqs
-        .create_queue()
-        .queue_name(queue)
-        .attributes(aws_sdk_sqs::types::QueueAttributeName::FifoQueue, "true")
-        .attributes(
-            aws_sdk_sqs::types::QueueAttributeName::ContentBasedDeduplication,
-            "false",
-        )
-        .send()
-        .await
-        .map_err(|e| format!("creating queue {queue}: {e:?}"))?
-        .queue_url()
-        .unwrap_or_default()
-        .to_owned();
+    let url = create_fifo_queue(endpoint, queue).await?;
     let queue_arn = sqs
         .get_queue_attributes()
         .queue_url(&url)
