@@ -158,4 +158,9 @@ async fn a_missing_stream_stops_walbox_naming_it_and_credentials_never_reach_the
     assert!(!log.contains(TOKEN), "the session token is in the log");
     let records = read_kinesis(&kinesis.endpoint(), STREAM).await;
     assert_all_there_in_key_order(&records, &outbox_ids(&db).await);
+    // The stream walbox made keeps its records a week, not Kinesis's day.
+    assert_eq!(
+        walbox_testkit::kinesis::retention_hours(&kinesis.endpoint(), STREAM).await,
+        Ok(168)
+    );
 }

@@ -3,9 +3,11 @@
 //! without a subscription, whose messages SNS would acknowledge and drop,
 //! stops walbox before anything is published to it, and once the consumers
 //! subscribe as the message says, every event committed meanwhile arrives
-//! exactly once, each key in commit order, also after a kill -9; a standard
-//! topic is refused unless order is given up; the credentials never reach
-//! the log, even at trace.
+//! exactly once, each key in commit order, also after a kill -9; a topic
+//! deleted and made again under walbox (same ARN, no subscription) stops it
+//! within the half minute it looks again; a standard topic is refused
+//! unless order is given up; the credentials never reach the log, even at
+//! trace.
 
 mod common;
 
@@ -87,5 +89,51 @@ async fn no_subscription_stops_walbox_and_after_subscribing_every_event_arrives_
 
     let records = drain_queue(&sns.endpoint(), TOPIC).await;
     assert_all_once_in_key_order(&records, &outbox_ids(&db).await);
+    drop(pg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_made_again_without_its_subscription_stops_walbox() {
+    let sns = LocalStack::start().unwrap();
+    let (pg, db, env) = aws_servers("sns", &sns.endpoint(), "create_topics = true", "").await;
+    setup(&env);
+    walbox_testkit::localstack::subscribe_queue(&sns.endpoint(), NAME, NAME)
+        .await
+        .unwrap();
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    write_events(&pg, 1, 2, 5, 2).await;
+    caught_up(&db, &walbox).await;
+    // Replaced under walbox: the same ARN, and nobody subscribed.
+    walbox_testkit::localstack::make_topic_again(&sns.endpoint(), NAME)
+        .await
+        .unwrap();
+    // walbox looks at the subscriptions again within half a minute of
+    // publishing, and stops.
+    let writing = tokio::spawn({
+        let conninfo = pg.conninfo("postgres");
+        async move {
+            let (db, conn) = tokio_postgres::connect(&conninfo, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            for i in 0..600 {
+                let done = db
+                    .batch_execute(&format!(
+                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                         VALUES ('order', 'order-late', 'OrderPlaced', '{{\"seq\": {i}}}')"
+                    ))
+                    .await;
+                if done.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
+    let status = walbox.wait(Duration::from_secs(90));
+    writing.abort();
+    assert_ne!(code(status), Some(0));
+    let log = walbox.log();
+    assert!(log.contains("has no subscription"), "{log}");
     drop(pg);
 }

@@ -129,6 +129,16 @@ async fn standard_queues_missing_queues_and_credentials() {
     assert!(!log.contains(TOKEN), "the session token is in the log");
     let records = drain_queue(&sqs.endpoint(), TOPIC).await;
     assert_all_once_in_key_order(&records, &outbox_ids(&db).await);
+    // The queue walbox made keeps its messages 14 days, not SQS's 4.
+    assert_eq!(
+        walbox_testkit::localstack::queue_attribute(
+            &sqs.endpoint(),
+            "outbox-order.fifo",
+            "MessageRetentionPeriod"
+        )
+        .await,
+        Ok(Some("1209600".to_owned()))
+    );
     let empty = records
         .iter()
         .find(|r| r.key.as_deref() == Some(&b"order-empty"[..]))

@@ -633,6 +633,12 @@ pub async fn sns(config: &crate::SnsSinkConfig, names: &[String]) -> Vec<Finding
             },
         });
     }
+    if let Some(why) = config.window_warning() {
+        out.push(Finding {
+            verdict: Verdict::Warn,
+            text: why,
+        });
+    }
     if config.dead_letter_queue.is_none() {
         out.push(Finding {
             verdict: Verdict::Warn,

@@ -289,6 +289,21 @@ fn node_program() -> Result<PathBuf> {
         })
 }
 
+/// The hours stream `stream` on the stand-in at `endpoint` keeps its
+/// records.
+pub async fn retention_hours(endpoint: &str, stream: &str) -> std::result::Result<i32, String> {
+    let client = aws_sdk_kinesis::Client::new(&sdk_config(endpoint).await);
+    let out = client
+        .describe_stream_summary()
+        .stream_name(stream)
+        .send()
+        .await
+        .map_err(|e| format!("describing {stream}: {e}"))?;
+    out.stream_description_summary()
+        .map(|s| s.retention_period_hours())
+        .ok_or_else(|| format!("no summary of {stream}"))
+}
+
 /// A client of the test process for the stand-in at `endpoint`.
 pub async fn sdk_config(endpoint: &str) -> aws_config::SdkConfig {
     aws_config::defaults(aws_config::BehaviorVersion::latest())

@@ -293,6 +293,63 @@ pub async fn drain(
     }
 }
 
+/// Deletes FIFO topic `topic` on the LocalStack at `endpoint` and makes it
+/// again: the same ARN, and no subscription (what replacing a topic by
+/// hand or by a deployment tool leaves).
+pub async fn make_topic_again(endpoint: &str, topic: &str) -> std::result::Result<(), String> {
+    let sns = aws_sdk_sns::Client::new(&crate::kinesis::sdk_config(endpoint).await);
+    let make = || {
+        sns.create_topic()
+            .name(topic)
+            .attributes("FifoTopic", "true")
+            .attributes("ContentBasedDeduplication", "false")
+            .send()
+    };
+    let arn = make()
+        .await
+        .map_err(|e| format!("finding topic {topic}: {e:?}"))?
+        .topic_arn()
+        .unwrap_or_default()
+        .to_owned();
+    sns.delete_topic()
+        .topic_arn(&arn)
+        .send()
+        .await
+        .map_err(|e| format!("deleting topic {topic}: {e:?}"))?;
+    make()
+        .await
+        .map_err(|e| format!("making topic {topic} again: {e:?}"))?;
+    Ok(())
+}
+
+/// Attribute `name` (as SQS spells it: `MessageRetentionPeriod`) of queue
+/// `queue` on the LocalStack at `endpoint`.
+pub async fn queue_attribute(
+    endpoint: &str,
+    queue: &str,
+    name: &str,
+) -> std::result::Result<Option<String>, String> {
+    let sqs = aws_sdk_sqs::Client::new(&crate::kinesis::sdk_config(endpoint).await);
+    let url = sqs
+        .get_queue_url()
+        .queue_name(queue)
+        .send()
+        .await
+        .map_err(|e| format!("finding {queue}: {e:?}"))?
+        .queue_url()
+        .unwrap_or_default()
+        .to_owned();
+    let name = aws_sdk_sqs::types::QueueAttributeName::from(name);
+    let out = sqs
+        .get_queue_attributes()
+        .queue_url(url)
+        .attribute_names(name.clone())
+        .send()
+        .await
+        .map_err(|e| format!("the attributes of {queue}: {e:?}"))?;
+    Ok(out.attributes().and_then(|a| a.get(&name)).cloned())
+}
+
 /// Makes FIFO queue `queue` on the LocalStack at `endpoint` (deduplicating by
 /// the ids it is given, not by content), as walbox makes one; its URL.
 pub async fn create_fifo_queue(endpoint: &str, queue: &str) -> std::result::Result<String, String> {

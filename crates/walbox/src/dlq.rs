@@ -450,10 +450,17 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                      nothing itself"
                 );
             };
+            if !args.topics.is_empty() {
+                bail!(
+                    "--dlq-topic: the SNS sink's dead letters of every topic reach one queue \
+                     (sink.sns.dead_letter_queue = {queue:?}) and are replayed together; run \
+                     walbox dlq replay without --dlq-topic"
+                );
+            }
             let (mut sink, mut deliveries) = SnsSink::new(sink_config.clone())?;
             // One queue holds the letters of every dead-letter topic.
             for dlq in [queue.as_str()] {
-                let Some(mut read) = SqsLetters::open_queue(&sink_config.connection(), dlq)
+                let Some(mut read) = SqsLetters::open_queue(&sink_config.letters_connection(), dlq)
                     .await
                     .with_context(|| format!("reading queue {dlq}"))?
                 else {

@@ -192,12 +192,18 @@ pub(crate) fn fifo_id(text: &[u8]) -> String {
 /// event that happens to carry the same event id (two tables' `bigserial`
 /// ids, an id handed out again) has another position, so it is never taken
 /// for a duplicate of it. A snapshot taken again gives its rows positions
-/// of its own: they are stored again (at least once, same `event_id`).
+/// of its own: they are stored again (at least once, same `event_id`). A
+/// position outside commit order (a snapshot row's, a non-transactional
+/// message's) is marked so, since it can share its LSN and index with a
+/// transaction's event.
 pub(crate) fn dedup_id(event: &Event) -> String {
     let mut text = format!(
         "{}\n{}\n{}",
         event.event_id, event.position.commit_lsn, event.position.index
     );
+    if event.origin.outside_commit_order() {
+        text.push_str("\noutside commit order");
+    }
     if let Some(name) = event.origin.replay_name() {
         text.push_str("\nreplay ");
         text.push_str(&name);
@@ -326,7 +332,9 @@ pub(crate) fn entry_answer(code: &str, sender_fault: bool, said: String) -> Answ
         | "MissingParameter"
         | "InvalidBatchEntryId"
         | "ValidationError" => DeliveryClass::InvalidRecord,
-        "RequestThrottled" | "Throttling" | "Throttled" | "KmsThrottled" => {
+        // SQS's and SNS's spellings of a throttle, KMS's included: sent
+        // again whatever the sender-fault flag says.
+        "RequestThrottled" | "Throttling" | "Throttled" | "KmsThrottled" | "KMSThrottling" => {
             return Answer::Retry(said);
         }
         _ if sender_fault => DeliveryClass::InvalidRecord,
@@ -427,5 +435,38 @@ mod tests {
         assert!(valid_text("a\tb\n"));
         assert!(!valid_text("a\u{1}b"));
         assert!(!valid_name(".a") && !valid_name("a..b") && !valid_name("amazon.x"));
+    }
+
+    #[test]
+    fn a_snapshot_row_and_a_streamed_event_at_one_position_have_their_own_dedup_ids() {
+        // Two tables' bigserial ids: the snapshot row of one and the first
+        // streamed event of the other, at the same LSN and index.
+        let streamed = crate::batched::tests_event("1", "k");
+        let mut snapshot = streamed.clone();
+        snapshot.origin = walbox_outbox::Origin::Snapshot {
+            point: streamed.position.commit_lsn,
+        };
+        assert_ne!(dedup_id(&streamed), dedup_id(&snapshot));
+        assert_eq!(dedup_id(&streamed), dedup_id(&streamed.clone()));
+    }
+
+    #[test]
+    fn throttles_in_either_services_spelling_are_sent_again_whatever_the_fault_flag() {
+        for code in [
+            "KMSThrottling",
+            "KmsThrottled",
+            "Throttling",
+            "RequestThrottled",
+        ] {
+            for sender_fault in [false, true] {
+                assert!(
+                    matches!(
+                        entry_answer(code, sender_fault, String::new()),
+                        Answer::Retry(_)
+                    ),
+                    "{code} (sender fault {sender_fault})"
+                );
+            }
+        }
     }
 }

@@ -69,6 +69,12 @@ pub struct KinesisSinkConfig {
     /// new one sends again from the confirmed position).
     #[serde(default = "default_max_retry_ms")]
     pub max_retry_ms: u64,
+    /// Hours a stream walbox creates keeps its records (Kinesis's own
+    /// default is 24; past 24 is extended retention, billed per shard
+    /// hour). A dead letter or an event nobody read in time is gone after
+    /// it.
+    #[serde(default = "default_retention_hours")]
+    pub retention_hours: i32,
     /// Create a missing stream (from `[sink] create_topics`).
     #[serde(skip)]
     pub create_streams: bool,
@@ -98,6 +104,15 @@ fn default_retry_max_ms() -> u64 {
 fn default_max_retry_ms() -> u64 {
     300_000
 }
+/// A week, as Kafka's `log.retention.hours`: a weekend's outage of a
+/// consumer, or a dead letter found on Monday, is still there.
+fn default_retention_hours() -> i32 {
+    168
+}
+/// The hours Kinesis keeps a stream's records unless told otherwise, and
+/// the most it keeps them.
+const BASE_RETENTION_HOURS: i32 = 24;
+const MAX_RETENTION_HOURS: i32 = 8_760;
 
 impl Default for KinesisSinkConfig {
     fn default() -> Self {
@@ -111,6 +126,7 @@ impl Default for KinesisSinkConfig {
             retry_initial_ms: default_retry_initial_ms(),
             retry_max_ms: default_retry_max_ms(),
             max_retry_ms: default_max_retry_ms(),
+            retention_hours: default_retention_hours(),
             create_streams: false,
             shards: 1,
             credentials: None,
@@ -149,6 +165,13 @@ impl KinesisSinkConfig {
             return Err(SinkError::Config(
                 "sink.kinesis.max_requests: must be at least 1".into(),
             ));
+        }
+        if !(BASE_RETENTION_HOURS..=MAX_RETENTION_HOURS).contains(&self.retention_hours) {
+            return Err(SinkError::Config(format!(
+                "sink.kinesis.retention_hours: {} is not within {BASE_RETENTION_HOURS} to \
+                 {MAX_RETENTION_HOURS}",
+                self.retention_hours
+            )));
         }
         if self.retry_initial_ms == 0
             || self.retry_max_ms < self.retry_initial_ms
@@ -314,8 +337,10 @@ impl KinesisSink {
         ensure_stream(
             client,
             stream,
-            self.config.create_streams,
-            self.config.shards,
+            self.config.create_streams.then_some(Created {
+                shards: self.config.shards,
+                retention_hours: self.config.retention_hours,
+            }),
         )
         .await?;
         self.known.insert(Arc::clone(stream));
@@ -383,14 +408,48 @@ fn id_key(event_id: &str) -> String {
         .collect()
 }
 
-/// Checks that `stream` exists and is active (or updating), creating it
-/// with `shards` shards when `create` allows, and waiting while it is being
-/// created.
+/// Raises the retention of `stream`, which walbox just made, to what
+/// `create` says.
+async fn keep_records(
+    client: &aws_sdk_kinesis::Client,
+    stream: &str,
+    create: Option<Created>,
+) -> Result<(), SinkError> {
+    let hours = create.map_or(BASE_RETENTION_HOURS, |c| c.retention_hours);
+    if hours <= BASE_RETENTION_HOURS {
+        return Ok(());
+    }
+    client
+        .increase_stream_retention_period()
+        .stream_name(stream)
+        .retention_period_hours(hours)
+        .send()
+        .await
+        .map_err(|e| {
+            setup_error(
+                &e,
+                "kinesis",
+                &format!("raising the retention of stream {stream:?} to {hours} h"),
+            )
+        })?;
+    tracing::info!(stream, hours, "the Kinesis stream keeps its records");
+    Ok(())
+}
+
+/// How walbox makes a stream that is missing.
+#[derive(Debug, Clone, Copy)]
+struct Created {
+    shards: i32,
+    retention_hours: i32,
+}
+
+/// Checks that `stream` exists and is active (or updating), creating it as
+/// `create` says when it allows, and waiting while it is being created. A
+/// stream it made keeps its records `retention_hours`.
 async fn ensure_stream(
     client: &aws_sdk_kinesis::Client,
     stream: &str,
-    create: bool,
-    shards: i32,
+    create: Option<Created>,
 ) -> Result<(), SinkError> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     let mut created = false;
@@ -406,6 +465,9 @@ async fn ensure_stream(
                     .stream_description_summary()
                     .map(|s| s.stream_status().clone());
                 match status {
+                    Some(StreamStatus::Active) if created => {
+                        return keep_records(client, stream, create).await;
+                    }
                     Some(StreamStatus::Active | StreamStatus::Updating) => return Ok(()),
                     Some(StreamStatus::Deleting) => {
                         return Err(SinkError::AwsRefused(format!(
@@ -426,9 +488,9 @@ async fn ensure_stream(
                         &format!("describing stream {stream:?}"),
                     ));
                 }
-                if !create {
+                let Some(Created { shards, .. }) = create else {
                     return Err(SinkError::MissingTopic(stream.to_owned()));
-                }
+                };
                 if !created {
                     if let Err(e) = client
                         .create_stream()

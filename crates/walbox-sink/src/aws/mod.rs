@@ -225,14 +225,29 @@ pub(crate) fn code_class(code: &str) -> Option<crate::DeliveryClass> {
         "AccessDeniedException"
         | "AccessDenied"
         | "AuthorizationError"
-        | "AuthorizationErrorException" => DeliveryClass::Authorization,
+        | "AuthorizationErrorException"
+        | "InvalidSecurity"
+        | "InvalidSecurityException"
+        // A topic's or queue's KMS key disabled, gone, or not walbox's to
+        // use: every message would fail alike.
+        | "KMSDisabled"
+        | "KMSAccessDenied"
+        | "KMSNotFound"
+        | "KMSInvalidState"
+        | "KMSOptInRequired"
+        | "KmsDisabled"
+        | "KmsAccessDenied"
+        | "KmsNotFound"
+        | "KmsInvalidState" => DeliveryClass::Authorization,
         "InvalidArgumentException"
         | "ValidationException"
         | "ValidationError"
         | "InvalidParameterValue"
         | "InvalidParameterException"
         | "InvalidParameter"
-        | "InvalidParameterValueException" => DeliveryClass::BrokerError,
+        | "InvalidParameterValueException"
+        // SNS's spelling of InvalidParameterValue.
+        | "ParameterValueInvalid" => DeliveryClass::BrokerError,
         _ => return None,
     })
 }
@@ -323,5 +338,28 @@ mod tests {
             Some(crate::DeliveryClass::Authentication)
         );
         assert_eq!(code_class("ProvisionedThroughputExceededException"), None);
+    }
+
+    #[test]
+    fn sns_and_kms_codes_that_would_fail_every_message_end_the_session() {
+        use crate::DeliveryClass;
+        assert_eq!(
+            code_class("ParameterValueInvalid"),
+            Some(DeliveryClass::BrokerError)
+        );
+        for code in [
+            "KMSDisabled",
+            "KMSAccessDenied",
+            "KMSNotFound",
+            "InvalidSecurity",
+        ] {
+            assert_eq!(
+                code_class(code),
+                Some(DeliveryClass::Authorization),
+                "{code}"
+            );
+        }
+        // A throttle may pass.
+        assert_eq!(code_class("KMSThrottling"), None);
     }
 }

@@ -34,6 +34,12 @@ const MAX_ENTRIES: usize = 10;
 const MAX_MESSAGE_BYTES: usize = 256 * 1024;
 /// The longest topic name SNS takes.
 const MAX_TOPIC_NAME: usize = 256;
+/// How long SNS FIFO remembers a deduplication id.
+const DEDUP_WINDOW: Duration = Duration::from_secs(300);
+/// How often a topic's subscriptions are looked at again while walbox
+/// publishes to it: a topic deleted and made again keeps its ARN and loses
+/// its subscriptions, and SNS goes on accepting what it then drops.
+const SUBSCRIPTIONS_AGAIN: Duration = Duration::from_secs(30);
 
 /// The `[sink.sns]` table.
 #[derive(Debug, Clone, Deserialize)]
@@ -62,6 +68,11 @@ pub struct SnsSinkConfig {
     /// which `walbox dlq replay` reads the letters back from.
     #[serde(default)]
     pub dead_letter_queue: Option<String>,
+    /// The SQS service's URL for `dead_letter_queue` (default: the region's
+    /// SQS endpoint; `endpoint_url` when that is set, for a stand-in that
+    /// serves both).
+    #[serde(default)]
+    pub dead_letter_queue_endpoint_url: Option<String>,
     /// The largest message (body and attributes); a larger one is
     /// dead-lettered.
     #[serde(default = "default_max_message_bytes")]
@@ -115,6 +126,7 @@ impl Default for SnsSinkConfig {
             ordered: true,
             allow_no_subscription: false,
             dead_letter_queue: None,
+            dead_letter_queue_endpoint_url: None,
             max_message_bytes: default_max_message_bytes(),
             max_requests: default_max_requests(),
             retry_initial_ms: default_retry_initial_ms(),
@@ -136,6 +148,33 @@ impl SnsSinkConfig {
             profile: self.profile.clone(),
             credentials: self.credentials.clone(),
         }
+    }
+
+    /// Where the SQS queue of the dead letters is: `endpoint_url` names
+    /// SNS's endpoint, and SQS has its own.
+    #[must_use]
+    pub fn letters_connection(&self) -> AwsConnection {
+        AwsConnection {
+            endpoint_url: self
+                .dead_letter_queue_endpoint_url
+                .clone()
+                .or_else(|| self.endpoint_url.clone()),
+            ..self.connection()
+        }
+    }
+
+    /// A warning when a message may go on failing past SNS's 5-minute
+    /// deduplication window, after which a resend is stored again.
+    #[must_use]
+    pub fn window_warning(&self) -> Option<String> {
+        (self.fifo && Duration::from_millis(self.max_retry_ms) >= DEDUP_WINDOW).then(|| {
+            format!(
+                "sink.sns.max_retry_ms = {} reaches SNS's 5-minute deduplication window: a \
+                 message published again after failing that long is delivered again (at least \
+                 once then); an outage or a restart longer than 5 minutes has the same effect",
+                self.max_retry_ms
+            )
+        })
     }
 
     /// Checks the settings.
@@ -299,9 +338,9 @@ pub struct SnsSink {
     config: SnsSinkConfig,
     api: Arc<Sns>,
     batched: Batched<Sns>,
-    /// Topic ARNs by topic name, found (or made) and checked in this sink's
-    /// life.
-    arns: HashMap<String, Arc<str>>,
+    /// Topic ARNs by topic name, found (or made) in this sink's life, and
+    /// when their subscriptions were last seen.
+    arns: HashMap<String, (Arc<str>, tokio::time::Instant)>,
 }
 
 impl std::fmt::Debug for SnsSink {
@@ -317,6 +356,9 @@ impl SnsSink {
     /// A sink with these settings, and the receiver of its deliveries.
     pub fn new(config: SnsSinkConfig) -> Result<(Self, Deliveries), SinkError> {
         config.validate()?;
+        if let Some(why) = config.window_warning() {
+            tracing::warn!("{why}");
+        }
         let api = Arc::new(Sns {
             connection: config.connection(),
             client: tokio::sync::OnceCell::new(),
@@ -340,13 +382,21 @@ impl SnsSink {
     }
 
     /// The ARN of topic `name`: found, or made when allowed; checked to have
-    /// a subscription.
+    /// a confirmed subscription, and checked again every
+    /// [`SUBSCRIPTIONS_AGAIN`].
     async fn arn(&mut self, name: &str) -> Result<Arc<str>, SinkError> {
-        if let Some(arn) = self.arns.get(name) {
+        let now = tokio::time::Instant::now();
+        if let Some((arn, seen)) = self.arns.get(name)
+            && (self.config.allow_no_subscription
+                || now.duration_since(*seen) < SUBSCRIPTIONS_AGAIN)
+        {
             return Ok(Arc::clone(arn));
         }
         let client = self.api.client().await?;
-        let arn = topic_arn(client, name, self.config.create_topics, self.config.fifo).await?;
+        let arn = match self.arns.get(name) {
+            Some((arn, _)) => arn.to_string(),
+            None => topic_arn(client, name, self.config.create_topics, self.config.fifo).await?,
+        };
         if !self.config.allow_no_subscription && subscriptions(client, &arn).await? == 0 {
             return Err(SinkError::AwsRefused(format!(
                 "sns: topic {name:?} has no subscription, so SNS would drop every message \
@@ -355,7 +405,7 @@ impl SnsSink {
             )));
         }
         let arn: Arc<str> = Arc::from(arn.as_str());
-        self.arns.insert(name.to_owned(), Arc::clone(&arn));
+        self.arns.insert(name.to_owned(), (Arc::clone(&arn), now));
         Ok(arn)
     }
 }
@@ -408,18 +458,39 @@ pub(crate) async fn topic_arn(
     }
 }
 
-/// How many subscriptions topic `arn` has (counted up to the first page).
+/// How many confirmed subscriptions topic `arn` has, page by page until one
+/// is found (0: none at all).
 pub(crate) async fn subscriptions(
     client: &aws_sdk_sns::Client,
     arn: &str,
 ) -> Result<usize, SinkError> {
-    let out = client
-        .list_subscriptions_by_topic()
-        .topic_arn(arn)
-        .send()
-        .await
-        .map_err(|e| setup_error(&e, "sns", &format!("listing the subscriptions of {arn}")))?;
-    Ok(out.subscriptions().len())
+    let mut next: Option<String> = None;
+    let mut count = 0;
+    loop {
+        let out = client
+            .list_subscriptions_by_topic()
+            .topic_arn(arn)
+            .set_next_token(next.take())
+            .send()
+            .await
+            .map_err(|e| setup_error(&e, "sns", &format!("listing the subscriptions of {arn}")))?;
+        count += confirmed(out.subscriptions());
+        match out.next_token() {
+            Some(token) if count == 0 => next = Some(token.to_owned()),
+            _ => return Ok(count),
+        }
+    }
+}
+
+/// The subscriptions of `listed` that deliver: confirmed ones, whose ARN
+/// is an ARN (one awaiting confirmation is listed as
+/// `PendingConfirmation`, one being removed as `Deleted`; neither gets
+/// anything).
+fn confirmed(listed: &[aws_sdk_sns::types::Subscription]) -> usize {
+    listed
+        .iter()
+        .filter(|s| s.subscription_arn().is_some_and(|a| a.starts_with("arn:")))
+        .count()
 }
 
 impl Sink for SnsSink {
@@ -454,6 +525,52 @@ impl Sink for SnsSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_subscription_awaiting_confirmation_or_being_removed_delivers_nothing() {
+        let listed = |arn: &str| {
+            aws_sdk_sns::types::Subscription::builder()
+                .subscription_arn(arn)
+                .protocol("sqs")
+                .build()
+        };
+        assert_eq!(confirmed(&[listed("PendingConfirmation")]), 0);
+        assert_eq!(confirmed(&[listed("Deleted")]), 0);
+        assert_eq!(
+            confirmed(&[
+                listed("PendingConfirmation"),
+                listed("arn:aws:sns:us-east-1:000000000000:t.fifo:5d1e")
+            ]),
+            1
+        );
+    }
+
+    #[test]
+    fn a_retry_ceiling_reaching_the_window_is_warned_of_and_the_letters_have_sqss_endpoint() {
+        assert!(SnsSinkConfig::default().window_warning().is_none());
+        let long = SnsSinkConfig {
+            max_retry_ms: 300_000,
+            ..SnsSinkConfig::default()
+        };
+        assert!(long.window_warning().unwrap().contains("5-minute"));
+        let aws = SnsSinkConfig {
+            endpoint_url: Some("https://sns.eu-west-1.amazonaws.com".into()),
+            dead_letter_queue_endpoint_url: Some("https://sqs.eu-west-1.amazonaws.com".into()),
+            ..SnsSinkConfig::default()
+        };
+        assert_eq!(
+            aws.letters_connection().endpoint_url.as_deref(),
+            Some("https://sqs.eu-west-1.amazonaws.com")
+        );
+        let stand_in = SnsSinkConfig {
+            endpoint_url: Some("http://127.0.0.1:4566".into()),
+            ..SnsSinkConfig::default()
+        };
+        assert_eq!(
+            stand_in.letters_connection().endpoint_url.as_deref(),
+            Some("http://127.0.0.1:4566")
+        );
+    }
 
     #[test]
     fn topics_name_sns_topics_and_a_standard_topic_needs_order_given_up() {

@@ -413,7 +413,12 @@ async fn queue_url(
             }
         }
     }
-    let mut call = client.create_queue().queue_name(name);
+    // The most SQS keeps a message (14 days, its default 4): a consumer
+    // down over a long weekend, or a dead letter found late, is still there.
+    let mut call = client
+        .create_queue()
+        .queue_name(name)
+        .attributes(QueueAttributeName::MessageRetentionPeriod, MAX_RETENTION_S);
     if fifo {
         call = call
             .attributes(QueueAttributeName::FifoQueue, "true")
@@ -423,11 +428,19 @@ async fn queue_url(
         topic: name.to_owned(),
         reason: super::error_text(&e),
     })?;
-    tracing::info!(queue = name, fifo, "created the SQS queue");
+    tracing::info!(
+        queue = name,
+        fifo,
+        "created the SQS queue (messages kept 14 days)"
+    );
     out.queue_url()
         .map(str::to_owned)
         .ok_or_else(|| SinkError::Aws(format!("sqs: no URL for the queue {name:?} created")))
 }
+
+/// The longest SQS keeps a message, in seconds (14 days): what the queues
+/// walbox makes keep.
+pub const MAX_RETENTION_S: &str = "1209600";
 
 impl Sink for SqsSink {
     async fn send(&mut self, event: Event, token: usize) -> Result<(), SinkError> {
