@@ -80,6 +80,9 @@ struct DeadLetter {
     message: Option<(String, Option<String>)>,
     /// Why it was dead-lettered (`walbox_error_class`).
     class: Option<String>,
+    /// The letter's key: its event's, by which later letters of the key
+    /// wait behind one that still fails.
+    key: Option<Vec<u8>>,
 }
 
 impl DeadLetter {
@@ -145,6 +148,7 @@ fn parse(r: &walbox_sink::RecordView<'_>) -> DeadLetter {
         columns: value.and_then(|v| v.get("columns")?.as_object().cloned()),
         message,
         class: r.header(dead_letter_header::ERROR_CLASS).map(str::to_owned),
+        key: r.key().map(<[u8]>::to_vec),
     }
 }
 
@@ -218,6 +222,7 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         failing: 0,
         kept: 0,
         gone: 0,
+        held: HashSet::new(),
     };
     match config.sink.kind {
         SinkKind::Kafka => {
@@ -680,6 +685,10 @@ struct Run<'a> {
     /// Letters pending in a Redis consumer group whose entries the stream
     /// no longer holds: left pending, and reported.
     gone: u64,
+    /// Keys (by dead-letter topic) with a letter that still fails: their
+    /// later letters are not published before it, so the key's events
+    /// reach the destination in their order.
+    held: HashSet<(String, Vec<u8>)>,
 }
 
 impl Run<'_> {
@@ -707,6 +716,17 @@ impl Run<'_> {
                     letter.event_id, letter.partition, letter.offset
                 ));
                 self.kept += 1;
+                continue;
+            }
+            let held = letter.key.as_ref().map(|k| (dlq.to_owned(), k.clone()));
+            if held.as_ref().is_some_and(|h| self.held.contains(h)) {
+                println_out(&format!(
+                    "held back: event {} ({dlq} offset {}:{}): an earlier dead letter of its \
+                     key still fails, and goes first",
+                    letter.event_id, letter.partition, letter.offset
+                ));
+                failed.insert(letter.offset_key());
+                self.failing += 1;
                 continue;
             }
             match rebuild(
@@ -752,6 +772,7 @@ impl Run<'_> {
                     ));
                     failed.insert(letter.offset_key());
                     self.failing += 1;
+                    self.held.extend(held);
                 }
             }
         }
