@@ -52,6 +52,11 @@ pub(crate) enum CallError {
     /// Every entry may be sent again (the connection, a timeout, the whole
     /// call throttled).
     Retry(String),
+    /// The call was larger than the destination takes as a whole, though
+    /// each entry fit the bound walbox counts (`BatchRequestTooLong`): each
+    /// entry goes again in a call of its own, and one refused alone is
+    /// too large for good.
+    TooLarge(String),
     /// The session cannot go on (credentials refused, the destination
     /// gone): every entry fails with this class.
     Fail(DeliveryClass, String),
@@ -310,12 +315,21 @@ fn settle<E>(
     stopped: &mut FailRest,
 ) -> bool {
     let now = Instant::now();
+    let alone = batch.entries.len() == 1;
     for (i, (lane, mut item)) in batch.entries.into_iter().enumerate() {
         let answer = match &answers {
             Ok(all) => all.get(i).cloned().unwrap_or_else(|| {
                 Answer::Retry("the destination's answer named fewer entries than were sent".into())
             }),
             Err(CallError::Retry(why)) => Answer::Retry(why.clone()),
+            Err(CallError::TooLarge(why)) if alone => {
+                Answer::Refused(DeliveryClass::MessageTooLarge, why.clone())
+            }
+            Err(CallError::TooLarge(why)) => {
+                // Counted as filling a call: it goes in one of its own.
+                item.size = limits.max_bytes;
+                Answer::Retry(why.clone())
+            }
             Err(CallError::Fail(class, why)) => {
                 stopped.after(*class, why.clone());
                 let e = failure(&item.event, *class, why.clone());
@@ -530,5 +544,60 @@ mod tests {
             .await
             .unwrap();
         assert!(api.stored.lock().unwrap().is_empty());
+    }
+
+    /// A destination that refuses any call of more than one entry as too
+    /// large as a whole, and a call of entry "huge" even alone.
+    #[derive(Default)]
+    struct Small {
+        stored: Mutex<Vec<String>>,
+    }
+
+    impl Api for Small {
+        type Entry = String;
+
+        async fn put(
+            &self,
+            _dest: Arc<str>,
+            entries: Vec<String>,
+        ) -> Result<Vec<Answer>, CallError> {
+            if entries.len() > 1 || entries[0] == "huge" {
+                return Err(CallError::TooLarge("BatchRequestTooLong".into()));
+            }
+            self.stored.lock().unwrap().extend(entries);
+            Ok(vec![Answer::Stored])
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_too_large_as_a_whole_is_sent_again_entry_by_entry() {
+        let api = Arc::new(Small::default());
+        let (mut sink, mut deliveries) = Batched::new(Arc::clone(&api), limits());
+        for (token, (id, key)) in [("a1", "a"), ("b1", "b"), ("huge", "c"), ("a2", "a")]
+            .iter()
+            .enumerate()
+        {
+            sink.send(Arc::from("s"), event(id, key), token, (*id).to_owned(), 10)
+                .await
+                .unwrap();
+        }
+        sink.flush(Duration::from_secs(20)).await.unwrap();
+        let mut answers = Vec::new();
+        while let Ok(d) = deliveries.try_recv() {
+            answers.push((d.token, d.result.map_err(|e| e.class)));
+        }
+        answers.sort_by_key(|(t, _)| *t);
+        assert_eq!(
+            answers,
+            [
+                (0, Ok(())),
+                (1, Ok(())),
+                (2, Err(DeliveryClass::MessageTooLarge)),
+                (3, Ok(()))
+            ]
+        );
+        let stored = api.stored.lock().unwrap().clone();
+        let a: Vec<&String> = stored.iter().filter(|i| i.starts_with('a')).collect();
+        assert_eq!(a, ["a1", "a2"]);
     }
 }

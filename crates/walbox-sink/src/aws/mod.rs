@@ -189,6 +189,9 @@ where
             let code = se.err().code().unwrap_or("(no code)");
             let message = shown_message(code, se.err().message());
             let said = format!("{service} answered {code} for {dest:?}: {message}");
+            if code.trim_end_matches("Exception") == "BatchRequestTooLong" {
+                return CallError::TooLarge(said);
+            }
             match code_class(code) {
                 Some(class) => CallError::Fail(class, said),
                 None => CallError::Retry(said),
