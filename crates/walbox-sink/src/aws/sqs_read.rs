@@ -240,18 +240,22 @@ impl SqsLetters {
         }
     }
 
-    /// Receives the next round: every letter the queue hands out now, held
-    /// from other readers. Empty when none is left.
+    /// Receives the next round: the letters the queue hands out now, held
+    /// from other readers, up to [`ROUND_LETTERS`] or for a third of the
+    /// hold (the rest of the hold is the round's to replay and settle in).
+    /// Empty when none is left.
     pub async fn next_round(&mut self) -> Result<usize, SinkError> {
         self.before += i64::try_from(self.round.len()).unwrap_or(i64::MAX);
         self.round.clear();
-        loop {
+        let started = std::time::Instant::now();
+        while !round_full(self.round.len(), started.elapsed()) {
             let got = receive(&self.client, &self.url, HOLD_S).await?;
             if got.is_empty() {
-                return Ok(self.round.len());
+                break;
             }
             self.round.extend(got);
         }
+        Ok(self.round.len())
     }
 
     /// Calls `each` for every letter of this round (partition 0, a place
@@ -297,8 +301,28 @@ impl SqsLetters {
     }
 }
 
+/// The most letters of one round.
+const ROUND_LETTERS: usize = 1_000;
+
+/// Whether a round of `letters` received over `receiving` takes no more: a
+/// round's letters are held [`HOLD_S`] from the moment each was received,
+/// and must be replayed and settled within it.
+fn round_full(letters: usize, receiving: std::time::Duration) -> bool {
+    let hold = std::time::Duration::from_secs(u64::try_from(HOLD_S).unwrap_or(60));
+    letters >= ROUND_LETTERS || receiving >= hold / 3
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_round_is_bounded_by_letters_and_by_a_third_of_the_hold() {
+        use std::time::Duration;
+        assert!(!super::round_full(0, Duration::ZERO));
+        assert!(!super::round_full(999, Duration::from_secs(19)));
+        assert!(super::round_full(1_000, Duration::ZERO));
+        assert!(super::round_full(1, Duration::from_secs(20)));
+    }
+
     #[test]
     fn a_rerun_after_a_kill_sees_the_letters_inside_the_window() {
         let hold = std::time::Duration::from_secs(u64::try_from(super::HOLD_S).unwrap());
