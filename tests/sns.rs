@@ -24,8 +24,23 @@ const NAME: &str = "outbox-order.fifo";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_subscription_stops_walbox_and_after_subscribing_every_event_arrives_once() {
     let sns = LocalStack::start().unwrap();
-    let (pg, db, mut env) = aws_servers("sns", &sns.endpoint(), "create_topics = true", "").await;
+    let (pg, db, mut env) = aws_servers(
+        "sns",
+        &sns.endpoint(),
+        "create_topics = true",
+        "dead_letter_queue = \"outbox-letters.fifo\"",
+    )
+    .await;
     setup(&env);
+
+    // One queue holds every topic's letters: a replay of one topic's is
+    // refused, naming the flag.
+    let (exit, out, err) = walbox_cmd(&["dlq", "replay", "--dlq-topic", "outbox.order.dlq"], &env);
+    assert_eq!(exit, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("--dlq-topic") && err.contains("replayed together"),
+        "{err}"
+    );
 
     // A standard topic without `ordered = false`: refused at start.
     let standard = config_file(

@@ -77,6 +77,12 @@ impl Sink {
         matches!(self, Sink::Kinesis | Sink::Sqs | Sink::Sns)
     }
 
+    /// Whether `walbox dlq replay --dlq-topic` picks one dead-letter topic's
+    /// letters (SNS's letters of every topic reach one queue).
+    pub fn dead_letters_by_topic(self) -> bool {
+        !matches!(self, Sink::Sns)
+    }
+
     /// Whether `walbox dlq replay` can read this sink's dead letters back.
     pub fn dead_letters_replayable(self) -> bool {
         !matches!(self, Sink::Stdout)
