@@ -316,6 +316,57 @@ pub(crate) fn message(
     ))
 }
 
+/// A failed entry of a batch call's answer: its id, the service's code,
+/// whether it is the sender's fault, and the service's message.
+pub(crate) struct Failed<'a> {
+    pub id: &'a str,
+    pub code: &'a str,
+    pub sender_fault: bool,
+    pub message: Option<&'a str>,
+}
+
+/// The answer of each of the `sent` entries of a batch call to `dest`
+/// (their ids: their places, as text), from the entries the service listed
+/// as stored (with whether it gave a message id) and as failed. An entry
+/// listed as both counts as failed; one listed as neither, or stored
+/// without a message id, is sent again.
+pub(crate) fn batch_answers<'a>(
+    service: &str,
+    dest: &str,
+    sent: usize,
+    stored: impl IntoIterator<Item = (&'a str, bool)>,
+    failed: impl IntoIterator<Item = Failed<'a>>,
+) -> Vec<Answer> {
+    let mut answers: Vec<Option<Answer>> = vec![None; sent];
+    let place = |id: &str| id.parse::<usize>().ok().filter(|i| *i < sent);
+    for (id, with_message_id) in stored {
+        if let Some(i) = place(id)
+            && with_message_id
+        {
+            answers[i] = Some(Answer::Stored);
+        }
+    }
+    for f in failed {
+        let Some(i) = place(f.id) else { continue };
+        let said = format!(
+            "{service} answered {} for a message of {dest:?}: {}",
+            f.code,
+            f.message.unwrap_or("").lines().next().unwrap_or("")
+        );
+        answers[i] = Some(entry_answer(f.code, f.sender_fault, said));
+    }
+    answers
+        .into_iter()
+        .map(|a| {
+            a.unwrap_or_else(|| {
+                Answer::Retry(format!(
+                    "{service}'s answer for {dest:?} named the message neither stored nor failed"
+                ))
+            })
+        })
+        .collect()
+}
+
 /// What a failed batch entry's answer means (SQS and SNS answer alike): a
 /// fault of the sender (`SenderFault`, or a code that says the message is
 /// refused) is the message's, refused for good (its dead letter takes its
@@ -468,5 +519,29 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_batch_answer_settles_each_entry_by_its_id() {
+        let answers = batch_answers(
+            "sqs",
+            "q",
+            4,
+            [("0", true), ("1", false), ("2", true), ("9", true)],
+            [Failed {
+                id: "2",
+                code: "InvalidMessageContents",
+                sender_fault: true,
+                message: Some("bad\nsecond line"),
+            }],
+        );
+        assert_eq!(answers[0], Answer::Stored);
+        assert!(matches!(&answers[1], Answer::Retry(_)), "no message id");
+        assert!(
+            matches!(&answers[2], Answer::Refused(DeliveryClass::InvalidRecord, why) if why.ends_with("bad")),
+            "{:?}",
+            answers[2]
+        );
+        assert!(matches!(&answers[3], Answer::Retry(_)), "named neither");
     }
 }

@@ -23,7 +23,7 @@ use aws_sdk_sns::types::{MessageAttributeValue, PublishBatchRequestEntry};
 use serde::Deserialize;
 use walbox_outbox::Event;
 
-use super::attributes::{self, Message, Value, entry_answer};
+use super::attributes::{self, Message, Value};
 use super::{AwsConnection, call_error, setup_error};
 use crate::batched::{Answer, Api, Batched, CallError, Limits};
 use crate::{Deliveries, Sink, SinkError};
@@ -293,43 +293,20 @@ impl Api for Sns {
             .send()
             .await
             .map_err(|e| call_error(&e, "sns", &dest))?;
-        let mut answers: Vec<Option<Answer>> = vec![None; sent];
-        for ok in out.successful() {
-            if let Some(slot) = ok
-                .id()
-                .and_then(|id| id.parse::<usize>().ok())
-                .and_then(|i| answers.get_mut(i))
-                && ok.message_id().is_some()
-            {
-                *slot = Some(Answer::Stored);
-            }
-        }
-        for failed in out.failed() {
-            let Some(slot) = failed
-                .id()
-                .parse::<usize>()
-                .ok()
-                .and_then(|i| answers.get_mut(i))
-            else {
-                continue;
-            };
-            let said = format!(
-                "sns answered {} for a message of {dest:?}: {}",
-                failed.code(),
-                failed.message().unwrap_or("").lines().next().unwrap_or("")
-            );
-            *slot = Some(entry_answer(failed.code(), failed.sender_fault(), said));
-        }
-        Ok(answers
-            .into_iter()
-            .map(|a| {
-                a.unwrap_or_else(|| {
-                    Answer::Retry(format!(
-                        "sns's answer for {dest:?} named the message neither published nor failed"
-                    ))
-                })
-            })
-            .collect())
+        Ok(attributes::batch_answers(
+            "sns",
+            &dest,
+            sent,
+            out.successful()
+                .iter()
+                .filter_map(|ok| Some((ok.id()?, ok.message_id().is_some()))),
+            out.failed().iter().map(|f| attributes::Failed {
+                id: f.id(),
+                code: f.code(),
+                sender_fault: f.sender_fault(),
+                message: f.message(),
+            }),
+        ))
     }
 }
 

@@ -29,7 +29,7 @@ use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName, SendMessageB
 use serde::Deserialize;
 use walbox_outbox::Event;
 
-use super::attributes::{self, Message, Value, entry_answer};
+use super::attributes::{self, Message, Value};
 use super::{AwsConnection, call_error, setup_error};
 use crate::batched::{Answer, Api, Batched, CallError, Limits};
 use crate::{Deliveries, DeliveryClass, Sink, SinkError};
@@ -274,44 +274,20 @@ impl Api for Sqs {
             .send()
             .await
             .map_err(|e| call_error(&e, "sqs", &dest))?;
-        let mut answers: Vec<Option<Answer>> = vec![None; sent];
-        for ok in out.successful() {
-            if let Some(slot) = ok
-                .id()
-                .parse::<usize>()
-                .ok()
-                .and_then(|i| answers.get_mut(i))
-                && !ok.message_id().is_empty()
-            {
-                *slot = Some(Answer::Stored);
-            }
-        }
-        for failed in out.failed() {
-            let Some(slot) = failed
-                .id()
-                .parse::<usize>()
-                .ok()
-                .and_then(|i| answers.get_mut(i))
-            else {
-                continue;
-            };
-            let said = format!(
-                "sqs answered {} for a message of {dest:?}: {}",
-                failed.code(),
-                failed.message().unwrap_or("").lines().next().unwrap_or("")
-            );
-            *slot = Some(entry_answer(failed.code(), failed.sender_fault(), said));
-        }
-        Ok(answers
-            .into_iter()
-            .map(|a| {
-                a.unwrap_or_else(|| {
-                    Answer::Retry(format!(
-                        "sqs's answer for {dest:?} named the message neither stored nor failed"
-                    ))
-                })
-            })
-            .collect())
+        Ok(attributes::batch_answers(
+            "sqs",
+            &dest,
+            sent,
+            out.successful()
+                .iter()
+                .map(|ok| (ok.id(), !ok.message_id().is_empty())),
+            out.failed().iter().map(|f| attributes::Failed {
+                id: f.id(),
+                code: f.code(),
+                sender_fault: f.sender_fault(),
+                message: f.message(),
+            }),
+        ))
     }
 }
 
@@ -468,6 +444,7 @@ impl Sink for SqsSink {
 
 #[cfg(test)]
 mod tests {
+    use super::attributes::entry_answer;
     use super::*;
 
     #[test]
