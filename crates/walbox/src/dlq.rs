@@ -409,41 +409,8 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 else {
                     continue;
                 };
-                // Round by round: a FIFO queue hands out a group's next
-                // letter once the one before it is deleted. A round with a
-                // letter that still fails (or a dry run) ends the replay of
-                // this queue: its letters go back.
-                while read
-                    .next_round()
-                    .await
-                    .with_context(|| format!("reading {dlq}"))?
-                    > 0
-                {
-                    let mut letters = Vec::new();
-                    read.each(|r| letters.push(parse(&r)));
-                    // A letter that can never be replayed stays in the
-                    // queue (deleting it would lose it): handed back, and
-                    // the replay of this queue ends with the round.
-                    let kept: HashSet<i64> = letters
-                        .iter()
-                        .filter(|l| l.never_replayable().is_some())
-                        .map(|l| l.offset)
-                        .collect();
-                    let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
-                    let clean =
-                        kept.is_empty() && matches!(&published, Ok(failed) if failed.is_empty());
-                    let done = |offset: i64| {
-                        !kept.contains(&offset)
-                            && matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)))
-                    };
-                    read.settle(done)
-                        .await
-                        .with_context(|| format!("recording progress on {dlq}"))?;
-                    published?;
-                    if !clean || args.dry_run {
-                        break;
-                    }
-                }
+                run.queue_rounds(&mut sink, &mut deliveries, &mut read, dlq)
+                    .await?;
             }
         }
         SinkKind::Sns => {
@@ -471,41 +438,8 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
                 else {
                     continue;
                 };
-                // Round by round: a FIFO queue hands out a group's next
-                // letter once the one before it is deleted. A round with a
-                // letter that still fails (or a dry run) ends the replay of
-                // this queue: its letters go back.
-                while read
-                    .next_round()
-                    .await
-                    .with_context(|| format!("reading {dlq}"))?
-                    > 0
-                {
-                    let mut letters = Vec::new();
-                    read.each(|r| letters.push(parse(&r)));
-                    // A letter that can never be replayed stays in the
-                    // queue (deleting it would lose it): handed back, and
-                    // the replay of this queue ends with the round.
-                    let kept: HashSet<i64> = letters
-                        .iter()
-                        .filter(|l| l.never_replayable().is_some())
-                        .map(|l| l.offset)
-                        .collect();
-                    let published = run.publish(&mut sink, &mut deliveries, dlq, &letters).await;
-                    let clean =
-                        kept.is_empty() && matches!(&published, Ok(failed) if failed.is_empty());
-                    let done = |offset: i64| {
-                        !kept.contains(&offset)
-                            && matches!(&published, Ok(failed) if !args.dry_run && !failed.contains(&(0, offset)))
-                    };
-                    read.settle(done)
-                        .await
-                        .with_context(|| format!("recording progress on {dlq}"))?;
-                    published?;
-                    if !clean || args.dry_run {
-                        break;
-                    }
-                }
+                run.queue_rounds(&mut sink, &mut deliveries, &mut read, dlq)
+                    .await?;
             }
         }
         SinkKind::RabbitMq if config.sink.rabbitmq.mode == walbox_sink::RabbitMqMode::Stream => {
@@ -692,6 +626,51 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// Replays the letters of SQS queue `dlq` round by round: a FIFO queue
+    /// hands out a group's next letter once the one before it is deleted.
+    /// A round with a letter that still fails (or a dry run) ends the
+    /// replay of this queue: its letters go back.
+    async fn queue_rounds<S: Sink>(
+        &mut self,
+        sink: &mut S,
+        deliveries: &mut walbox_sink::Deliveries,
+        read: &mut SqsLetters,
+        dlq: &str,
+    ) -> Result<()> {
+        let dry_run = self.args.dry_run;
+        while read
+            .next_round()
+            .await
+            .with_context(|| format!("reading {dlq}"))?
+            > 0
+        {
+            let mut letters = Vec::new();
+            read.each(|r| letters.push(parse(&r)));
+            // A letter that can never be replayed stays in the queue
+            // (deleting it would lose it): handed back, and the replay of
+            // this queue ends with the round.
+            let kept: HashSet<i64> = letters
+                .iter()
+                .filter(|l| l.never_replayable().is_some())
+                .map(|l| l.offset)
+                .collect();
+            let published = self.publish(sink, deliveries, dlq, &letters).await;
+            let clean = kept.is_empty() && matches!(&published, Ok(failed) if failed.is_empty());
+            let done = |offset: i64| {
+                !kept.contains(&offset)
+                    && matches!(&published, Ok(failed) if !dry_run && !failed.contains(&(0, offset)))
+            };
+            read.settle(done)
+                .await
+                .with_context(|| format!("recording progress on {dlq}"))?;
+            published?;
+            if !clean || dry_run {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     /// Rebuilds and publishes the letters of `dlq` (prints them on a dry run)
     /// and waits until the broker acknowledged every publication. Returns the
     /// (partition, offset) of the letters that still fail. Each event goes
