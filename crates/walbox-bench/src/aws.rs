@@ -287,20 +287,7 @@ async fn plain_client(service: Service, endpoint: &str, stored: &[Record]) -> Re
         Service::Sqs => {
             let client = aws_sdk_sqs::Client::new(&sdk);
             let url = walbox_testkit::localstack::create_fifo_queue(endpoint, PLAIN_FIFO).await?;
-            let messages = by_key(stored, |r| {
-                let attributes = attribute_pairs(r)
-                    .into_iter()
-                    .map(|(k, v)| {
-                        let value = aws_sdk_sqs::types::MessageAttributeValue::builder()
-                            .data_type("String")
-                            .string_value(v)
-                            .build()
-                            .expect("the data type is set");
-                        (k, value)
-                    })
-                    .collect::<std::collections::HashMap<_, _>>();
-                (r.clone(), attributes)
-            });
+            let messages = by_key(stored, Plain::of);
             let client = Arc::new(client);
             per_key_lanes(messages, service.batch(), CALLS, move |batch| {
                 let (client, url) = (Arc::clone(&client), url.clone());
@@ -308,13 +295,21 @@ async fn plain_client(service: Service, endpoint: &str, stored: &[Record]) -> Re
                     let entries = batch
                         .into_iter()
                         .enumerate()
-                        .map(|(i, (r, attributes))| {
+                        .map(|(i, m): (usize, Plain)| {
+                            let attributes = m.attributes.into_iter().map(|(k, v)| {
+                                let value = aws_sdk_sqs::types::MessageAttributeValue::builder()
+                                    .data_type("String")
+                                    .string_value(v)
+                                    .build()
+                                    .expect("the data type is set");
+                                (k, value)
+                            });
                             aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
                                 .id(i.to_string())
-                                .message_body(text(r.value.as_ref()))
-                                .message_group_id(text(r.key.as_ref()))
-                                .message_deduplication_id(event_id(&r))
-                                .set_message_attributes(Some(attributes))
+                                .message_body(m.body)
+                                .message_group_id(m.group)
+                                .message_deduplication_id(m.dedup)
+                                .set_message_attributes(Some(attributes.collect()))
                                 .build()
                                 .expect("id and body are set")
                         })
@@ -347,20 +342,7 @@ async fn plain_client(service: Service, endpoint: &str, stored: &[Record]) -> Re
                 .topic_arn()
                 .unwrap_or_default()
                 .to_owned();
-            let messages = by_key(stored, |r| {
-                let attributes = attribute_pairs(r)
-                    .into_iter()
-                    .map(|(k, v)| {
-                        let value = aws_sdk_sns::types::MessageAttributeValue::builder()
-                            .data_type("String")
-                            .string_value(v)
-                            .build()
-                            .expect("the data type is set");
-                        (k, value)
-                    })
-                    .collect::<std::collections::HashMap<_, _>>();
-                (r.clone(), attributes)
-            });
+            let messages = by_key(stored, Plain::of);
             let client = Arc::new(client);
             per_key_lanes(messages, service.batch(), CALLS, move |batch| {
                 let (client, arn) = (Arc::clone(&client), arn.clone());
@@ -368,13 +350,21 @@ async fn plain_client(service: Service, endpoint: &str, stored: &[Record]) -> Re
                     let entries = batch
                         .into_iter()
                         .enumerate()
-                        .map(|(i, (r, attributes))| {
+                        .map(|(i, m): (usize, Plain)| {
+                            let attributes = m.attributes.into_iter().map(|(k, v)| {
+                                let value = aws_sdk_sns::types::MessageAttributeValue::builder()
+                                    .data_type("String")
+                                    .string_value(v)
+                                    .build()
+                                    .expect("the data type is set");
+                                (k, value)
+                            });
                             aws_sdk_sns::types::PublishBatchRequestEntry::builder()
                                 .id(i.to_string())
-                                .message(text(r.value.as_ref()))
-                                .message_group_id(text(r.key.as_ref()))
-                                .message_deduplication_id(event_id(&r))
-                                .set_message_attributes(Some(attributes))
+                                .message(m.body)
+                                .message_group_id(m.group)
+                                .message_deduplication_id(m.dedup)
+                                .set_message_attributes(Some(attributes.collect()))
                                 .build()
                                 .expect("id and message are set")
                         })
@@ -394,6 +384,26 @@ async fn plain_client(service: Service, endpoint: &str, stored: &[Record]) -> Re
                 }
             })
             .await
+        }
+    }
+}
+
+/// An SQS or SNS message as the plain client sends it.
+struct Plain {
+    body: String,
+    group: String,
+    dedup: String,
+    attributes: Vec<(String, String)>,
+}
+
+impl Plain {
+    /// The message walbox stored as `r`, deduplicated by its event id.
+    fn of(r: &Record) -> Plain {
+        Plain {
+            body: text(r.value.as_ref()),
+            group: text(r.key.as_ref()),
+            dedup: event_id(r),
+            attributes: attribute_pairs(r),
         }
     }
 }
