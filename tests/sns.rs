@@ -43,21 +43,7 @@ async fn no_subscription_stops_walbox_and_after_subscribing_every_event_arrives_
     );
 
     // A standard topic without `ordered = false`: refused at start.
-    let standard = config_file(
-        &pg,
-        "walbox-sns-standard.toml",
-        &format!(
-            "[sink]\ntype = \"sns\"\n\n[sink.sns]\nendpoint_url = \"{}\"\nregion = \
-             \"us-east-1\"\nfifo = false\n",
-            sns.endpoint()
-        ),
-    );
-    let mut refused = env.clone();
-    refused.retain(|(k, _)| *k != "WALBOX_CONFIG");
-    refused.push(("WALBOX_CONFIG", standard));
-    let (exit, out, err) = walbox_cmd(&["run"], &refused);
-    assert_ne!(exit, Some(0));
-    assert!(err.contains("ordered = false"), "{out}\n{err}");
+    assert_standard_refused("sns", &pg, &env, &sns.endpoint());
 
     // The topic walbox makes has no subscription: walbox stops, naming it
     // and what to do, with the events unconfirmed.

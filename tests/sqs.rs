@@ -77,21 +77,7 @@ async fn standard_queues_missing_queues_and_credentials() {
     write_events(&pg, 1, 1, 2, 2).await;
 
     // A standard queue without `ordered = false`: refused at start.
-    let standard = config_file(
-        &pg,
-        "walbox-sqs-standard.toml",
-        &format!(
-            "[sink]\ntype = \"sqs\"\n\n[sink.sqs]\nendpoint_url = \"{}\"\nregion = \
-             \"us-east-1\"\nfifo = false\n",
-            sqs.endpoint()
-        ),
-    );
-    let mut refused = env.clone();
-    refused.retain(|(k, _)| *k != "WALBOX_CONFIG");
-    refused.push(("WALBOX_CONFIG", standard));
-    let (exit, out, err) = walbox_cmd(&["run"], &refused);
-    assert_ne!(exit, Some(0));
-    assert!(err.contains("ordered = false"), "{out}\n{err}");
+    assert_standard_refused("sqs", &pg, &env, &sqs.endpoint());
 
     // No queue and no create_topics: walbox stops naming the queue.
     let mut walbox = Walbox::spawn(&["run"], &env);

@@ -45,6 +45,31 @@ pub async fn aws_servers(
     (pg, db, env)
 }
 
+/// `walbox run` with sink type `kind` (SQS or SNS) on standard, not FIFO,
+/// queues or topics and nothing said of order stops at once, saying how to
+/// give order up.
+pub fn assert_standard_refused(
+    kind: &str,
+    pg: &PgCluster,
+    env: &[(&'static str, String)],
+    endpoint: &str,
+) {
+    let standard = config_file(
+        pg,
+        &format!("walbox-{kind}-standard.toml"),
+        &format!(
+            "[sink]\ntype = \"{kind}\"\n\n[sink.{kind}]\nendpoint_url = \"{endpoint}\"\n\
+             region = \"us-east-1\"\nfifo = false\n"
+        ),
+    );
+    let mut refused = env.to_vec();
+    refused.retain(|(k, _)| *k != "WALBOX_CONFIG");
+    refused.push(("WALBOX_CONFIG", standard));
+    let (exit, out, err) = super::walbox_cmd(&["run"], &refused);
+    assert_ne!(exit, Some(0));
+    assert!(err.contains("ordered = false"), "{out}\n{err}");
+}
+
 /// A record as the readers hand it, with the headers `headers` kept.
 fn owned(r: &walbox_sink::RecordView<'_>, headers: &[&str]) -> walbox_sink::OwnedRecord {
     walbox_sink::OwnedRecord {
