@@ -164,3 +164,41 @@ async fn a_missing_stream_stops_walbox_naming_it_and_credentials_never_reach_the
         Ok(168)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_above_what_the_stream_takes_is_dead_lettered_and_the_stream_goes_on() {
+    let kinesis = Kinesalite::start().unwrap();
+    // walbox's own bound above the stream's 1 MiB.
+    let (pg, db, env) = aws_servers(
+        "kinesis",
+        &kinesis.endpoint(),
+        "create_topics = true\ntopic_partitions = 2",
+        "max_record_bytes = 4194304",
+    )
+    .await;
+    setup(&env);
+    let mut walbox = Walbox::spawn(&["run"], &env);
+    let big = "x".repeat(1_500_000);
+    db.batch_execute(&format!(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES
+           ('order', 'order-0', 'OrderPlaced', '{{\"seq\": 0}}'),
+           ('order', 'order-1', 'OrderPlaced', '{{\"seq\": 0, \"blob\": \"{big}\"}}'),
+           ('order', 'order-0', 'OrderPlaced', '{{\"seq\": 1}}');"
+    ))
+    .await
+    .unwrap();
+    caught_up(&db, &walbox).await;
+    walbox.stop();
+    let stored = read_kinesis(&kinesis.endpoint(), STREAM).await;
+    let keys: Vec<Option<&[u8]>> = stored.iter().map(|r| r.key.as_deref()).collect();
+    assert_eq!(keys, [Some(&b"order-0"[..]), Some(&b"order-0"[..])]);
+    let letters = walbox_testkit::kinesis::read_stream(&kinesis.endpoint(), "outbox.order.dlq")
+        .await
+        .unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(
+        letters[0].header("walbox_error_class"),
+        Some("message_too_large")
+    );
+    drop(pg);
+}

@@ -14,7 +14,7 @@
 //! The stream is checked on first use (and created with `create_topics`,
 //! with `topic_partitions` shards, waiting until it is active).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -289,8 +289,9 @@ pub struct KinesisSink {
     config: KinesisSinkConfig,
     api: Arc<Kinesis>,
     batched: Batched<Kinesis>,
-    /// Streams checked (or created) in this sink's life.
-    known: HashSet<Arc<str>>,
+    /// Streams checked (or created) in this sink's life, with the largest
+    /// record each takes (its `MaxRecordSizeInKiB`, 1 MiB unless raised).
+    known: HashMap<Arc<str>, usize>,
 }
 
 impl std::fmt::Debug for KinesisSink {
@@ -316,7 +317,7 @@ impl KinesisSink {
                 config,
                 api,
                 batched,
-                known: HashSet::new(),
+                known: HashMap::new(),
             },
             deliveries,
         ))
@@ -328,13 +329,14 @@ impl KinesisSink {
         self.batched.retries()
     }
 
-    /// Checks that `stream` exists and is active, creating it when allowed.
-    async fn ensure(&mut self, stream: &Arc<str>) -> Result<(), SinkError> {
-        if self.known.contains(stream) {
-            return Ok(());
+    /// Checks that `stream` exists and is active, creating it when allowed;
+    /// the largest record it takes.
+    async fn ensure(&mut self, stream: &Arc<str>) -> Result<usize, SinkError> {
+        if let Some(largest) = self.known.get(stream) {
+            return Ok(*largest);
         }
         let client = self.api.client().await?;
-        ensure_stream(
+        let largest = ensure_stream(
             client,
             stream,
             self.config.create_streams.then_some(Created {
@@ -343,8 +345,8 @@ impl KinesisSink {
             }),
         )
         .await?;
-        self.known.insert(Arc::clone(stream));
-        Ok(())
+        self.known.insert(Arc::clone(stream), largest);
+        Ok(largest)
     }
 
     /// The record `event` becomes, or why it cannot be one.
@@ -436,6 +438,17 @@ async fn keep_records(
     Ok(())
 }
 
+/// The largest record a stream whose summary says `kib` takes: 1 MiB
+/// unless the stream was raised (`UpdateMaxRecordSize`, up to 10 MiB).
+fn largest_record(kib: Option<i32>) -> usize {
+    kib.and_then(|k| usize::try_from(k).ok())
+        .filter(|k| *k > 0)
+        .map_or(BASE_RECORD_BYTES, |k| k * 1024)
+}
+
+/// The largest record of a stream whose size was never raised.
+const BASE_RECORD_BYTES: usize = 1024 * 1024;
+
 /// How walbox makes a stream that is missing.
 #[derive(Debug, Clone, Copy)]
 struct Created {
@@ -445,12 +458,13 @@ struct Created {
 
 /// Checks that `stream` exists and is active (or updating), creating it as
 /// `create` says when it allows, and waiting while it is being created. A
-/// stream it made keeps its records `retention_hours`.
+/// stream it made keeps its records `retention_hours`. The largest record
+/// the stream takes.
 async fn ensure_stream(
     client: &aws_sdk_kinesis::Client,
     stream: &str,
     create: Option<Created>,
-) -> Result<(), SinkError> {
+) -> Result<usize, SinkError> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     let mut created = false;
     loop {
@@ -461,14 +475,15 @@ async fn ensure_stream(
             .await
         {
             Ok(out) => {
-                let status = out
-                    .stream_description_summary()
-                    .map(|s| s.stream_status().clone());
+                let summary = out.stream_description_summary();
+                let status = summary.map(|s| s.stream_status().clone());
+                let largest = largest_record(summary.and_then(|s| s.max_record_size_in_kib()));
                 match status {
                     Some(StreamStatus::Active) if created => {
-                        return keep_records(client, stream, create).await;
+                        keep_records(client, stream, create).await?;
+                        return Ok(largest);
                     }
-                    Some(StreamStatus::Active | StreamStatus::Updating) => return Ok(()),
+                    Some(StreamStatus::Active | StreamStatus::Updating) => return Ok(largest),
                     Some(StreamStatus::Deleting) => {
                         return Err(SinkError::AwsRefused(format!(
                             "kinesis: stream {stream:?} is being deleted"
@@ -535,7 +550,19 @@ impl Sink for KinesisSink {
         }
         match self.record(&event) {
             Ok((record, size)) => {
-                self.ensure(&stream).await?;
+                let largest = self.ensure(&stream).await?;
+                if size > largest {
+                    // The stream's own bound, below walbox's: Kinesis would
+                    // refuse the whole call holding it.
+                    let why = format!(
+                        "the record is {size} bytes (data and partition key), above the {largest} \
+                         stream {stream:?} takes (its MaxRecordSizeInKiB; raise it with \
+                         UpdateMaxRecordSize, up to 10 MiB)"
+                    );
+                    self.batched
+                        .refuse(&event, token, DeliveryClass::MessageTooLarge, why);
+                    return Ok(());
+                }
                 self.batched.send(stream, event, token, record, size).await
             }
             Err((class, why)) => {
@@ -599,5 +626,12 @@ mod tests {
         assert!(!valid_stream_name(""));
         assert!(!valid_stream_name("a/b"));
         assert!(!valid_stream_name(&"a".repeat(129)));
+    }
+
+    #[test]
+    fn a_stream_takes_a_mebibyte_record_unless_raised() {
+        assert_eq!(largest_record(None), 1024 * 1024);
+        assert_eq!(largest_record(Some(0)), 1024 * 1024);
+        assert_eq!(largest_record(Some(10_240)), 10 * 1024 * 1024);
     }
 }
