@@ -488,6 +488,7 @@ pub async fn kinesis(config: &crate::KinesisSinkConfig, names: &[String]) -> Vec
     };
     let client = aws_sdk_kinesis::Client::new(&sdk);
     let mut out = vec![ok("the AWS credential chain gives credentials for Kinesis")];
+    // Each stream also keeps its records a week or more.
     for name in names {
         let asked = tokio::time::timeout(
             ANSWER_WITHIN,
@@ -500,7 +501,17 @@ pub async fn kinesis(config: &crate::KinesisSinkConfig, names: &[String]) -> Vec
                  endpoint_url",
                 ANSWER_WITHIN.as_secs()
             )),
-            Ok(Ok(_)) => ok(format!("Kinesis stream {name} exists")),
+            Ok(Ok(found)) => {
+                let hours = found
+                    .stream_description_summary()
+                    .map_or(24, |s| s.retention_period_hours());
+                kept_long_enough(
+                    format!("Kinesis stream {name} exists"),
+                    &format!("Kinesis stream {name}"),
+                    i64::from(hours) * 3600,
+                    "raise it with IncreaseStreamRetentionPeriod",
+                )
+            }
             Ok(Err(e))
                 if e.as_service_error()
                     .is_some_and(|se| se.is_resource_not_found_exception()) =>
@@ -526,8 +537,29 @@ pub async fn kinesis(config: &crate::KinesisSinkConfig, names: &[String]) -> Vec
     out
 }
 
+/// The least a destination walbox writes to should keep what it holds: a
+/// week, so that a consumer stopped over a weekend, or a dead letter found
+/// on Monday, is still there.
+const KEEP_AT_LEAST_S: i64 = 7 * 24 * 3600;
+
+/// `fine` when `what` keeps messages `seconds` or more than
+/// [`KEEP_AT_LEAST_S`], else a warning saying how to raise it.
+fn kept_long_enough(fine: String, what: &str, seconds: i64, raise: &str) -> Finding {
+    if seconds >= KEEP_AT_LEAST_S {
+        return ok(fine);
+    }
+    Finding {
+        verdict: Verdict::Warn,
+        text: format!(
+            "{what} keeps what it holds {} h: an event or a dead letter nobody took in that \
+             time is gone; {raise}",
+            seconds / 3600
+        ),
+    }
+}
+
 /// SQS: the credentials the AWS chain finds, and each queue `names` names
-/// exists (or may be created).
+/// exists (or may be created) and keeps its messages a week or more.
 pub async fn sqs(config: &crate::SqsSinkConfig, names: &[String]) -> Vec<Finding> {
     let sdk = match tokio::time::timeout(ANSWER_WITHIN, config.connection().sdk_config("sink.sqs"))
         .await
@@ -550,7 +582,30 @@ pub async fn sqs(config: &crate::SqsSinkConfig, names: &[String]) -> Vec<Finding
                 "SQS did not answer within {} s: check sink.sqs.region and endpoint_url",
                 ANSWER_WITHIN.as_secs()
             )),
-            Ok(Ok(_)) => ok(format!("SQS queue {name} exists (topic {topic})")),
+            Ok(Ok(found)) => {
+                let kept = client
+                    .get_queue_attributes()
+                    .queue_url(found.queue_url().unwrap_or_default())
+                    .attribute_names(aws_sdk_sqs::types::QueueAttributeName::MessageRetentionPeriod)
+                    .send()
+                    .await
+                    .ok()
+                    .and_then(|a| {
+                        a.attributes()?
+                            .get(&aws_sdk_sqs::types::QueueAttributeName::MessageRetentionPeriod)?
+                            .parse::<i64>()
+                            .ok()
+                    });
+                match kept {
+                    Some(seconds) => kept_long_enough(
+                        format!("SQS queue {name} exists (topic {topic})"),
+                        &format!("SQS queue {name}"),
+                        seconds,
+                        "set its MessageRetentionPeriod up to 1209600 (14 days)",
+                    ),
+                    None => ok(format!("SQS queue {name} exists (topic {topic})")),
+                }
+            }
             Ok(Err(e)) if e.as_service_error().is_some_and(crate::aws::no_such_queue) => {
                 if config.create_queues {
                     ok(format!(
@@ -648,4 +703,19 @@ pub async fn sns(config: &crate::SnsSinkConfig, names: &[String]) -> Vec<Finding
         });
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_destination_keeping_less_than_a_week_is_warned_of_with_how_to_raise_it() {
+        let four_days = kept_long_enough("fine".into(), "SQS queue q.fifo", 345_600, "raise it");
+        assert_eq!(four_days.verdict, Verdict::Warn);
+        assert!(four_days.text.contains("96 h") && four_days.text.contains("raise it"));
+        let week = kept_long_enough("fine".into(), "Kinesis stream s", 168 * 3600, "raise it");
+        assert_eq!(week.verdict, Verdict::Ok);
+        assert_eq!(week.text, "fine");
+    }
 }
