@@ -332,3 +332,59 @@ async fn rows_that_cannot_name_their_topic_are_audited_and_replayed_from_the_fal
     assert_eq!(r["dead_lettered"], 0, "{r}");
     assert_eq!(r["duplicated"], 0, "{r}");
 }
+
+/// A letter the destination still refuses on replay (too large for the
+/// producer) keeps the later letters of its key from being stored past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_letter_refused_again_on_replay_holds_back_the_later_letters_of_its_key() {
+    let (pg, broker, db, env) = start().await;
+    let cfg = small_messages(&pg);
+    let mut walbox = Walbox::spawn(&["run", "--config", &cfg], &env);
+    let big = format!(r#"{{"seq": 1, "blob": "{}"}}"#, "x".repeat(50_000));
+    db.batch_execute(
+        &[
+            insert("order", Some("k1"), r#"{"seq": 0}"#),
+            insert("order", Some("k1"), &big),
+            insert("order", Some("k1"), "not json yet"),
+        ]
+        .concat(),
+    )
+    .await
+    .unwrap();
+    wait_caught_up(&db).await;
+    walbox.stop();
+    assert_eq!(
+        read_topic(&broker.bootstrap(), "outbox.order.dlq", 2)
+            .await
+            .len(),
+        2
+    );
+    db.batch_execute("UPDATE outbox SET payload = '{\"seq\": 2}' WHERE payload = 'not json yet'")
+        .await
+        .unwrap();
+    // The large row is still too large for this producer: refused again,
+    // and k1's fixed row, later, is not stored before it.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table", "--config", &cfg], &env);
+    assert_ne!(code, Some(0), "{out}\n{err}");
+    let records = read_topic(&broker.bootstrap(), "outbox.order", 1).await;
+    let seqs: Vec<i64> = records
+        .iter()
+        .map(|r| {
+            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+            v["payload"]["seq"].as_i64().or(v["seq"].as_i64()).unwrap()
+        })
+        .collect();
+    assert_eq!(seqs, [0], "{out}\n{err}");
+    // With the default size limit both go, in their order.
+    let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let records = read_topic(&broker.bootstrap(), "outbox.order", 3).await;
+    let seqs: Vec<i64> = records
+        .iter()
+        .map(|r| {
+            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+            v["payload"]["seq"].as_i64().or(v["seq"].as_i64()).unwrap()
+        })
+        .collect();
+    assert_eq!(seqs, [0, 1, 2], "{out}\n{err}");
+}

@@ -223,6 +223,11 @@ pub async fn replay(args: ReplayArgs) -> Result<()> {
         kept: 0,
         gone: 0,
         held: HashSet::new(),
+        hand_back_unreplayable: match config.sink.kind {
+            SinkKind::PubSub | SinkKind::Sqs | SinkKind::Sns => true,
+            SinkKind::RabbitMq => config.sink.rabbitmq.mode != walbox_sink::RabbitMqMode::Stream,
+            _ => false,
+        },
     };
     match config.sink.kind {
         SinkKind::Kafka => {
@@ -590,6 +595,27 @@ fn letters_done(
         )
 }
 
+/// Waits until the destination acknowledged the `waiting` publications sent
+/// last (handing on what the sink gathers first); an error when one failed.
+async fn acknowledged<S: Sink>(
+    sink: &mut S,
+    deliveries: &mut walbox_sink::Deliveries,
+    dlq: &str,
+    waiting: usize,
+) -> Result<()> {
+    sink.end_batch();
+    for _ in 0..waiting {
+        let d = tokio::time::timeout(TIMEOUT * 5, deliveries.recv())
+            .await
+            .context("waiting for the broker's acknowledgements")?
+            .context("the producer stopped")?;
+        if let Err(e) = d.result {
+            bail!("{e}; nothing recorded as replayed for {dlq}, run again");
+        }
+    }
+    Ok(())
+}
+
 /// Why there is nothing to replay with `[sink] type = "stdout"`.
 fn nothing_stored() -> anyhow::Error {
     anyhow::anyhow!(
@@ -619,10 +645,14 @@ struct Run<'a> {
     /// Letters pending in a Redis consumer group whose entries the stream
     /// no longer holds: left pending, and reported.
     gone: u64,
-    /// Keys (by dead-letter topic) with a letter that still fails: their
+    /// Keys with a letter that still fails, in any dead-letter topic: their
     /// later letters are not published before it, so the key's events
     /// reach the destination in their order.
-    held: HashSet<(String, Vec<u8>)>,
+    held: HashSet<Vec<u8>>,
+    /// Whether settling a letter removes it (a queue's or a subscription's
+    /// acknowledgement): a letter that can never be replayed is then handed
+    /// back with those that still fail, not removed.
+    hand_back_unreplayable: bool,
 }
 
 impl Run<'_> {
@@ -687,6 +717,12 @@ impl Run<'_> {
     ) -> Result<HashSet<(i32, i64)>> {
         let mut failed = HashSet::new();
         let mut sent = 0usize;
+        // Sent and not yet acknowledged, and the keys among them: a key's
+        // next letter waits until its last one is acknowledged, so a letter
+        // the destination refuses never has a later one of its key stored
+        // past it.
+        let mut waiting = 0usize;
+        let mut out_keys: HashSet<Vec<u8>> = HashSet::new();
         let duplicates = sink.duplicates();
         for letter in letters {
             if let Some(why) = letter.never_replayable() {
@@ -695,10 +731,12 @@ impl Run<'_> {
                     letter.event_id, letter.partition, letter.offset
                 ));
                 self.kept += 1;
+                if self.hand_back_unreplayable {
+                    failed.insert(letter.offset_key());
+                }
                 continue;
             }
-            let held = letter.key.as_ref().map(|k| (dlq.to_owned(), k.clone()));
-            if held.as_ref().is_some_and(|h| self.held.contains(h)) {
+            if letter.key.as_ref().is_some_and(|k| self.held.contains(k)) {
                 println_out(&format!(
                     "held back: event {} ({dlq} offset {}:{}): an earlier dead letter of its \
                      key still fails, and goes first",
@@ -739,8 +777,17 @@ impl Run<'_> {
                         letter.offset
                     ));
                     if !self.args.dry_run {
+                        if let Some(key) = &letter.key
+                            && !out_keys.insert(key.clone())
+                        {
+                            acknowledged(sink, deliveries, dlq, waiting).await?;
+                            waiting = 0;
+                            out_keys.clear();
+                            out_keys.insert(key.clone());
+                        }
                         sink.send(event, sent).await?;
                         sent += 1;
+                        waiting += 1;
                     }
                     self.replayed += 1;
                 }
@@ -751,21 +798,12 @@ impl Run<'_> {
                     ));
                     failed.insert(letter.offset_key());
                     self.failing += 1;
-                    self.held.extend(held);
+                    self.held.extend(letter.key.clone());
                 }
             }
         }
-        sink.end_batch();
         // Every publication acknowledged before progress is recorded.
-        for _ in 0..sent {
-            let d = tokio::time::timeout(TIMEOUT * 5, deliveries.recv())
-                .await
-                .context("waiting for the broker's acknowledgements")?
-                .context("the producer stopped")?;
-            if let Err(e) = d.result {
-                bail!("{e}; nothing recorded as replayed for {dlq}, run again");
-            }
-        }
+        acknowledged(sink, deliveries, dlq, waiting).await?;
         self.already += sink.duplicates() - duplicates;
         Ok(failed)
     }
