@@ -69,10 +69,10 @@ pub struct KinesisSinkConfig {
     /// new one sends again from the confirmed position).
     #[serde(default = "default_max_retry_ms")]
     pub max_retry_ms: u64,
-    /// Hours a stream walbox creates keeps its records (Kinesis's own
-    /// default is 24; past 24 is extended retention, billed per shard
-    /// hour). A dead letter or an event nobody read in time is gone after
-    /// it.
+    /// With `create_topics`, the hours every stream walbox writes to keeps
+    /// its records at least (Kinesis's own default is 24; past 24 is
+    /// extended retention, billed per shard hour). A dead letter or an event
+    /// nobody read in time is gone after it.
     #[serde(default = "default_retention_hours")]
     pub retention_hours: i32,
     /// Create a missing stream (from `[sink] create_topics`).
@@ -457,9 +457,9 @@ struct Created {
 }
 
 /// Checks that `stream` exists and is active (or updating), creating it as
-/// `create` says when it allows, and waiting while it is being created. A
-/// stream it made keeps its records `retention_hours`. The largest record
-/// the stream takes.
+/// `create` says when it allows, and waiting while it is being created.
+/// When `create` allows, a stream keeping its records less than
+/// `retention_hours` is raised to it. The largest record the stream takes.
 async fn ensure_stream(
     client: &aws_sdk_kinesis::Client,
     stream: &str,
@@ -478,8 +478,14 @@ async fn ensure_stream(
                 let summary = out.stream_description_summary();
                 let status = summary.map(|s| s.stream_status().clone());
                 let largest = largest_record(summary.and_then(|s| s.max_record_size_in_kib()));
+                let kept = summary.map_or(BASE_RETENTION_HOURS, |s| s.retention_period_hours());
                 match status {
-                    Some(StreamStatus::Active) if created => {
+                    // With create_topics walbox keeps its streams' records
+                    // at least `retention_hours`: also a stream it made in
+                    // a run that ended before the retention was raised.
+                    Some(StreamStatus::Active)
+                        if create.is_some_and(|c| kept < c.retention_hours) =>
+                    {
                         keep_records(client, stream, create).await?;
                         return Ok(largest);
                     }
