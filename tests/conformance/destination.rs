@@ -83,6 +83,18 @@ impl Sink {
         !matches!(self, Sink::Sns)
     }
 
+    /// How often each writer of a history commits, in ms: the AWS
+    /// stand-ins move a key's events one round trip each, and LocalStack's
+    /// SNS, delivering to a subscribed queue, the slowest of them on a
+    /// loaded machine; writers they can keep up with.
+    pub fn writer_pace_ms(self) -> u64 {
+        match self {
+            Sink::Sns => 250,
+            Sink::Kinesis | Sink::Sqs => 100,
+            _ => 10,
+        }
+    }
+
     /// Whether `walbox dlq replay` can read this sink's dead letters back.
     pub fn dead_letters_replayable(self) -> bool {
         !matches!(self, Sink::Stdout)

@@ -233,14 +233,20 @@ impl Writers {
         Writers::start_with(pg, writers, prefix, row_or_message, pace_ms).await
     }
 
-    /// Writers of outbox rows only, on keys `{prefix}{w}-k{k}`.
-    pub async fn rows(pg: &PgCluster, writers: usize, prefix: &'static str) -> Writers {
+    /// Writers of outbox rows only, on keys `{prefix}{w}-k{k}`, a
+    /// transaction every `pace_ms` per writer.
+    pub async fn rows(
+        pg: &PgCluster,
+        writers: usize,
+        prefix: &'static str,
+        pace_ms: u64,
+    ) -> Writers {
         Writers::start_with(
             pg,
             writers,
             prefix,
             |key, seq| row_sql("order", key, seq),
-            10,
+            pace_ms,
         )
         .await
     }
@@ -415,11 +421,7 @@ pub async fn kill_and_restart(sink: Sink, format: Format) {
     setup(&cell.env);
     // A sink that moves a key's events one round trip each gets writers it
     // can keep up with on a loaded machine.
-    let writers = if sink.one_round_trip_per_event_of_a_key() {
-        Writers::paced(&cell.pg, 2, 100).await
-    } else {
-        Writers::start(&cell.pg, 2).await
-    };
+    let writers = Writers::paced(&cell.pg, 2, sink.writer_pace_ms()).await;
     for _ in 0..rounds {
         let before = checkpoint(&cell.pg).map(|c| c.lsn);
         let mut walbox = cell.run();
@@ -487,14 +489,15 @@ async fn broker_restart_empty(sink: Sink, format: Format) {
     let mut cell = Cell::new(sink, format, "brokerrestart", "").await;
     setup(&cell.env);
     let start = current_lsn(&cell.db).await;
-    let writers = Writers::paced(&cell.pg, 2, 40).await;
+    let pace = sink.writer_pace_ms().max(40);
+    let writers = Writers::paced(&cell.pg, 2, pace).await;
     let mut walbox = cell.run();
     cell.wait_progress(&walbox, Some(start));
     cell.dest
         .restart_server(Duration::from_secs(2), || async {})
         .await;
     let mut written = writers.stop().await;
-    let after = Writers::paced_prefixed(&cell.pg, 2, "v", 40).await;
+    let after = Writers::paced_prefixed(&cell.pg, 2, "v", pace).await;
     let restarted = current_lsn(&cell.db).await;
     cell.wait_progress(&walbox, Some(restarted));
     written.extend(after.stop().await);
@@ -537,7 +540,8 @@ async fn broker_restart_unsubscribed(format: Format) {
     let mut cell = Cell::new(sink, format, "brokerrestart", "").await;
     setup(&cell.env);
     let start = current_lsn(&cell.db).await;
-    let before = Writers::paced(&cell.pg, 2, 40).await;
+    let pace = sink.writer_pace_ms().max(40);
+    let before = Writers::paced(&cell.pg, 2, pace).await;
     let mut walbox = cell.run();
     cell.wait_progress(&walbox, Some(start));
     cell.dest
@@ -545,7 +549,7 @@ async fn broker_restart_unsubscribed(format: Format) {
         .await;
     let mut written = before.stop().await;
     // Written while walbox finds the topic gone, makes it again, and stops.
-    let during = Writers::paced_prefixed(&cell.pg, 2, "v", 40).await;
+    let during = Writers::paced_prefixed(&cell.pg, 2, "v", pace).await;
     let status = walbox.wait(Duration::from_secs(240));
     let log = walbox.log();
     cell.ended(&walbox);
@@ -746,7 +750,7 @@ pub async fn interrupted_snapshot(sink: Sink, format: Format) {
     // (Only rows: a key whose events mix rows and messages would see its
     // rows first, from the snapshot, and its messages after, from the
     // stream; see docs/guarantees.md.)
-    let rows = Writers::rows(&cell.pg, 1, "r").await;
+    let rows = Writers::rows(&cell.pg, 1, "r", sink.writer_pace_ms()).await;
     let mut walbox = cell.run();
     walbox_testkit::wait_until(
         "the snapshot taken again to complete",
@@ -761,7 +765,7 @@ pub async fn interrupted_snapshot(sink: Sink, format: Format) {
     // (The rows' ids come from the table.)
     rows.stop().await;
     // Then both sources, streamed.
-    let writers = Writers::start(&cell.pg, 1).await;
+    let writers = Writers::paced(&cell.pg, 1, sink.writer_pace_ms()).await;
     let at = current_lsn(&cell.db).await;
     cell.wait_progress(&walbox, Some(at));
     let written = writers.stop().await;

@@ -380,7 +380,7 @@ pub struct Overrides {
     /// Topic template for that table, e.g. `outbox.{aggregate_type}`: the
     /// Kafka topic, NATS subject, RabbitMQ routing key or stream, Redis stream
     /// key, the webhook URL's {topic}, the Pub/Sub (pubsub) topic, the Kinesis
-    /// stream, the SQS queue or the stdout line's topic.
+    /// stream, the SQS queue, the SNS topic or the stdout line's topic.
     #[arg(long, env = "WALBOX_TOPIC")]
     pub topic: Option<String>,
     /// Sink type: where events go.
