@@ -515,11 +515,32 @@ impl PgCluster {
 
 impl Drop for PgCluster {
     fn drop(&mut self) {
+        let segment = shared_memory_id(&self.data_dir());
         if let Some(mut child) = self.child.take() {
             let _ = process::kill_tree(&mut child, "postgres", SERVER_TIMEOUT);
         }
+        // A killed server leaves its System V segment behind, and the
+        // kernel holds a few thousand at most (SHMMNI): once they are used
+        // up, no cluster starts on this machine again.
+        if let Some(id) = segment {
+            let _ = std::process::Command::new("ipcrm")
+                .args(["-m", &id])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
         // TempDir removes the files.
     }
+}
+
+/// The id of the System V shared memory segment of the server of `data`:
+/// the second field of `postmaster.pid`'s seventh line (`key id`), while
+/// the server runs or after it was killed.
+fn shared_memory_id(data: &Path) -> Option<String> {
+    let pid = std::fs::read_to_string(data.join("postmaster.pid")).ok()?;
+    let id = pid.lines().nth(6)?.split_whitespace().nth(1)?;
+    id.parse::<u64>().ok()?;
+    Some(id.to_owned())
 }
 
 /// A libpq key=value value, quoted and escaped.
@@ -627,4 +648,31 @@ pub fn major_bindir(major: &str) -> Result<PathBuf> {
         program: format!("PostgreSQL {major} server (initdb, postgres)"),
         hint: format!("run `scripts/pg-major.sh {major}` (or `make deps PG_VERSIONS={major}`)"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether System V shared memory segment `id` exists (`ipcs` exits 0
+    /// either way; it describes the segment only when there is one).
+    fn segment_exists(id: &str) -> bool {
+        std::process::Command::new("ipcs")
+            .args(["-m", "-i", id])
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains(&format!("shmid={id}")))
+    }
+
+    #[test]
+    fn a_cluster_dropped_leaves_no_shared_memory_segment_behind() {
+        let pg = PgCluster::start().unwrap();
+        let id = shared_memory_id(&pg.data_dir()).expect("postmaster.pid names its segment");
+        assert!(segment_exists(&id), "segment {id} while the server runs");
+        drop(pg);
+        // Removed once the last of the killed processes has let go of it.
+        crate::wait_until("the segment to go", Duration::from_secs(30), || {
+            (!segment_exists(&id)).then_some(())
+        })
+        .unwrap_or_else(|e| panic!("segment {id} left behind: {e}"));
+    }
 }
