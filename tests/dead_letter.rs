@@ -34,6 +34,17 @@ async fn start() -> (
     (pg, broker, db, env)
 }
 
+/// The `seq` of each record's payload, in the records' order.
+fn seqs_of(records: &[walbox_testkit::kafka::Record]) -> Vec<i64> {
+    records
+        .iter()
+        .map(|r| {
+            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
+            v["payload"]["seq"].as_i64().or(v["seq"].as_i64()).unwrap()
+        })
+        .collect()
+}
+
 fn insert(aggregate_type: &str, aggregate_id: Option<&str>, payload: &str) -> String {
     let id = aggregate_id.map_or("NULL".to_owned(), |a| format!("'{a}'"));
     format!(
@@ -226,13 +237,7 @@ async fn dead_letters_are_replayed_to_their_topic_after_a_fix_and_kept() {
     assert_eq!(records.len(), 3);
     // k1's events in their order: the replayed ones after the first, the
     // fixed row before the large one.
-    let seqs: Vec<i64> = records
-        .iter()
-        .map(|r| {
-            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
-            v["payload"]["seq"].as_i64().or(v["seq"].as_i64()).unwrap()
-        })
-        .collect();
+    let seqs = seqs_of(&records);
     assert_eq!(seqs, [0, 1, 2]);
     let ids: Vec<&str> = dlq.iter().map(|d| d.header("event_id").unwrap()).collect();
     for d in &dlq {
@@ -367,24 +372,12 @@ async fn a_letter_refused_again_on_replay_holds_back_the_later_letters_of_its_ke
     let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table", "--config", &cfg], &env);
     assert_ne!(code, Some(0), "{out}\n{err}");
     let records = read_topic(&broker.bootstrap(), "outbox.order", 1).await;
-    let seqs: Vec<i64> = records
-        .iter()
-        .map(|r| {
-            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
-            v["payload"]["seq"].as_i64().or(v["seq"].as_i64()).unwrap()
-        })
-        .collect();
+    let seqs = seqs_of(&records);
     assert_eq!(seqs, [0], "{out}\n{err}");
     // With the default size limit both go, in their order.
     let (code, out, err) = walbox_cmd(&["dlq", "replay", "--from-table"], &env);
     assert_eq!(code, Some(0), "{out}\n{err}");
     let records = read_topic(&broker.bootstrap(), "outbox.order", 3).await;
-    let seqs: Vec<i64> = records
-        .iter()
-        .map(|r| {
-            let v: serde_json::Value = serde_json::from_slice(r.value.as_deref().unwrap()).unwrap();
-            v["payload"]["seq"].as_i64().or(v["seq"].as_i64()).unwrap()
-        })
-        .collect();
+    let seqs = seqs_of(&records);
     assert_eq!(seqs, [0, 1, 2], "{out}\n{err}");
 }
