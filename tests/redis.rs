@@ -68,13 +68,32 @@ async fn connection(
         Some(p) => format!("redis://:{p}@127.0.0.1:{}", redis.port()),
         None => redis.url(),
     };
-    let config =
-        redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60)));
-    redis::Client::open(url)
-        .unwrap()
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .unwrap()
+    // The client's default of 1 s to connect is short for a machine busy
+    // with other tests: each attempt gets 10 s, and a failed one is tried
+    // again until a minute has passed.
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(10)))
+        .set_response_timeout(Some(Duration::from_secs(60)));
+    let client = redis::Client::open(url).unwrap();
+    let last = std::sync::Mutex::new(None);
+    let connected = walbox_testkit::wait_until_async(
+        "a connection to redis-server",
+        Duration::from_secs(60),
+        || async {
+            match client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+            {
+                Ok(con) => Some(con),
+                Err(e) => {
+                    *last.lock().unwrap() = Some(e.to_string());
+                    None
+                }
+            }
+        },
+    )
+    .await;
+    connected.unwrap_or_else(|e| panic!("{e}; the last attempt: {:?}", last.lock().unwrap()))
 }
 
 /// Everything stream `key` holds, in id order.
