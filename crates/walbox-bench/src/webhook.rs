@@ -4,11 +4,19 @@
 //! requests are in flight (one per key). Each run has a slot of its own,
 //! created before its load, and is timed from walbox's start until the
 //! receiver answered 2xx to every event. One run per key count.
+//!
+//! The ceiling of each run is the same receiver driven by a plain load
+//! generator with no walbox: the very requests walbox made (path, headers,
+//! body, as the receiver recorded them), sent again by a reqwest client with
+//! one request in flight per key, each key's in walbox's order, so as many in
+//! flight as walbox had.
 
+use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use walbox_testkit::Receiver;
+use walbox_testkit::webhook::Arrival;
 
 use crate::Error;
 use crate::contenders::checkpoint_file;
@@ -25,6 +33,10 @@ pub struct WebhookRun {
     pub seconds: f64,
     /// Requests the receiver answered (one per event, plus any resend).
     pub requests: usize,
+    /// The plain load generator's time for the same requests.
+    pub plain_seconds: f64,
+    /// Whether walbox's requests came over HTTP/2.
+    pub http2: bool,
 }
 
 impl Bench {
@@ -101,15 +113,88 @@ impl Bench {
             self.db
                 .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
                 .await?;
+            let requests = receiver.count();
+            let sent = receiver.delivered();
+            let http2 = sent.iter().all(|a| a.http2);
+            receiver.clear();
+            let plain_seconds = plain_load(&receiver, &sent).await?;
             out.push(WebhookRun {
                 keys,
                 events,
                 seconds,
-                requests: receiver.count(),
+                requests,
+                plain_seconds,
+                http2,
             });
         }
         Ok(out)
     }
+}
+
+/// Sends `requests` again to `receiver` with a plain reqwest client, one
+/// request in flight per key (each key's in their order), and returns the
+/// seconds until the receiver answered 2xx to all of them.
+async fn plain_load(receiver: &Receiver, requests: &[Arrival]) -> Result<f64, Error> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(usize::MAX)
+        .build()?;
+    let mut lanes: HashMap<
+        Option<String>,
+        Vec<(String, reqwest::header::HeaderMap, reqwest::Body)>,
+    > = HashMap::new();
+    for a in requests {
+        let mut headers = reqwest::header::HeaderMap::new();
+        for (name, value) in &a.headers {
+            if matches!(
+                name.as_str(),
+                "host" | "content-length" | "connection" | "user-agent"
+            ) {
+                continue;
+            }
+            if let (Ok(n), Ok(v)) = (
+                reqwest::header::HeaderName::from_bytes(name.as_bytes()),
+                reqwest::header::HeaderValue::from_str(value),
+            ) {
+                headers.append(n, v);
+            }
+        }
+        lanes.entry(a.key.clone()).or_default().push((
+            format!("{}{}", receiver.base_url(), a.path),
+            headers,
+            reqwest::Body::from(a.body.clone()),
+        ));
+    }
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (_, lane) in lanes {
+        let client = client.clone();
+        tasks.spawn(async move {
+            for (url, headers, body) in lane {
+                client
+                    .post(url)
+                    .headers(headers)
+                    .body(body)
+                    .send()
+                    .await?
+                    .error_for_status()?;
+            }
+            Ok::<(), reqwest::Error>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let arrived = receiver.delivered().len();
+    if arrived != requests.len() {
+        return Err(format!(
+            "the plain load generator: {arrived} of {} requests answered 2xx",
+            requests.len()
+        )
+        .into());
+    }
+    Ok(seconds)
 }
 
 /// The runs as a table.
@@ -119,17 +204,25 @@ pub fn print(runs: &[WebhookRun]) {
     };
     println!();
     println!(
-        "Webhooks: {} events POSTed to a local receiver (200 at once), one request in flight per key",
+        "Webhooks: {} events POSTed to a local receiver (200 at once), one request in flight per key; \
+         the ceiling is a plain reqwest client sending the same requests to the same receiver, \
+         one in flight per key",
         first.events
     );
-    println!("| keys in flight | seconds | events/s | requests |");
-    println!("|---:|---:|---:|---:|");
+    println!(
+        "| keys in flight | walbox seconds | walbox events/s | HTTP | ceiling seconds | ceiling events/s | of ceiling | requests |"
+    );
+    println!("|---:|---:|---:|---|---:|---:|---:|---:|");
     for r in runs {
         println!(
-            "| {} | {:.1} | {:.0} | {} |",
+            "| {} | {:.2} | {:.0} | {} | {:.2} | {:.0} | {:.2} | {} |",
             r.keys,
             r.seconds,
             r.events as f64 / r.seconds,
+            if r.http2 { "2" } else { "1.1" },
+            r.plain_seconds,
+            r.events as f64 / r.plain_seconds,
+            r.plain_seconds / r.seconds,
             r.requests
         );
     }
