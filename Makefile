@@ -105,8 +105,8 @@ bench-relay: deps
 	$(RELEASE_BUILD)
 	./target/release/walbox-bench --events $(BENCH_EVENTS) --big-txn $(BENCH_BIG_TXN) --repeat $(BENCH_REPEAT) --steady-seconds $(BENCH_STEADY_SECONDS) --svg-dir docs --walbox ./target/release/walbox $(BENCH_ARGS)
 
-## Flame graphs of rows and messages to the broker and of rows to JetStream
-## (docs/flame-*.svg), with perf and inferno.
+## Flame graphs of rows and messages to the broker and of rows to JetStream and
+## to Redis Streams (docs/flame-*.svg), with perf and inferno.
 flamegraphs: deps
 	$(RELEASE_BUILD)
 	scripts/flamegraphs.sh docs

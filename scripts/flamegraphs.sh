@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Flame graphs of walbox on its three busiest paths, as committed in docs/:
-# rows to the broker, [[messages]] to the broker, and rows to JetStream.
+# Flame graphs of walbox on its busiest paths, as committed in docs/: rows to
+# the broker, [[messages]] to the broker, rows to JetStream and rows to Redis
+# Streams.
 #
 #   scripts/flamegraphs.sh [OUT_DIR] [EVENTS]     (default: docs 300000)
+#
+# FLAMES="flame-redis" (names as below, space-separated) draws some of them
+# only, and runs only the contenders they need. The binaries are looked for in
+# $CARGO_TARGET_DIR/release (target/release by default).
 #
 # Runs walbox-bench (--only backlog,messages, one round) and attaches
 # `perf record` (DWARF call graphs, 1999 Hz) to the walbox process of each path,
@@ -16,7 +21,7 @@ set -euo pipefail
 out=${1:-docs}
 events=${2:-300000}
 here=$(cd "$(dirname "$0")/.." && pwd)
-bench="$here/target/release/walbox-bench"
+bench="${CARGO_TARGET_DIR:-$here/target}/release/walbox-bench"
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
@@ -41,22 +46,42 @@ attach() {
   done
 }
 
-# name, slot (round 1 of the bench's contenders), title
-paths=(
-  "flame-rows-kafka walbox_kafka_r1 walbox: outbox rows to the broker"
-  "flame-messages-kafka walbox_kafka_messages_r1 walbox: [[messages]] to the broker"
-  "flame-jetstream walbox_nats_r1 walbox: outbox rows to JetStream"
+# name, slot (round 1 of the bench's contenders), the contender's short name
+# (the messages scenario's runs all of its own), title
+all_paths=(
+  "flame-rows-kafka walbox_kafka_r1 walbox-broker walbox: outbox rows to the broker"
+  "flame-messages-kafka walbox_kafka_messages_r1 - walbox: [[messages]] to the broker"
+  "flame-jetstream walbox_nats_r1 walbox-jetstream walbox: outbox rows to JetStream"
+  "flame-redis walbox_redis_r1 walbox-redis walbox: outbox rows to Redis Streams"
 )
+paths=()
+scenarios=()
+contenders=()
+for p in "${all_paths[@]}"; do
+  read -r name _ short _ <<<"$p"
+  if [ -n "${FLAMES:-}" ] && ! [[ " $FLAMES " == *" $name "* ]]; then continue; fi
+  paths+=("$p")
+  if [ "$short" = - ]; then
+    scenarios+=(messages)
+  else
+    scenarios+=(backlog)
+    contenders+=("$short")
+  fi
+done
+[ ${#paths[@]} -gt 0 ] || { echo "FLAMES names none of the graphs" >&2; exit 1; }
+only=$(printf '%s\n' "${scenarios[@]}" | sort -u | paste -sd, -)
+picked=()
+[ ${#contenders[@]} -gt 0 ] && picked=(--contenders "$(IFS=,; echo "${contenders[*]}")")
 for p in "${paths[@]}"; do
   read -r name slot _ <<<"$p"
   attach "$slot" "$work/$name.data" &
 done
 
-"$bench" --only backlog,messages --events "$events" --repeat 1 >"$work/bench.txt"
+"$bench" --only "$only" "${picked[@]}" --events "$events" --repeat 1 >"$work/bench.txt"
 
 mkdir -p "$out"
 for p in "${paths[@]}"; do
-  read -r name slot title <<<"$p"
+  read -r name slot _ title <<<"$p"
   [ -s "$work/$name.data" ] || { echo "no samples for $slot" >&2; exit 1; }
   perf script -i "$work/$name.data" 2>/dev/null | inferno-collapse-perf >"$work/$name.folded"
   # FOLDED_DIR keeps the folded stacks, for reading the figures behind a graph.

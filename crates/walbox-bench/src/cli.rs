@@ -11,7 +11,7 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                     [--webhook-events N] [--pubsub-events N] [--aws-events N]
                     [--alloc-events N]
                     [--walbox-counting PATH]
-                    [--baseline PATH]
+                    [--baseline PATH] [--contenders LIST]
 
   --events N          backlog size, a multiple of 10 (default 1000000)
   --big-txn N         rows in the one big transaction (default 1000000)
@@ -34,7 +34,11 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                       (default: --walbox)
   --baseline PATH     another walbox build (say, the previous release) to run
                       beside this one: its runs to the broker and to JetStream join
-                      the backlog's rounds, its [[messages]] run the messages'";
+                      the backlog's rounds (and to Redis Streams), its [[messages]]
+                      run the messages'
+  --contenders LIST   the slot contenders of the backlog and big-txn scenarios,
+                      by the short names the rounds print (walbox-redis,
+                      baseline-redis, ...); the ceiling always runs (default all)";
 
 pub struct Args {
     pub events: u64,
@@ -61,6 +65,8 @@ pub struct Args {
     pub walbox_counting: Option<PathBuf>,
     /// Another build of walbox to compare with.
     pub baseline: Option<PathBuf>,
+    /// The slot contenders to run (short names), when not all.
+    pub contenders: Option<Vec<String>>,
 }
 
 /// A part of the run that `--only` can pick.
@@ -134,6 +140,7 @@ pub fn args() -> Result<Option<Args>, Error> {
         walbox_counting: None,
         alloc_events: 100_000,
         baseline: None,
+        contenders: None,
         only: Scenario::ALL.to_vec(),
         rates: vec![1_000, 5_000, 20_000],
         webhook_events: 20_000,
@@ -175,6 +182,12 @@ pub fn args() -> Result<Option<Args>, Error> {
             "--baseline" => {
                 a.baseline = Some(PathBuf::from(it.next().ok_or("--baseline needs a path")?));
             }
+            "--contenders" => {
+                let list = it
+                    .next()
+                    .ok_or("--contenders needs a list such as walbox-redis,baseline-redis")?;
+                a.contenders = Some(comma_list(&list, |c| Ok(c.to_owned()))?);
+            }
             "--walbox-counting" => {
                 a.walbox_counting = Some(PathBuf::from(
                     it.next().ok_or("--walbox-counting needs a path")?,
@@ -215,6 +228,20 @@ pub fn args() -> Result<Option<Args>, Error> {
     }
     if a.big_txn == 0 || a.steady_seconds == 0 || a.rates.contains(&0) {
         return Err("--big-txn, --steady-seconds and --rates must be positive".into());
+    }
+    if let Some(named) = &a.contenders {
+        let known: Vec<&str> = crate::contenders::Contender::ALL
+            .iter()
+            .chain(&crate::contenders::Contender::BASELINE)
+            .map(|c| c.short())
+            .collect();
+        if let Some(unknown) = named.iter().find(|n| !known.contains(&n.as_str())) {
+            return Err(format!(
+                "--contenders: unknown contender {unknown:?} ({})",
+                known.join(", ")
+            )
+            .into());
+        }
     }
     if a.repeat == 0 {
         return Err("--repeat must be at least 1 (3 or more for a median and a spread)".into());

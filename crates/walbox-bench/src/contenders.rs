@@ -47,6 +47,8 @@ pub enum Contender {
     BaselineNats,
     /// [`Contender::WalboxKafkaMessages`] with the `--baseline` build of walbox.
     BaselineKafkaMessages,
+    /// [`Contender::WalboxRedis`] with the `--baseline` build of walbox.
+    BaselineRedis,
 }
 
 /// How often walbox and the ceiling report their position to the server:
@@ -73,7 +75,11 @@ impl Contender {
 
     /// The contenders that run the `--baseline` build, beside their own in the
     /// backlog and messages scenarios.
-    pub const BASELINE: [Contender; 2] = [Contender::BaselineKafka, Contender::BaselineNats];
+    pub const BASELINE: [Contender; 3] = [
+        Contender::BaselineKafka,
+        Contender::BaselineNats,
+        Contender::BaselineRedis,
+    ];
     pub const BASELINE_MESSAGES: [Contender; 1] = [Contender::BaselineKafkaMessages];
 
     /// What the contender runs: a baseline contender runs as its own, with the
@@ -83,6 +89,7 @@ impl Contender {
             Contender::BaselineKafka => Contender::WalboxKafka,
             Contender::BaselineNats => Contender::WalboxNats,
             Contender::BaselineKafkaMessages => Contender::WalboxKafkaMessages,
+            Contender::BaselineRedis => Contender::WalboxRedis,
             c => c,
         }
     }
@@ -116,6 +123,7 @@ impl Contender {
             Contender::BaselineKafka => "baseline build to the broker",
             Contender::BaselineNats => "baseline build to JetStream",
             Contender::BaselineKafkaMessages => "baseline build to the broker, [[messages]]",
+            Contender::BaselineRedis => "baseline build to Redis Streams",
         }
     }
 
@@ -136,6 +144,7 @@ impl Contender {
             Contender::BaselineKafka => "baseline-broker",
             Contender::BaselineNats => "baseline-jetstream",
             Contender::BaselineKafkaMessages => "baseline-broker-messages",
+            Contender::BaselineRedis => "baseline-redis",
         }
     }
 
@@ -156,6 +165,7 @@ impl Contender {
             Contender::BaselineKafka => "baseline_kafka",
             Contender::BaselineNats => "baseline_nats",
             Contender::BaselineKafkaMessages => "baseline_kafka_messages",
+            Contender::BaselineRedis => "baseline_redis",
         };
         format!("{prefix}_r{}", round + 1)
     }
@@ -225,7 +235,8 @@ impl Contender {
             Contender::WalboxRabbitMq => "rabbitmq",
             Contender::BaselineKafka
             | Contender::BaselineNats
-            | Contender::BaselineKafkaMessages => {
+            | Contender::BaselineKafkaMessages
+            | Contender::BaselineRedis => {
                 return Err("base() maps a baseline contender to its own".into());
             }
         };

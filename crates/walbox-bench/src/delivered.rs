@@ -63,7 +63,8 @@ impl Contender {
             // base() maps these to their own.
             Contender::BaselineKafka
             | Contender::BaselineNats
-            | Contender::BaselineKafkaMessages => None,
+            | Contender::BaselineKafkaMessages
+            | Contender::BaselineRedis => None,
         }
     }
 }

@@ -55,7 +55,9 @@
 //!
 //! 5. Webhooks (`webhook.rs`): `--webhook-events` (default 20,000) POSTed by
 //!    `walbox run` to the test kit's HTTP receiver, the events spread over 1, 16
-//!    and 256 keys (so as many requests in flight), one run each.
+//!    and 256 keys (so as many requests in flight), one run each, each next to
+//!    its ceiling: a plain client sending the same requests to the same
+//!    receiver with as many in flight.
 //!
 //! 6. Google Cloud Pub/Sub (`pubsub.rs`): `--pubsub-events` (default 20,000)
 //!    published by `walbox run` to the test kit's Pub/Sub emulator, then the

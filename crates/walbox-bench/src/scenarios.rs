@@ -81,11 +81,15 @@ pub struct SlotDrain {
 
 impl Bench {
     /// The slot contenders of the backlog (and big-txn) scenario: all, and with
-    /// `--baseline` the baseline build's beside them.
+    /// `--baseline` the baseline build's beside them; with `--contenders`, the
+    /// ceiling and those named.
     pub fn slot_contenders(&self) -> Vec<Contender> {
         let mut all = Contender::ALL.to_vec();
         if self.a.baseline.is_some() {
             all.extend(Contender::BASELINE);
+        }
+        if let Some(named) = &self.a.contenders {
+            all.retain(|c| *c == Contender::TrueCeiling || named.iter().any(|n| n == c.short()));
         }
         all
     }

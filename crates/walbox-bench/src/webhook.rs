@@ -4,11 +4,22 @@
 //! requests are in flight (one per key). Each run has a slot of its own,
 //! created before its load, and is timed from walbox's start until the
 //! receiver answered 2xx to every event. One run per key count.
+//!
+//! The ceiling of each run is the same receiver driven by a plain load
+//! generator with no walbox: the very requests walbox made (path, headers,
+//! body, as the receiver recorded them), sent again by a reqwest client with
+//! one request in flight per key, each key's in walbox's order, so as many in
+//! flight as walbox had. Both are compared on the receiver's clock, from the
+//! first request that arrived to the last, so walbox's start (connecting,
+//! starting replication) is not counted against it; its time from its start is
+//! given beside.
 
+use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use walbox_testkit::Receiver;
+use walbox_testkit::webhook::Arrival;
 
 use crate::Error;
 use crate::contenders::checkpoint_file;
@@ -23,8 +34,16 @@ pub struct WebhookRun {
     pub keys: usize,
     pub events: u64,
     pub seconds: f64,
+    /// From walbox's first request's arrival to its last's.
+    pub drain_seconds: f64,
+    /// walbox's CPU seconds.
+    pub cpu_seconds: f64,
     /// Requests the receiver answered (one per event, plus any resend).
     pub requests: usize,
+    /// The plain load generator's time for the same requests.
+    pub plain_seconds: f64,
+    /// Whether walbox's requests came over HTTP/2.
+    pub http2: bool,
 }
 
 impl Bench {
@@ -93,6 +112,7 @@ impl Bench {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             let seconds = started.elapsed().as_secs_f64();
+            let cpu_seconds = crate::contenders::usage(child.id()).1;
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(i32::try_from(child.id())?),
                 nix::sys::signal::Signal::SIGTERM,
@@ -101,15 +121,100 @@ impl Bench {
             self.db
                 .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
                 .await?;
+            let requests = receiver.count();
+            let sent = receiver.delivered();
+            let http2 = sent.iter().all(|a| a.http2);
+            let drain_seconds = span(&sent);
+            receiver.clear();
+            let plain_seconds = plain_load(&receiver, &sent).await?;
             out.push(WebhookRun {
                 keys,
                 events,
                 seconds,
-                requests: receiver.count(),
+                drain_seconds,
+                cpu_seconds,
+                requests,
+                plain_seconds,
+                http2,
             });
         }
         Ok(out)
     }
+}
+
+/// Seconds from the first of `arrivals` to the last.
+fn span(arrivals: &[Arrival]) -> f64 {
+    let first = arrivals.iter().map(|a| a.at).min();
+    let last = arrivals.iter().map(|a| a.at).max();
+    match (first, last) {
+        (Some(f), Some(l)) => (l - f).as_secs_f64(),
+        _ => 0.0,
+    }
+}
+
+/// Sends `requests` again to `receiver` with a plain reqwest client, one
+/// request in flight per key (each key's in their order), and returns the
+/// seconds from the first one's arrival to the last one's.
+async fn plain_load(receiver: &Receiver, requests: &[Arrival]) -> Result<f64, Error> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(usize::MAX)
+        .build()?;
+    let mut lanes: HashMap<
+        Option<String>,
+        Vec<(String, reqwest::header::HeaderMap, reqwest::Body)>,
+    > = HashMap::new();
+    for a in requests {
+        let mut headers = reqwest::header::HeaderMap::new();
+        for (name, value) in &a.headers {
+            if matches!(
+                name.as_str(),
+                "host" | "content-length" | "connection" | "user-agent"
+            ) {
+                continue;
+            }
+            if let (Ok(n), Ok(v)) = (
+                reqwest::header::HeaderName::from_bytes(name.as_bytes()),
+                reqwest::header::HeaderValue::from_str(value),
+            ) {
+                headers.append(n, v);
+            }
+        }
+        lanes.entry(a.key.clone()).or_default().push((
+            format!("{}{}", receiver.base_url(), a.path),
+            headers,
+            reqwest::Body::from(a.body.clone()),
+        ));
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for (_, lane) in lanes {
+        let client = client.clone();
+        tasks.spawn(async move {
+            for (url, headers, body) in lane {
+                client
+                    .post(url)
+                    .headers(headers)
+                    .body(body)
+                    .send()
+                    .await?
+                    .error_for_status()?;
+            }
+            Ok::<(), reqwest::Error>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    let arrived = receiver.delivered();
+    if arrived.len() != requests.len() {
+        return Err(format!(
+            "the plain load generator: {} of {} requests answered 2xx",
+            arrived.len(),
+            requests.len()
+        )
+        .into());
+    }
+    Ok(span(&arrived))
 }
 
 /// The runs as a table.
@@ -119,17 +224,28 @@ pub fn print(runs: &[WebhookRun]) {
     };
     println!();
     println!(
-        "Webhooks: {} events POSTed to a local receiver (200 at once), one request in flight per key",
+        "Webhooks: {} events POSTed to a local receiver (200 at once), one request in flight per key; \
+         the ceiling is a plain reqwest client sending the same requests to the same receiver, \
+         one in flight per key; seconds from the first request's arrival to the last's, and \
+         walbox's from its start",
         first.events
     );
-    println!("| keys in flight | seconds | events/s | requests |");
-    println!("|---:|---:|---:|---:|");
+    println!(
+        "| keys in flight | walbox seconds | walbox events/s | walbox from its start, s | walbox CPU s per M events | HTTP | ceiling seconds | ceiling events/s | of ceiling | requests |"
+    );
+    println!("|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|");
     for r in runs {
         println!(
-            "| {} | {:.1} | {:.0} | {} |",
+            "| {} | {:.2} | {:.0} | {:.2} | {:.1} | {} | {:.2} | {:.0} | {:.2} | {} |",
             r.keys,
+            r.drain_seconds,
+            r.events as f64 / r.drain_seconds,
             r.seconds,
-            r.events as f64 / r.seconds,
+            r.cpu_seconds / (r.events as f64 / 1e6),
+            if r.http2 { "2" } else { "1.1" },
+            r.plain_seconds,
+            r.events as f64 / r.plain_seconds,
+            r.plain_seconds / r.drain_seconds,
             r.requests
         );
     }

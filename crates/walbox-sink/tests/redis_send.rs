@@ -250,6 +250,38 @@ async fn another_event_at_the_id_or_another_writer_at_the_top_stops_naming_both(
     assert!(reason.contains("no walbox"), "{reason}");
 }
 
+/// Several script calls of a session in flight at once: when the first one
+/// stops (another event at an entry's id), the calls sent after it write
+/// nothing, though they went out before its answer came.
+#[tokio::test] // one thread: every event is queued before the sink's writer runs, so its calls go out together
+async fn calls_in_flight_behind_one_that_stopped_write_nothing() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let s = "outbox.chained";
+    let cfg = config(&redis, "slot_a");
+    let (r, _) = send_all(&cfg, None, vec![event("x", s, 300, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // Four entries per call: the first call holds the event at 300-0 (taken
+    // by x) first, the three calls after it sixteen later positions.
+    let cfg = RedisSinkConfig {
+        max_in_flight: 4,
+        ..cfg
+    };
+    let mut events = vec![event("y", s, 300, 0)];
+    events.extend((1..16u64).map(|i| event(&format!("e{i}"), s, 300 + 8 * i, 0)));
+    let (r, _) = send_all(&cfg, None, events).await;
+    assert_eq!(
+        r[0].clone().unwrap_err().0,
+        DeliveryClass::DuplicateId,
+        "{r:?}"
+    );
+    assert!(r.iter().all(Result::is_err), "{r:?}");
+    assert_eq!(raw_ids(&redis, s).await, ["300-0"]);
+    // A session after it writes again.
+    let (r, _) = send_all(&cfg, None, vec![event("e1", s, 308, 0)]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(raw_ids(&redis, s).await, ["300-0", "308-0"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_of_another_type_refuses_its_entry_alone_and_other_refusals_store_nothing_after_them()
 {

@@ -54,32 +54,32 @@ pub fn position_of(id: &str) -> Option<(u64, u32)> {
     Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
-/// How many fields [`fields_of`] gives `event`'s entry.
+/// How many fields [`for_each_field`] gives `event`'s entry.
 #[must_use]
 pub fn field_count(event: &Event, replay: bool) -> usize {
     3 + usize::from(replay) + usize::from(event.key.is_some()) + event.headers.len()
 }
 
-/// The fields of `event`'s entry, in order.
-#[must_use]
-pub fn fields_of(event: &Event, writer: &str, replay: Option<&str>) -> Vec<(String, Vec<u8>)> {
-    let mut out = Vec::with_capacity(event.headers.len() + 5);
-    out.push((
-        EVENT_ID_FIELD.to_owned(),
-        event.event_id.as_bytes().to_vec(),
-    ));
-    out.push((WRITER_FIELD.to_owned(), writer.as_bytes().to_vec()));
+/// Calls `f(prefix, name, value)` for each field of `event`'s entry, in
+/// order (the field's name is `prefix` then `name`), without copying them.
+pub fn for_each_field(
+    event: &Event,
+    writer: &str,
+    replay: Option<&str>,
+    mut f: impl FnMut(&str, &str, &[u8]),
+) {
+    f("", EVENT_ID_FIELD, event.event_id.as_bytes());
+    f("", WRITER_FIELD, writer.as_bytes());
     if let Some(name) = replay {
-        out.push((REPLAY_FIELD.to_owned(), name.as_bytes().to_vec()));
+        f("", REPLAY_FIELD, name.as_bytes());
     }
     if let Some(k) = &event.key {
-        out.push((KEY_FIELD.to_owned(), k.to_vec()));
+        f("", KEY_FIELD, k);
     }
     for (name, v) in &event.headers {
-        out.push((format!("{HEADER_PREFIX}{name}"), v.to_vec()));
+        f(HEADER_PREFIX, name, v);
     }
-    out.push((VALUE_FIELD.to_owned(), event.value.to_vec()));
-    out
+    f("", VALUE_FIELD, &event.value);
 }
 
 #[cfg(test)]
@@ -114,10 +114,9 @@ mod tests {
             origin: Origin::Stream,
         };
         for replay in [None, Some("0/8")] {
-            assert_eq!(
-                field_count(&e, replay.is_some()),
-                fields_of(&e, "w", replay).len()
-            );
+            let mut fields = 0;
+            for_each_field(&e, "w", replay, |_, _, _| fields += 1);
+            assert_eq!(field_count(&e, replay.is_some()), fields);
         }
         assert_eq!(position_of("1700000000000-*"), None);
         assert_eq!(position_of("abc"), None);

@@ -8,6 +8,14 @@
 //! the script's answer, which Redis sends after writing (and, with
 //! `appendfsync always`, fsyncing) the append-only file.
 //!
+//! Up to [`CALLS_IN_FLIGHT`] calls are in flight on the session's one
+//! connection, sent in order: Redis runs them in that order, and writes and
+//! fsyncs what one turn of its loop ran together. Each call names the call
+//! sent before it, and the script writes nothing unless that call was stored
+//! whole (it records each whole call in the writer's hash): so a call that
+//! stopped, failed or never ran leaves every later call of the session
+//! unwritten, and the session is still stored as a prefix.
+//!
 //! Histories where positions do not grow (a retaken snapshot, whose rows sit
 //! at the later consistent point; `walbox replay`) put an event below the
 //! stream's top. Its own id is then empty, and the entry is appended after
@@ -45,7 +53,9 @@ mod letters;
 mod reader;
 mod script;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -67,8 +77,13 @@ use crate::{Deliveries, DeliveryClass, Sink, SinkError};
 /// Most bytes of values and fields in one script call (at least one event).
 const BATCH_BYTES: usize = 8 << 20;
 /// Most entries in one script call: a script holds the server while it runs,
-/// so calls stay short (the append-only file is fsynced once per call).
+/// so calls stay short.
 const BATCH_ENTRIES: usize = 1_000;
+
+/// Most script calls in flight on a session's connection. Another call is
+/// sent while one is in flight only when a whole batch waits, so a trickle
+/// of events still goes one call at a time, at once.
+const CALLS_IN_FLIGHT: usize = 4;
 
 /// Most arguments of one XADD the script makes: Lua unpacks at most about
 /// 8,000 values into a call ("too many results to unpack"), and that error
@@ -197,6 +212,9 @@ impl RedisSink {
                     duplicates: Arc::clone(duplicates),
                     failed: FailRest::default(),
                     copies: HashMap::new(),
+                    script: redis::Script::new(script::APPEND),
+                    loaded: false,
+                    chain: Chain::new(),
                 };
                 Ok(Session {
                     queue,
@@ -327,49 +345,107 @@ struct Writer {
     failed: FailRest,
     /// What earlier runs of a replay stored, by progress hash and stream.
     copies: HashMap<(String, String), copies::Copies>,
+    script: redis::Script,
+    /// Whether this session loaded the script (`SCRIPT LOAD`): calls are
+    /// `EVALSHA` only, since a call sent again after `NOSCRIPT` could pass
+    /// the ones behind it.
+    loaded: bool,
+    /// The session's calls, each naming the one before it.
+    chain: Chain,
+}
+
+/// The marks that chain a session's calls: `<session>:<n>` for its n-th
+/// call, recorded by the script when the call was stored whole.
+struct Chain {
+    session: String,
+    calls: u64,
+}
+
+impl Chain {
+    fn new() -> Self {
+        Chain {
+            session: format!("{:016x}", fastrand::u64(..)),
+            calls: 0,
+        }
+    }
+
+    /// The mark of the call before the next one (empty for the session's
+    /// first, which follows nothing), and the next call's own.
+    fn next(&mut self) -> (String, String) {
+        let before = if self.calls == 0 {
+            String::new()
+        } else {
+            format!("{}:{}", self.session, self.calls)
+        };
+        self.calls += 1;
+        (before, format!("{}:{}", self.session, self.calls))
+    }
+}
+
+/// A script call's answer, once it comes.
+type Answer = Pin<Box<dyn Future<Output = redis::RedisResult<redis::Value>> + Send>>;
+
+/// A script call in flight, with its batch.
+struct Call {
+    batch: Vec<Item>,
+    answer: Answer,
 }
 
 impl Writer {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Item>) {
-        let script = redis::Script::new(script::APPEND);
         let cap = self.config.max_in_flight.clamp(1, BATCH_ENTRIES);
-        // An item of another replay (or none) than the batch's: the next
-        // batch's first. A batch records one replay's progress.
-        let mut carried: Option<Item> = None;
+        // Events taken from the queue, not yet in a call.
+        let mut waiting: VecDeque<Item> = VecDeque::new();
+        let mut waiting_bytes = 0usize;
+        let mut in_flight: VecDeque<Call> = VecDeque::new();
+        let mut open = true;
         loop {
-            let first = match carried.take() {
-                Some(item) => item,
-                None => match rx.recv().await {
-                    Some(item) => item,
-                    None => break,
+            while let Ok(item) = rx.try_recv() {
+                waiting_bytes += item.event.size();
+                waiting.push_back(item);
+            }
+            // A call goes out at once when none is in flight; beside others
+            // only with a whole batch, so that calls stay large.
+            while in_flight.len() < CALLS_IN_FLIGHT
+                && !waiting.is_empty()
+                && (in_flight.is_empty() || waiting.len() >= cap || waiting_bytes >= BATCH_BYTES)
+            {
+                let batch = cut_batch(&mut waiting, &mut waiting_bytes, cap);
+                if let Some((class, reason)) = self.failed.get() {
+                    for item in batch {
+                        self.report(&item, Err((class, reason.clone())));
+                    }
+                    continue;
+                }
+                if let Some(call) = self.send(batch).await {
+                    in_flight.push_back(call);
+                }
+            }
+            if !open && waiting.is_empty() && in_flight.is_empty() {
+                break;
+            }
+            tokio::select! {
+                answer = async { (&mut in_flight.front_mut().expect("checked").answer).await },
+                    if !in_flight.is_empty() =>
+                {
+                    let call = in_flight.pop_front().expect("checked");
+                    self.answered(call.batch, answer);
+                }
+                item = rx.recv(), if open => match item {
+                    Some(item) => {
+                        waiting_bytes += item.event.size();
+                        waiting.push_back(item);
+                    }
+                    None => open = false,
                 },
-            };
-            let mut bytes = first.event.size();
-            let mut batch = vec![first];
-            while batch.len() < cap && bytes < BATCH_BYTES {
-                match rx.try_recv() {
-                    Ok(item) if item.replay != batch[0].replay => {
-                        carried = Some(item);
-                        break;
-                    }
-                    Ok(item) => {
-                        bytes += item.event.size();
-                        batch.push(item);
-                    }
-                    Err(_) => break,
-                }
             }
-            if let Some((class, reason)) = self.failed.get() {
-                for item in batch {
-                    self.report(&item, Err((class, reason.clone())));
-                }
-                continue;
-            }
-            self.write(&script, batch).await;
         }
     }
 
-    async fn write(&mut self, script: &redis::Script, batch: Vec<Item>) {
+    /// Sends `batch` as one script call (after what it needs read first in a
+    /// replay); `None` when nothing was sent (every entry refused alone, or
+    /// the batch failed).
+    async fn send(&mut self, batch: Vec<Item>) -> Option<Call> {
         let writer = self.config.writer_name().to_owned();
         // An entry with more fields than one XADD can take is refused alone
         // (it goes to a dead letter), as a key of another type is.
@@ -390,9 +466,16 @@ impl Writer {
             self.report(&item, Err((DeliveryClass::MessageTooLarge, reason)));
         }
         if batch.is_empty() {
-            return;
+            return None;
         }
-        // One batch belongs to one replay or none (`run` cuts batches there).
+        if !self.loaded {
+            if let Err(e) = self.script.load_async(&mut self.con).await {
+                self.unanswered(batch, &e);
+                return None;
+            }
+            self.loaded = true;
+        }
+        // One batch belongs to one replay or none (`cut_batch` cuts there).
         let progress = batch
             .first()
             .and_then(|i| i.replay.as_deref())
@@ -404,35 +487,74 @@ impl Writer {
             match &item.replay {
                 Some(name) => match self.copy_of(&progress, name, &writer, &item.event).await {
                     Ok(copy) => held.push(copy),
-                    Err(e) => return self.unanswered(batch, &e),
+                    Err(e) => {
+                        self.unanswered(batch, &e);
+                        return None;
+                    }
                 },
                 None => held.push(String::new()),
             }
         }
-        let mut call = script.prepare_invoke();
-        call.arg(&writer);
-        call.arg(&progress);
-        call.arg(own_ids_key(&writer));
+        let (before, mark) = self.chain.next();
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash()).arg(batch.len());
+        for item in &batch {
+            cmd.arg(item.event.topic.as_str());
+        }
+        cmd.arg(&writer)
+            .arg(&progress)
+            .arg(own_ids_key(&writer))
+            .arg(&before)
+            .arg(&mark);
+        let mut name = String::new();
         for (item, copy) in batch.iter().zip(&held) {
             let e = &item.event;
             let id = entry::event_entry_id(&e.position, &e.origin);
             let trim = trim_args(&self.config, e);
-            let fields = entry::fields_of(e, &writer, item.replay.as_deref());
-            call.key(e.topic.as_str());
-            call.arg(if item.replay.is_some() { "a" } else { "n" })
-                .arg(&id)
+            cmd.arg(if item.replay.is_some() { "a" } else { "n" })
                 .arg(e.event_id.as_str())
                 .arg(copy)
-                .arg(trim.len());
+                .arg(trim.len())
+                .arg(entry::field_count(e, item.replay.is_some()) * 2);
             for t in &trim {
-                call.arg(t);
+                cmd.arg(t);
             }
-            call.arg(fields.len() * 2);
-            for (name, value) in &fields {
-                call.arg(name).arg(value.as_slice());
-            }
+            cmd.arg(&id);
+            entry::for_each_field(
+                e,
+                &writer,
+                item.replay.as_deref(),
+                |prefix, field, value| {
+                    name.clear();
+                    name.push_str(prefix);
+                    name.push_str(field);
+                    cmd.arg(name.as_str()).arg(value);
+                },
+            );
         }
-        let answer: redis::RedisResult<redis::Value> = call.invoke_async(&mut self.con).await;
+        let mut con = self.con.clone();
+        let mut answer: Answer =
+            Box::pin(async move { cmd.query_async::<redis::Value>(&mut con).await });
+        // Polled once now, so that the call is queued on the connection
+        // before the next one is made: calls go out in the order sent.
+        if let std::task::Poll::Ready(r) =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(answer.as_mut().poll(cx))).await
+        {
+            answer = Box::pin(std::future::ready(r));
+        }
+        Some(Call { batch, answer })
+    }
+
+    /// What became of a call's batch, by its answer.
+    fn answered(&mut self, batch: Vec<Item>, answer: redis::RedisResult<redis::Value>) {
+        if let Some(failed) = self.failed.get() {
+            // A call before this one failed: whatever this one did, its
+            // events fail (a resend finds those it stored, as duplicates).
+            for item in batch {
+                self.report(&item, Err(failed.clone()));
+            }
+            return;
+        }
         let reply = match answer {
             Ok(v) => script::parse_reply(&v).unwrap_or_else(|| Reply {
                 written: Vec::new(),
@@ -613,6 +735,11 @@ impl Writer {
                     event.event_id
                 ),
             ),
+            Stop::Behind => (
+                DeliveryClass::BrokerError,
+                "not written: a call sent before this one in the session was not stored                  whole; walbox writes again from its acknowledged position"
+                    .into(),
+            ),
             Stop::Error(text) => (classify(text), text.clone()),
         }
     }
@@ -621,6 +748,27 @@ impl Writer {
         let result = result.map_err(|(class, reason)| kit::failure(&item.event, class, reason));
         self.reports.report(item.token, result);
     }
+}
+
+/// The next batch from `waiting`: at most `cap` entries and about
+/// [`BATCH_BYTES`] (at least one), all of one replay or of none (a batch
+/// records one replay's progress).
+fn cut_batch(waiting: &mut VecDeque<Item>, bytes: &mut usize, cap: usize) -> Vec<Item> {
+    let mut batch: Vec<Item> = Vec::with_capacity(waiting.len().min(cap));
+    let mut size = 0usize;
+    while let Some(item) = waiting.front() {
+        let first = batch.first();
+        if first
+            .is_some_and(|f| batch.len() >= cap || size >= BATCH_BYTES || item.replay != f.replay)
+        {
+            break;
+        }
+        let item = waiting.pop_front().expect("a front");
+        size += item.event.size();
+        batch.push(item);
+    }
+    *bytes = bytes.saturating_sub(size);
+    batch
 }
 
 /// Whether `event` is a dead letter (it carries walbox's error class).

@@ -38,30 +38,53 @@
 //! A key of another type (WRONGTYPE) refuses its entry alone (it is about
 //! the record's stream: it goes to a dead letter), and the call goes on.
 //!
+//! Calls are chained: each names the call its session sent before it, and
+//! writes nothing (it answers `behind`) unless the writer's hash
+//! `walbox:ids:<writer>` records that call as stored whole (field
+//! `walbox:session`, which no stream name can be: topics are of
+//! `[a-zA-Z0-9._-]`). A call that was stored whole records itself there. So
+//! with several calls of a session in flight, one that stopped, failed or
+//! never ran leaves the ones sent after it unwritten.
+//!
 //! The reply is `{outcomes, failed_at, kind, details...}`: one outcome per
 //! entry (its id, `dup`, `+<id>` when appended after the top, `!<error>` when
 //! refused alone), and
-//! for the entry that stopped the call its 1-based number and why.
+//! for the entry that stopped the call its 1-based number and why (`behind`
+//! at the first entry when the call before it was not stored whole).
 
 use redis::Value;
 
 /// The script. KEYS[i] is entry i's stream; ARGV[1] the writer, ARGV[2] the
 /// replay's progress hash (empty outside a replay), ARGV[3] the writer's hash
-/// of the highest id it generated per stream; then per
-/// entry: mode (`n`: at its id, `a`: after the top), id, event id, the id of
-/// the entry holding a copy of it from an earlier run of the replay (empty:
-/// none), the count of trimming arguments and them, the count of field names
-/// and values and them.
+/// of the highest id it generated per stream, ARGV[4] the mark of the call
+/// this one follows (empty: none), ARGV[5] this call's mark; then per entry:
+/// mode (`n`: at its id, `a`: after the top), event id, the id of the entry
+/// holding a copy of it from an earlier run of the replay (empty: none), the
+/// count of trimming arguments, the count of field names and values, and then
+/// the trimming arguments, the id and the field names and values: XADD's own
+/// arguments after the key, passed on from ARGV as they are.
 pub const APPEND: &str = r#"
 local writer = ARGV[1]
 local progress = ARGV[2]
 local ownkey = ARGV[3]
-local pos = 4
+local before = ARGV[4]
+local this_call = ARGV[5]
+if before ~= '' and redis.call('HGET', ownkey, 'walbox:session') ~= before then
+  return {{}, 1, 'behind'}
+end
+local pos = 6
 local out = {}
 local checked = {}
 local function field(fields, name)
   for j = 1, #fields, 2 do
     if fields[j] == name then return fields[j + 1] end
+  end
+  return ''
+end
+-- A field of the entry whose names and values are ARGV[first..last].
+local function argfield(first, last, name)
+  for j = first, last, 2 do
+    if ARGV[j] == name then return ARGV[j + 1] end
   end
   return ''
 end
@@ -78,17 +101,15 @@ local function is_id(a)
   return type(a) == 'string' and string.match(a, '^%d+%-%d+$') ~= nil
 end
 -- The highest id this writer generated in each stream (its hash ARGV[3]),
--- as known in this call; written back before the script returns.
+-- as known before this call; and the last id this call generated there,
+-- its highest (a stream's ids only grow). Written back before the script
+-- returns.
 local own = {}
-local dirty = {}
-local function wrote(key, r)
-  if not own[key] or above(r, own[key]) then
-    own[key] = r
-    dirty[key] = true
-  end
-end
+local latest = {}
 local function finish(reply)
-  for key in pairs(dirty) do redis.call('HSET', ownkey, key, own[key]) end
+  for key, r in pairs(latest) do
+    if not own[key] or above(r, own[key]) then redis.call('HSET', ownkey, key, r) end
+  end
   return reply
 end
 -- What this replay recorded of a stream: {mark, first, last} (an earlier
@@ -111,20 +132,27 @@ local function progress_of(key)
   recorded[key] = p
   return p
 end
+-- XADD of the entry whose arguments are ARGV[first..last] (the id at
+-- ARGV[first + ntrim]) at another id.
+local function add_at(key, first, ntrim, last, at)
+  local call = {'XADD', key}
+  for j = first, first + ntrim - 1 do call[#call + 1] = ARGV[j] end
+  call[#call + 1] = at
+  for j = first + ntrim + 1, last do call[#call + 1] = ARGV[j] end
+  return redis.pcall(unpack(call))
+end
 for i = 1, #KEYS do
   local key = KEYS[i]
   local mode = ARGV[pos]
-  local id = ARGV[pos + 1]
-  local eid = ARGV[pos + 2]
-  local copy = ARGV[pos + 3]
-  local args = {'XADD', key}
-  local ntrim = tonumber(ARGV[pos + 4])
-  for j = 1, ntrim do args[#args + 1] = ARGV[pos + 4 + j] end
-  pos = pos + 5 + ntrim
-  local nfields = tonumber(ARGV[pos])
-  local fields = {}
-  for j = 1, nfields do fields[j] = ARGV[pos + j] end
-  pos = pos + 1 + nfields
+  local eid = ARGV[pos + 1]
+  local copy = ARGV[pos + 2]
+  local ntrim = tonumber(ARGV[pos + 3])
+  local nfields = tonumber(ARGV[pos + 4])
+  local first = pos + 5
+  local id = ARGV[first + ntrim]
+  local fields = first + ntrim + 1
+  local lastarg = first + ntrim + nfields
+  pos = lastarg + 1
   local wrongtype = false
   if not checked[key] then
     local top = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
@@ -157,13 +185,6 @@ for i = 1, #KEYS do
       checked[key] = true
     end
   end
-  local function add(at)
-    local call = {}
-    for j = 1, #args do call[j] = args[j] end
-    call[#call + 1] = at
-    for j = 1, #fields do call[#call + 1] = fields[j] end
-    return redis.pcall(unpack(call))
-  end
   local after = mode == 'a'
   local held = false
   if after and copy ~= '' and not wrongtype then
@@ -172,9 +193,9 @@ for i = 1, #KEYS do
     local c = redis.pcall('XRANGE', key, copy, copy)
     if not c.err and #c > 0 then
       local f = c[1][2]
-      held = field(f, 'event_id') == eid and field(f, 'key') == field(fields, 'key')
+      held = field(f, 'event_id') == eid and field(f, 'key') == argfield(fields, lastarg, 'key')
         and field(f, 'walbox_writer') == writer
-        and field(f, 'walbox_replay') == field(fields, 'walbox_replay')
+        and field(f, 'walbox_replay') == argfield(fields, lastarg, 'walbox_replay')
     end
   end
   if held then
@@ -185,7 +206,7 @@ for i = 1, #KEYS do
     out[#out + 1] = '!' .. wrongtype
     after = false
   elseif not after then
-    local r = add(id)
+    local r = redis.pcall('XADD', key, unpack(ARGV, first, lastarg))
     if type(r) == 'table' and r.err then
       if not string.find(r.err, 'equal or smaller', 1, true) then
         return finish({out, i, 'error', r.err})
@@ -196,7 +217,7 @@ for i = 1, #KEYS do
         if other ~= eid then
           return finish({out, i, 'taken', id, field(at[1][2], 'walbox_writer'), other})
         end
-        if field(at[1][2], 'key') ~= field(fields, 'key') then
+        if field(at[1][2], 'key') ~= argfield(fields, lastarg, 'key') then
           return finish({out, i, 'rekeyed', id, field(at[1][2], 'walbox_writer'), other})
         end
         out[#out + 1] = 'dup'
@@ -204,7 +225,7 @@ for i = 1, #KEYS do
         after = true
       end
     else
-      wrote(key, r)
+      latest[key] = r
       out[#out + 1] = r
     end
   end
@@ -224,9 +245,9 @@ for i = 1, #KEYS do
         end
       end
     end
-    local r = add(at)
+    local r = add_at(key, first, ntrim, lastarg, at)
     if type(r) == 'table' and r.err then return finish({out, i, 'error', r.err}) end
-    wrote(key, r)
+    latest[key] = r
     if mode == 'a' and progress ~= '' then
       local p = progress_of(key)
       if not p then
@@ -242,6 +263,7 @@ for i = 1, #KEYS do
     out[#out + 1] = '+' .. r
   end
 end
+if this_call ~= '' then redis.call('HSET', ownkey, 'walbox:session', this_call) end
 return finish({out, 0})
 "#;
 
@@ -291,6 +313,9 @@ pub enum Stop {
         /// The event id is the same, the key another.
         other_key: bool,
     },
+    /// The call the session sent before this one was not stored whole:
+    /// nothing of this one was written.
+    Behind,
     /// Redis refused the command (out of memory, a key of another type, an
     /// ACL).
     Error(String),
@@ -364,6 +389,7 @@ pub fn parse_reply(v: &Value) -> Option<Reply> {
             event_id: arg(5),
             other_key: kind == "rekeyed",
         },
+        "behind" => Stop::Behind,
         _ => Stop::Error(arg(3)),
     };
     Some(Reply {
