@@ -51,6 +51,17 @@
 //! counted apart ([`Sink::duplicates`]), never as stored. The `event_id`
 //! header stays the event's.
 //!
+//! Publications go out on the core NATS connection with a reply subject of
+//! walbox's own, and one subscription receives every PubAck of the session
+//! ([`publish`]): no request and no inbox per message. A PubAck that does not
+//! come within `ack_timeout_ms` leaves the outcome unknown: the event fails
+//! as a timeout and the relay publishes it again, under the same
+//! `Nats-Msg-Id`, from its acknowledged position. Publications lost with a
+//! connection (async-nats reconnects) are never answered: they time out, and
+//! the chain refuses every later one the new connection carries. What is in
+//! flight is bounded by the relay (`max_in_flight`, `max_in_flight_bytes`);
+//! the reply subscription holds room for all of it.
+//!
 //! A session's client runs on a thread of its own ([`client`]): an aborted or
 //! dropped session closes it there and then, with its reconnects and the
 //! PubAcks it still awaited.
@@ -292,10 +303,10 @@ impl NatsSink {
 
 /// The `Nats-Msg-Id` of a publication whose event's id is `id`: the id itself,
 /// or in a replay the id followed by `.replay.` and the replay's name.
-fn publication_id(id: &str, replay: Option<&str>) -> String {
+fn publication_id(id: String, replay: Option<&str>) -> String {
     match replay {
         Some(name) => format!("{id}.replay.{name}"),
-        None => id.to_owned(),
+        None => id,
     }
 }
 
@@ -335,7 +346,7 @@ impl Sink for NatsSink {
         }
         let stream = self.stream_of(&subject).await?;
         let replay = event.origin.replay_name();
-        let id = publication_id(&msg_id(&event), replay.as_deref());
+        let id = publication_id(msg_id(&event), replay.as_deref());
         let (headers, key) = match headers_of(&event, self.last_id.get(&stream).map(String::as_str))
         {
             Ok(mut h) => {
@@ -394,12 +405,12 @@ impl Sink for NatsSink {
             ),
         )
         .await;
-        let event_id = event.event_id.clone();
         let mut p = Self::pending(event, subject, token);
         p.published = Some(Published { key });
         match sent {
             Ok(Ok(())) if !self.probed.contains(&stream) => {
                 // Probing: the PubAck is awaited before anything else goes out.
+                let event_id = p.event.event_id.clone();
                 let (tx, verdict) = oneshot::channel();
                 p.state = State::Waiting;
                 p.probe = Some(tx);

@@ -366,7 +366,7 @@ async fn settle(
         State::Answered(Answer::Stored) => (None, Probed::Stored),
         State::Answered(Answer::Duplicate(ack)) => {
             let msg_id = super::publication_id(
-                &super::headers::msg_id(&p.event),
+                super::headers::msg_id(&p.event),
                 p.event.origin.replay_name().as_deref(),
             );
             let key = p.published.as_ref().and_then(|pb| pb.key.clone());
