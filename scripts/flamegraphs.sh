@@ -6,22 +6,25 @@
 #   scripts/flamegraphs.sh [OUT_DIR] [EVENTS]     (default: docs 300000)
 #
 # FLAMES="flame-redis" (names as below, space-separated) draws some of them
-# only, and runs only the contenders they need. The binaries are looked for in
-# $CARGO_TARGET_DIR/release (target/release by default).
+# only, and runs only the contenders they need.
 #
-# Runs walbox-bench (--only backlog,messages, one round) and attaches
-# `perf record` (DWARF call graphs, 1999 Hz) to the walbox process of each path,
-# found by its slot; `inferno` folds and renders the samples as SVG. Needs the
-# release build of walbox and walbox-bench (`make bench` builds them), Linux
-# perf (Debian's linux-perf, installed here if missing) and inferno (installed
-# with cargo if missing). Root, or kernel.perf_event_paranoid <= 1. Functions
-# narrower than a pixel are left out (--minwidth 1).
+# Runs walbox-bench (--only backlog,messages, one round) with a wrapper as its
+# walbox: the walbox process of each path, found by its slot, runs under
+# `perf record` (DWARF call graphs, 1999 Hz), so that every thread it starts is
+# sampled (the sink's client threads too); `inferno` folds and renders the
+# samples as SVG. Needs the release build of walbox and walbox-bench (`make
+# bench` builds them; they are looked for in $CARGO_TARGET_DIR/release,
+# target/release by default), Linux perf (Debian's linux-perf, installed here
+# if missing) and inferno (installed with cargo if missing). Root, or
+# kernel.perf_event_paranoid <= 1. Functions narrower than a pixel are left
+# out (--minwidth 1).
 set -euo pipefail
 
 out=${1:-docs}
 events=${2:-300000}
 here=$(cd "$(dirname "$0")/.." && pwd)
-bench="${CARGO_TARGET_DIR:-$here/target}/release/walbox-bench"
+release="${CARGO_TARGET_DIR:-$here/target}/release"
+bench="$release/walbox-bench"
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
@@ -32,19 +35,6 @@ if ! command -v inferno-flamegraph >/dev/null 2>&1; then
   cargo install inferno --locked --version 0.12.8
 fi
 [ -x "$bench" ] || cargo build --release -p walbox -p walbox-bench
-
-# Attaches perf to the `walbox run` whose WALBOX_SLOT is $1, once it starts.
-attach() {
-  local slot=$1 data=$2
-  while true; do
-    for pid in $(pgrep -f "^[^ ]*/release/walbox run" || true); do
-      if { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qx "WALBOX_SLOT=$slot"; then
-        exec perf record -F 1999 --call-graph dwarf,16384 -o "$data" -p "$pid" >/dev/null 2>&1
-      fi
-    done
-    sleep 0.01
-  done
-}
 
 # name, slot (round 1 of the bench's contenders), the contender's short name
 # (the messages scenario's runs all of its own), title
@@ -72,12 +62,20 @@ done
 only=$(printf '%s\n' "${scenarios[@]}" | sort -u | paste -sd, -)
 picked=()
 [ ${#contenders[@]} -gt 0 ] && picked=(--contenders "$(IFS=,; echo "${contenders[*]}")")
-for p in "${paths[@]}"; do
-  read -r name slot _ <<<"$p"
-  attach "$slot" "$work/$name.data" &
-done
 
-"$bench" --only "$only" "${picked[@]}" --events "$events" --repeat 1 >"$work/bench.txt"
+# The walbox the bench runs: under perf for the slots above, as it is for
+# the others.
+{
+  echo '#!/usr/bin/env bash'
+  for p in "${paths[@]}"; do
+    read -r name slot _ <<<"$p"
+    echo "[ \"\${WALBOX_SLOT:-}\" = $slot ] && exec perf record -q -F 1999 --call-graph dwarf,16384 -o $work/$name.data -- $release/walbox \"\$@\""
+  done
+  echo "exec $release/walbox \"\$@\""
+} >"$work/walbox"
+chmod +x "$work/walbox"
+
+"$bench" --only "$only" "${picked[@]}" --events "$events" --repeat 1 --walbox "$work/walbox" >"$work/bench.txt"
 
 mkdir -p "$out"
 for p in "${paths[@]}"; do

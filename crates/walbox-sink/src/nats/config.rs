@@ -353,9 +353,13 @@ impl NatsSinkConfig {
     /// Connects to the servers with the configured TLS and credentials.
     pub async fn connect(&self) -> Result<async_nats::Client, SinkError> {
         self.validate()?;
+        // The session's PubAcks arrive on one subscription: room for every
+        // event in flight, so that none is dropped as a slow consumer's.
+        let replies = self.max_in_flight.saturating_add(1024).max(64 * 1024);
         let mut options = async_nats::ConnectOptions::new()
             .name("walbox")
             .connection_timeout(Duration::from_millis(self.connect_timeout_ms))
+            .subscription_capacity(replies)
             .require_tls(self.tls_required);
         if let Some(ca) = &self.ca_file {
             options = options.add_root_certificates(ca.clone());

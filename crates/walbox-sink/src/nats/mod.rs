@@ -51,6 +51,17 @@
 //! counted apart ([`Sink::duplicates`]), never as stored. The `event_id`
 //! header stays the event's.
 //!
+//! Publications go out on the core NATS connection with a reply subject of
+//! walbox's own, and one subscription receives every PubAck of the session
+//! ([`publish`]): no request and no inbox per message. A PubAck that does not
+//! come within `ack_timeout_ms` leaves the outcome unknown: the event fails
+//! as a timeout and the relay publishes it again, under the same
+//! `Nats-Msg-Id`, from its acknowledged position. Publications lost with a
+//! connection (async-nats reconnects) are never answered: they time out, and
+//! the chain refuses every later one the new connection carries. What is in
+//! flight is bounded by the relay (`max_in_flight`, `max_in_flight_bytes`);
+//! the reply subscription holds room for all of it.
+//!
 //! A session's client runs on a thread of its own ([`client`]): an aborted or
 //! dropped session closes it there and then, with its reconnects and the
 //! PubAcks it still awaited.
@@ -68,7 +79,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use walbox_outbox::Event;
 
 pub use config::{NatsSinkConfig, NatsStorage};
@@ -76,15 +87,22 @@ pub use headers::KEY_HEADER;
 pub use headers::{DROPPED_HEADERS_HEADER, KEY_ENCODING_HEADER};
 pub(crate) use headers::{base64_decode, is_dead_letter, percent_encode};
 use headers::{headers_of, msg_id, sanitized_subject, valid_subject, wire_len};
-use publish::{Outcome, Pending, classify, failure, report};
+use publish::{Pending, Probed, Published, State, classify, report};
 use stream::{check_window, ensure_stream};
 
-use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
+use crate::kit::{Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::{Deliveries, DeliveryClass, Sink, SinkError};
 
 /// A connected session.
 struct Session {
     js: jetstream::Context,
+    /// The core NATS connection publications go out on.
+    client: async_nats::Client,
+    /// The reply subjects' prefix: a publication's reply subject is this
+    /// followed by its number in the session ([`publish`]).
+    prefix: String,
+    /// The server's largest message, read when the session started.
+    max_payload: usize,
     acks: mpsc::UnboundedSender<Pending>,
     /// The task reporting PubAcks in publishing order.
     _reporter: SessionTask,
@@ -114,6 +132,8 @@ pub struct NatsSink {
     /// The streams a publication of this session was stored in (not dropped
     /// as a duplicate); until then a stream is probed.
     probed: HashSet<String>,
+    /// The number the next event handed to the session gets.
+    next_seq: u64,
 }
 
 impl std::fmt::Debug for NatsSink {
@@ -142,6 +162,7 @@ impl NatsSink {
                 unsent: FailRest::default(),
                 duplicates: Arc::new(AtomicU64::new(0)),
                 probed: HashSet::new(),
+                next_seq: 0,
             },
             rx,
         ))
@@ -160,21 +181,44 @@ impl NatsSink {
                 let client = thread
                     .run(async move { settings.connect().await })
                     .await??;
+                let ack_timeout = Duration::from_millis(config.ack_timeout_ms);
                 let js = thread.within(|| {
                     jetstream::ContextBuilder::new()
-                        .timeout(Duration::from_millis(config.ack_timeout_ms))
-                        .max_ack_inflight(config.max_in_flight.max(1))
-                        .build(client)
+                        .timeout(ack_timeout)
+                        .build(client.clone())
                 });
                 ensure_stream(&js, config).await?;
+                // One subscription for every PubAck of the session.
+                let prefix = format!("{}.", client.new_inbox());
+                let replies = {
+                    let (client, subject) = (client.clone(), format!("{prefix}*"));
+                    thread
+                        .run(async move { client.subscribe(subject).await })
+                        .await?
+                        .map_err(|e| {
+                            SinkError::Nats(format!("subscribing to the PubAcks' subject: {e}"))
+                        })?
+                };
+                let max_payload = client.server_info().max_payload;
                 let (acks, rx) = mpsc::unbounded_channel();
                 let reporter = reports.spawn_on(
                     thread.handle(),
                     "PubAck reporter",
-                    report(js.clone(), rx, reports.clone(), Arc::clone(duplicates)),
+                    report(
+                        js.clone(),
+                        replies,
+                        prefix.clone(),
+                        ack_timeout,
+                        rx,
+                        reports.clone(),
+                        Arc::clone(duplicates),
+                    ),
                 );
                 Ok(Session {
                     js,
+                    client,
+                    prefix,
+                    max_payload,
                     acks,
                     _reporter: reporter,
                     _thread: thread,
@@ -209,31 +253,10 @@ impl NatsSink {
         Ok(name)
     }
 
-    /// Waits for the PubAck of a publication to `stream` made while that
-    /// stream is probed: a stored one ends the probe (the chain goes on from
-    /// it), a duplicate checked to be the same event leaves the stream's last
-    /// message unknown (the next publication carries no expectation).
-    async fn probe(
-        &mut self,
-        js: &jetstream::Context,
-        fut: jetstream::context::PublishAckFuture,
-        event_id: &str,
-        sent: &duplicate::Sent,
-        stream: &str,
-    ) -> Result<(), (DeliveryClass, String)> {
-        let ack = fut.await.map_err(|e| failure(&e, false))?;
-        if ack.duplicate {
-            duplicate::check(js, &ack, event_id, sent).await?;
-            self.duplicates.fetch_add(1, Ordering::SeqCst);
-            self.last_id.remove(stream);
-        } else {
-            self.probed.insert(stream.to_owned());
-            self.last_id.insert(stream.to_owned(), sent.msg_id.clone());
-        }
-        Ok(())
-    }
-
-    fn queue(&self, p: Pending) {
+    /// Hands `p` to the session's reporter, numbered.
+    fn queue(&mut self, mut p: Pending) {
+        p.seq = self.next_seq;
+        self.next_seq += 1;
         self.reports.sent();
         if let Some(s) = self.session.get()
             && s.acks.send(p).is_ok()
@@ -242,14 +265,48 @@ impl NatsSink {
         }
         self.reports.withdrawn();
     }
+
+    /// `p` was not sent (`e`): it fails, and so does every later event of the
+    /// session.
+    fn not_sent(&mut self, mut p: Pending, e: &jetstream::context::PublishError) {
+        let text = e.to_string();
+        let class = classify(e.kind(), &text);
+        // A later publication would be chained to the one before this
+        // unsent one, which the server may still store: it would land
+        // after a gap. Nothing more goes out in this session.
+        self.unsent.after(
+            class,
+            format!(
+                "not sent: event {} of this session was not sent ({text}), and a later \
+                 publication could be stored before it; walbox publishes again from \
+                 its acknowledged position",
+                p.event.event_id
+            ),
+        );
+        p.state = State::Failed(class, text);
+        self.queue(p);
+    }
+
+    /// A pending entry for `event` to `subject`, failed unless changed.
+    fn pending(event: Event, subject: String, token: usize) -> Pending {
+        Pending {
+            token,
+            seq: 0,
+            event,
+            subject,
+            state: State::Failed(DeliveryClass::BrokerError, String::new()),
+            published: None,
+            probe: None,
+        }
+    }
 }
 
 /// The `Nats-Msg-Id` of a publication whose event's id is `id`: the id itself,
 /// or in a replay the id followed by `.replay.` and the replay's name.
-fn publication_id(id: &str, replay: Option<&str>) -> String {
+fn publication_id(id: String, replay: Option<&str>) -> String {
     match replay {
         Some(name) => format!("{id}.replay.{name}"),
-        None => id.to_owned(),
+        None => id,
     }
 }
 
@@ -268,38 +325,30 @@ impl Sink for NatsSink {
         } else {
             event.topic.clone()
         };
-        let mut pending = Pending {
-            token,
-            event_id: event.event_id.clone(),
-            subject: subject.clone(),
-            outcome: Outcome::Failed(DeliveryClass::BrokerError, String::new()),
-            rejected: kit::rejected(&event),
-            sent: None,
-        };
         if let Some((class, reason)) = self.unsent.get() {
             self.session().await?;
-            pending.outcome = Outcome::Failed(class, reason);
-            self.queue(pending);
+            let mut p = Self::pending(event, subject, token);
+            p.state = State::Failed(class, reason);
+            self.queue(p);
             return Ok(());
         }
         if !valid_subject(&subject) {
             self.session().await?;
-            pending.outcome = Outcome::Failed(
-                DeliveryClass::InvalidTopic,
-                format!(
-                    "{subject:?} is not a NATS subject (an empty token, a wildcard or white \
-                     space); its dead letter goes to {:?}; fix the row or the topic template",
-                    sanitized_subject(&format!("{subject}.dlq"))
-                ),
+            let reason = format!(
+                "{subject:?} is not a NATS subject (an empty token, a wildcard or white \
+                 space); its dead letter goes to {:?}; fix the row or the topic template",
+                sanitized_subject(&format!("{subject}.dlq"))
             );
-            self.queue(pending);
+            let mut p = Self::pending(event, subject, token);
+            p.state = State::Failed(DeliveryClass::InvalidTopic, reason);
+            self.queue(p);
             return Ok(());
         }
         let stream = self.stream_of(&subject).await?;
         let replay = event.origin.replay_name();
-        let id = publication_id(&msg_id(&event), replay.as_deref());
-        let key_text;
-        let headers = match headers_of(&event, self.last_id.get(&stream).map(String::as_str)) {
+        let id = publication_id(msg_id(&event), replay.as_deref());
+        let (headers, key) = match headers_of(&event, self.last_id.get(&stream).map(String::as_str))
+        {
             Ok(mut h) => {
                 if replay.is_some() {
                     h.map.insert("Nats-Msg-Id", id.as_str());
@@ -310,83 +359,96 @@ impl Sink for NatsSink {
                         event_id = event.event_id,
                         subject,
                         dropped = names.join(","),
-                        "dead letter published without the headers NATS cannot carry (named in \
-                         walbox_dropped_headers)"
+                        "dead letter published without the headers NATS cannot carry \
+                             (named in walbox_dropped_headers)"
                     );
                 }
-                key_text = h.key;
-                h.map
+                (h.map, h.key)
             }
             Err(reason) => {
-                pending.outcome = Outcome::Failed(DeliveryClass::InvalidRecord, reason);
-                self.queue(pending);
+                let mut p = Self::pending(event, subject, token);
+                p.state = State::Failed(DeliveryClass::InvalidRecord, reason);
+                self.queue(p);
                 return Ok(());
             }
         };
         let size = wire_len(&headers) + event.value.len();
-        let max_payload = self.session().await?.js.client().server_info().max_payload;
+        let max_payload = self.session().await?.max_payload;
         let limit = match self.max_size.get(&stream) {
             Some(m) if *m >= 0 => max_payload.min(usize::try_from(*m).unwrap_or(usize::MAX)),
             _ => max_payload,
         };
         if size > limit {
-            pending.outcome = Outcome::Failed(
-                DeliveryClass::MessageTooLarge,
-                format!(
-                    "{size} bytes (headers and value) is more than stream {stream} or the server \
-                     takes ({limit} bytes)"
-                ),
+            let reason = format!(
+                "{size} bytes (headers and value) is more than stream {stream} or the server \
+                 takes ({limit} bytes)"
             );
-            self.queue(pending);
+            let mut p = Self::pending(event, subject, token);
+            p.state = State::Failed(DeliveryClass::MessageTooLarge, reason);
+            self.queue(p);
             return Ok(());
         }
-        let js = self.session().await?.js.clone();
-        pending.sent = Some(duplicate::Sent::of_event(&subject, &id, key_text, &event));
-        let publish = jetstream::message::PublishMessage::build()
-            .payload(event.value.clone())
-            .headers(headers);
-        pending.outcome = match js.send_publish(subject, publish).await {
-            Ok(fut) if !self.probed.contains(&stream) => {
-                let sent = pending.sent.as_ref().expect("set above");
-                match self.probe(&js, fut, &event.event_id, sent, &stream).await {
-                    Ok(()) => Outcome::Delivered,
-                    Err((class, reason)) => {
-                        self.unsent.after(
-                            class,
-                            format!(
-                                "not sent: event {} of this session was not stored ({reason}), \
-                                 and a later publication could be stored before it; walbox \
-                                 publishes again from its acknowledged position",
-                                event.event_id
-                            ),
-                        );
-                        Outcome::Failed(class, reason)
+        // Published with the reply subject of its number in the session; the
+        // client's queue full for longer than the PubAck timeout, it is not
+        // sent at all.
+        let seq = self.next_seq;
+        let ack_timeout = Duration::from_millis(self.config.ack_timeout_ms);
+        let session = self.session().await?;
+        let reply = format!("{}{seq}", session.prefix);
+        let sent = tokio::time::timeout(
+            ack_timeout,
+            session.client.publish_with_reply_and_headers(
+                subject.clone(),
+                reply,
+                headers,
+                event.value.clone(),
+            ),
+        )
+        .await;
+        let mut p = Self::pending(event, subject, token);
+        p.published = Some(Published { key });
+        match sent {
+            Ok(Ok(())) if !self.probed.contains(&stream) => {
+                // Probing: the PubAck is awaited before anything else goes out.
+                let event_id = p.event.event_id.clone();
+                let (tx, verdict) = oneshot::channel();
+                p.state = State::Waiting;
+                p.probe = Some(tx);
+                self.queue(p);
+                match verdict.await {
+                    Ok(Probed::Stored) => {
+                        self.probed.insert(stream.clone());
+                        self.last_id.insert(stream, id);
                     }
+                    Ok(Probed::Duplicate) => {
+                        self.last_id.remove(&stream);
+                    }
+                    Ok(Probed::Failed(class, reason)) => self.unsent.after(
+                        class,
+                        format!(
+                            "not sent: event {event_id} of this session was not stored \
+                             ({reason}), and a later publication could be stored before it; \
+                             walbox publishes again from its acknowledged position"
+                        ),
+                    ),
+                    Err(_) => self.unsent.after(
+                        DeliveryClass::BrokerError,
+                        format!(
+                            "not sent: the outcome of event {event_id} of this session is \
+                             unknown (the session's PubAck reporter ended); walbox publishes \
+                             again from its acknowledged position"
+                        ),
+                    ),
                 }
             }
-            Ok(fut) => {
+            Ok(Ok(())) => {
+                p.state = State::Waiting;
                 self.last_id.insert(stream, id);
-                Outcome::Wait(fut)
+                self.queue(p);
             }
-            Err(e) => {
-                let text = e.to_string();
-                let class = classify(e.kind(), &text);
-                // A later publication would be chained to the one before this
-                // unsent one, which the server may still store: it would land
-                // after a gap. Nothing more goes out in this session.
-                self.unsent.after(
-                    class,
-                    format!(
-                        "not sent: event {} of this session was not sent ({text}), and a later \
-                         publication could be stored before it; walbox publishes again from \
-                         its acknowledged position",
-                        event.event_id
-                    ),
-                );
-                Outcome::Failed(class, text)
-            }
-        };
-        self.queue(pending);
+            Ok(Err(e)) => self.not_sent(p, &publish::unsent(Ok(e))),
+            Err(_elapsed) => self.not_sent(p, &publish::unsent(Err(()))),
+        }
         Ok(())
     }
 
@@ -403,8 +465,7 @@ impl Sink for NatsSink {
         }
         let deadline = tokio::time::Instant::now() + timeout;
         if let Some(s) = self.session.get() {
-            let client = s.js.client();
-            let _ = tokio::time::timeout(timeout, client.flush()).await;
+            let _ = tokio::time::timeout(timeout, s.client.flush()).await;
         }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         self.session.flush(&self.reports, left).await

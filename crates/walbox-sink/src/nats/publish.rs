@@ -1,36 +1,76 @@
-//! The outcome of each publication: the PubAck awaited in publishing order,
-//! a duplicate checked, a failure classified, and a [`Delivery`] reported for
-//! each.
+//! The outcome of each publication. Events are published on the session's
+//! core NATS connection, each with a reply subject of walbox's own: the
+//! session's reply prefix followed by the publication's sequence number in
+//! the session (`_INBOX.<id>.17`). One subscription to the prefix receives
+//! every PubAck, and the [`Window`] of publications awaiting theirs finds each
+//! one's entry by that number. Outcomes are reported in publishing order: a
+//! PubAck checked (a duplicate compared with the stored message), a failure
+//! classified, an answer that does not come within the PubAck timeout taken
+//! as unknown ([`PublishErrorKind::TimedOut`]: the relay publishes the event
+//! again under the same `Nats-Msg-Id`, which the stream's duplicate window
+//! covers).
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use async_nats::jetstream::{
-    self,
-    context::{PublishAckFuture, PublishError, PublishErrorKind},
+    self, ErrorCode,
+    context::{PublishError, PublishErrorKind},
+    publish::PublishAck,
 };
-use tokio::sync::mpsc;
+use futures_util::{FutureExt, StreamExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use walbox_outbox::Event;
 
 use super::duplicate::{self, Sent};
+use crate::DeliveryClass;
 use crate::kit::Reports;
-use crate::{DeliveryClass, RejectedRecord};
 
-/// One publication waiting for its outcome, in publishing order.
+/// One event handed to the session, in publishing order.
 pub(super) struct Pending {
     pub(super) token: usize,
-    pub(super) event_id: String,
+    /// Its number in the session: the last token of its reply subject.
+    pub(super) seq: u64,
+    pub(super) event: Event,
     pub(super) subject: String,
-    pub(super) outcome: Outcome,
-    /// The record without its value, for a dead letter.
-    pub(super) rejected: RejectedRecord,
-    /// What was published, for a PubAck marked duplicate.
-    pub(super) sent: Option<Sent>,
+    pub(super) state: State,
+    /// What a duplicate's check compares, when it was published.
+    pub(super) published: Option<Published>,
+    /// A probe's sender waits for its verdict.
+    pub(super) probe: Option<oneshot::Sender<Probed>>,
 }
 
-pub(super) enum Outcome {
-    Wait(PublishAckFuture),
-    /// Acknowledged already (a probe: stored, or a duplicate checked).
-    Delivered,
+/// What was published for an event, besides the event itself.
+pub(super) struct Published {
+    /// The text of the key header.
+    pub(super) key: Option<String>,
+}
+
+pub(super) enum State {
+    /// Published; its PubAck awaited.
+    Waiting,
+    /// Its PubAck came, or its wait ended.
+    Answered(Answer),
+    /// Not published, or refused before it was sent.
+    Failed(DeliveryClass, String),
+}
+
+/// What the server answered to a publication.
+pub(super) enum Answer {
+    Stored,
+    Duplicate(PublishAck),
+    Refused(PublishError),
+}
+
+/// The verdict on a probe's publication.
+pub(super) enum Probed {
+    /// Stored: the chain goes on from it.
+    Stored,
+    /// Dropped as a duplicate of the same event.
+    Duplicate,
     Failed(DeliveryClass, String),
 }
 
@@ -66,6 +106,22 @@ pub(super) fn classify(kind: PublishErrorKind, text: &str) -> DeliveryClass {
     }
 }
 
+/// A publication the client did not take (its queue full for the whole
+/// PubAck timeout, the connection closed, the message over the server's
+/// `max_payload`): never sent.
+pub(super) fn unsent(e: Result<async_nats::client::PublishError, ()>) -> PublishError {
+    use async_nats::client::PublishErrorKind as K;
+    match e {
+        Err(()) => PublishError::new(PublishErrorKind::TimedOut),
+        Ok(e) => match e.kind() {
+            K::MaxPayloadExceeded => {
+                PublishError::with_source(PublishErrorKind::MaxPayloadExceeded, e)
+            }
+            _ => PublishError::with_source(PublishErrorKind::Other, e),
+        },
+    }
+}
+
 /// Why a chained publication was refused, and what walbox does about it.
 const NOT_CHAINED: &str = "the stream's last message is not the one walbox published before \
      this one: another publisher wrote to the stream (walbox must be its only publisher), or \
@@ -78,42 +134,280 @@ const AFTER_DUPLICATE: &str = "the publication before it was dropped by the stre
      (a replay or dead-letter replay between two sessions); walbox publishes again from its \
      acknowledged position";
 
-/// Reports outcomes in publishing order; counts the duplicates delivered.
+/// A PubAck as the server sends it, read without copying: the stream and
+/// sequence of a stored message, or the error of a refused one.
+#[derive(serde::Deserialize)]
+struct Reply<'a> {
+    #[serde(default, borrow)]
+    stream: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default)]
+    seq: Option<u64>,
+    #[serde(default)]
+    duplicate: bool,
+    #[serde(default)]
+    error: Option<jetstream::Error>,
+}
+
+/// What a reply to a publication says, as async-nats's own publish reads it:
+/// no responders (503) is no stream for the subject, a JetStream error its
+/// kind, anything else unreadable.
+pub(super) fn answer(m: &async_nats::Message) -> Answer {
+    if m.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+        return Answer::Refused(PublishError::new(PublishErrorKind::StreamNotFound));
+    }
+    let reply: Reply<'_> = match serde_json::from_slice(&m.payload) {
+        Ok(r) => r,
+        Err(e) => return Answer::Refused(PublishError::with_source(PublishErrorKind::Other, e)),
+    };
+    match reply {
+        Reply {
+            error: Some(error), ..
+        } => Answer::Refused(match error.error_code() {
+            ErrorCode::STREAM_WRONG_LAST_MESSAGE_ID => {
+                PublishError::with_source(PublishErrorKind::WrongLastMessageId, error)
+            }
+            ErrorCode::STREAM_WRONG_LAST_SEQUENCE => {
+                PublishError::with_source(PublishErrorKind::WrongLastSequence, error)
+            }
+            _ => PublishError::with_source(PublishErrorKind::Other, error),
+        }),
+        Reply {
+            stream: Some(_),
+            seq: Some(_),
+            duplicate: false,
+            ..
+        } => Answer::Stored,
+        Reply {
+            stream: Some(_),
+            seq: Some(_),
+            duplicate: true,
+            ..
+        } => match serde_json::from_slice::<PublishAck>(&m.payload) {
+            Ok(ack) => Answer::Duplicate(ack),
+            Err(e) => Answer::Refused(PublishError::with_source(PublishErrorKind::Other, e)),
+        },
+        _ => Answer::Refused(PublishError::with_source(
+            PublishErrorKind::Other,
+            "a PubAck without its stream and sequence",
+        )),
+    }
+}
+
+/// The sequence number a reply subject carries after `prefix`.
+fn seq_of(subject: &str, prefix: &str) -> Option<u64> {
+    subject.strip_prefix(prefix)?.parse().ok()
+}
+
+/// The publications of a session awaiting their outcome, in publishing order;
+/// entry `i` is publication `base + i`.
+struct Window {
+    entries: VecDeque<(Pending, Instant)>,
+    base: u64,
+    /// Answers that came before their publication reached the window.
+    early: HashMap<u64, Answer>,
+}
+
+impl Window {
+    fn push(&mut self, mut p: Pending, deadline: Instant) {
+        debug_assert_eq!(p.seq, self.base + self.entries.len() as u64);
+        if let Some(a) = self.early.remove(&p.seq) {
+            p.state = State::Answered(a);
+        }
+        self.entries.push_back((p, deadline));
+    }
+
+    fn answer(&mut self, seq: u64, a: Answer) {
+        let Some(i) = seq.checked_sub(self.base) else {
+            // Settled already (its wait ended): a late answer.
+            return;
+        };
+        match usize::try_from(i)
+            .ok()
+            .and_then(|i| self.entries.get_mut(i))
+        {
+            Some((p, _)) => {
+                if matches!(p.state, State::Waiting) {
+                    p.state = State::Answered(a);
+                }
+            }
+            None => {
+                self.early.insert(seq, a);
+            }
+        }
+    }
+
+    /// The first entry, when its outcome is known.
+    fn settled(&mut self) -> Option<Pending> {
+        if matches!(self.entries.front(), Some((p, _)) if !matches!(p.state, State::Waiting)) {
+            self.base += 1;
+            return self.entries.pop_front().map(|(p, _)| p);
+        }
+        None
+    }
+}
+
+/// Receives the session's PubAcks on `replies` (the subscription to
+/// `prefix`*), matches them with the publications handed over on `rx`, and
+/// reports outcomes in publishing order; counts the duplicates delivered.
 pub(super) async fn report(
     js: jetstream::Context,
+    mut replies: async_nats::Subscriber,
+    prefix: String,
+    ack_timeout: Duration,
     mut rx: mpsc::UnboundedReceiver<Pending>,
     reports: Reports,
     duplicates: Arc<AtomicU64>,
 ) {
+    let mut window = Window {
+        entries: VecDeque::new(),
+        base: 0,
+        early: HashMap::new(),
+    };
     // Whether the previous publication was dropped as a duplicate.
     let mut after_duplicate = false;
-    while let Some(p) = rx.recv().await {
-        let was_duplicate = std::mem::take(&mut after_duplicate);
-        let failed = match p.outcome {
-            Outcome::Wait(fut) => match fut.await {
-                Ok(ack) => match (&p.sent, ack.duplicate) {
-                    (Some(sent), true) => {
-                        let checked = duplicate::check(&js, &ack, &p.event_id, sent).await;
-                        if checked.is_ok() {
-                            duplicates.fetch_add(1, Ordering::SeqCst);
-                            after_duplicate = true;
+    let mut handed_over = true;
+    let mut subscribed = true;
+    // Fires at or before the first waiting publication's deadline (deadlines
+    // grow along the window, so it is re-armed only when it fires).
+    let timer = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(timer);
+    let mut armed = false;
+    loop {
+        while let Some(p) = window.settled() {
+            settle(&js, p, &mut after_duplicate, &reports, &duplicates).await;
+        }
+        if !handed_over && window.entries.is_empty() {
+            return;
+        }
+        if !armed && let Some((_, deadline)) = window.entries.front() {
+            timer.as_mut().reset(*deadline);
+            armed = true;
+        }
+        tokio::select! {
+            biased;
+            m = replies.next(), if subscribed => {
+                let mut next = Some(m);
+                while let Some(m) = next {
+                    match m {
+                        Some(m) => {
+                            if let Some(seq) = seq_of(m.subject.as_str(), &prefix) {
+                                window.answer(seq, answer(&m));
+                            }
                         }
-                        checked.err()
+                        None => {
+                            // The client closed: nothing more is answered.
+                            subscribed = false;
+                            for (p, _) in &mut window.entries {
+                                if matches!(p.state, State::Waiting) {
+                                    p.state = State::Answered(Answer::Refused(
+                                        PublishError::new(PublishErrorKind::BrokenPipe),
+                                    ));
+                                }
+                            }
+                            break;
+                        }
                     }
-                    _ => None,
-                },
-                Err(e) => Some(failure(&e, was_duplicate)),
-            },
-            Outcome::Delivered => None,
-            Outcome::Failed(class, reason) => Some((class, reason)),
-        };
-        let result = match failed {
-            None => Ok(()),
-            Some((class, reason)) => Err(crate::kit::refused(
-                p.event_id, p.subject, class, reason, p.rejected,
-            )),
-        };
-        reports.report(p.token, result);
+                    next = replies.next().now_or_never();
+                }
+            }
+            p = rx.recv(), if handed_over => {
+                let deadline = Instant::now() + ack_timeout;
+                let mut next = p;
+                loop {
+                    match next {
+                        Some(mut p) => {
+                            if !subscribed && matches!(p.state, State::Waiting) {
+                                p.state = State::Answered(Answer::Refused(PublishError::new(
+                                    PublishErrorKind::BrokenPipe,
+                                )));
+                            }
+                            window.push(p, deadline);
+                        }
+                        None => {
+                            handed_over = false;
+                            break;
+                        }
+                    }
+                    match rx.try_recv() {
+                        Ok(p) => next = Some(p),
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => next = None,
+                    }
+                }
+            }
+            () = &mut timer, if armed => {
+                armed = false;
+                let now = Instant::now();
+                if let Some((p, deadline)) = window.entries.front_mut()
+                    && *deadline <= now
+                    && matches!(p.state, State::Waiting)
+                {
+                    p.state = State::Answered(Answer::Refused(PublishError::new(
+                        PublishErrorKind::TimedOut,
+                    )));
+                }
+            }
+        }
+    }
+}
+
+/// Reports the outcome of `p`, the first publication not reported yet; a
+/// duplicate is compared with the stored message first.
+async fn settle(
+    js: &jetstream::Context,
+    p: Pending,
+    after_duplicate: &mut bool,
+    reports: &Reports,
+    duplicates: &AtomicU64,
+) {
+    let was_duplicate = std::mem::take(after_duplicate);
+    let probe = p.probe.is_some();
+    let (failed, probed) = match p.state {
+        State::Answered(Answer::Stored) => (None, Probed::Stored),
+        State::Answered(Answer::Duplicate(ack)) => {
+            let msg_id = super::publication_id(
+                super::headers::msg_id(&p.event),
+                p.event.origin.replay_name().as_deref(),
+            );
+            let key = p.published.as_ref().and_then(|pb| pb.key.clone());
+            let sent = Sent::of_event(&p.subject, &msg_id, key, &p.event);
+            match duplicate::check(js, &ack, &p.event.event_id, &sent).await {
+                Ok(()) => {
+                    duplicates.fetch_add(1, Ordering::SeqCst);
+                    // A probe's duplicate is followed by a publication
+                    // without an expectation.
+                    *after_duplicate = !probe;
+                    (None, Probed::Duplicate)
+                }
+                Err(e) => (Some(e.clone()), Probed::Failed(e.0, e.1)),
+            }
+        }
+        State::Answered(Answer::Refused(e)) => {
+            let (class, reason) = failure(&e, was_duplicate && !probe);
+            (Some((class, reason.clone())), Probed::Failed(class, reason))
+        }
+        State::Failed(class, reason) => {
+            (Some((class, reason.clone())), Probed::Failed(class, reason))
+        }
+        // Not reached (only answered entries are settled): as unanswered.
+        State::Waiting => {
+            let (class, reason) = failure(&PublishError::new(PublishErrorKind::TimedOut), false);
+            (Some((class, reason.clone())), Probed::Failed(class, reason))
+        }
+    };
+    let result = match failed {
+        None => Ok(()),
+        Some((class, reason)) => Err(crate::kit::refused(
+            p.event.event_id.clone(),
+            p.subject,
+            class,
+            reason,
+            crate::kit::rejected(&p.event),
+        )),
+    };
+    reports.report(p.token, result);
+    if let Some(tx) = p.probe {
+        let _ = tx.send(probed);
     }
 }
 
