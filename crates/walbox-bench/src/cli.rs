@@ -11,7 +11,7 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                     [--webhook-events N] [--pubsub-events N] [--aws-events N]
                     [--alloc-events N]
                     [--walbox-counting PATH]
-                    [--baseline PATH] [--contenders LIST]
+                    [--baseline PATH] [--contenders LIST] [--busy N]
 
   --events N          backlog size, a multiple of 10 (default 1000000)
   --big-txn N         rows in the one big transaction (default 1000000)
@@ -38,7 +38,10 @@ usage: walbox-bench [--events N] [--big-txn N] [--repeat N] [--steady-seconds N]
                       run the messages'
   --contenders LIST   the slot contenders of the backlog and big-txn scenarios,
                       by the short names the rounds print (walbox-redis,
-                      baseline-redis, ...); the ceiling always runs (default all)";
+                      baseline-redis, ...); the ceiling always runs (default all)
+  --busy N            N threads of the bench spin on the CPU for the whole run, at
+                      the contenders' priority: figures of a machine whose cores
+                      something else wants too (default 0)";
 
 pub struct Args {
     pub events: u64,
@@ -67,6 +70,8 @@ pub struct Args {
     pub baseline: Option<PathBuf>,
     /// The slot contenders to run (short names), when not all.
     pub contenders: Option<Vec<String>>,
+    /// Threads spinning for the whole run (`--busy`).
+    pub busy: usize,
 }
 
 /// A part of the run that `--only` can pick.
@@ -141,6 +146,7 @@ pub fn args() -> Result<Option<Args>, Error> {
         alloc_events: 100_000,
         baseline: None,
         contenders: None,
+        busy: 0,
         only: Scenario::ALL.to_vec(),
         rates: vec![1_000, 5_000, 20_000],
         webhook_events: 20_000,
@@ -188,6 +194,7 @@ pub fn args() -> Result<Option<Args>, Error> {
                     .ok_or("--contenders needs a list such as walbox-redis,baseline-redis")?;
                 a.contenders = Some(comma_list(&list, |c| Ok(c.to_owned()))?);
             }
+            "--busy" => a.busy = it.next().ok_or("--busy needs a number")?.parse()?,
             "--walbox-counting" => {
                 a.walbox_counting = Some(PathBuf::from(
                     it.next().ok_or("--walbox-counting needs a path")?,

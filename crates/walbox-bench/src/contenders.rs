@@ -26,6 +26,9 @@ pub enum Contender {
     WalboxKafka,
     /// `walbox run` to the broker with its metrics endpoint scraped every 100 ms.
     WalboxKafkaMetrics,
+    /// `walbox run` to the broker on a runtime of [`WORKER_THREADS`] worker
+    /// threads (`WALBOX_WORKER_THREADS`) instead of its one thread.
+    WalboxKafkaWorkers,
     /// `walbox run` to NATS JetStream (a memory stream, created by walbox).
     WalboxNats,
     /// `walbox run` to Redis Streams (append-only file, fsync on every write),
@@ -34,6 +37,10 @@ pub enum Contender {
     /// `walbox run` to RabbitMQ streams (stream mode: named producers,
     /// deduplicated), a stream of the run's own, created by walbox.
     WalboxRabbitMq,
+    /// `walbox run` to a RabbitMQ exchange (exchange mode: persistent
+    /// messages, mandatory, publisher confirms) routed to a durable classic
+    /// queue of the run's own.
+    WalboxRabbitMqExchange,
     /// `walbox-ceiling` on the publication without tables: the ceiling of the
     /// messages scenario.
     TrueCeilingMessages,
@@ -56,21 +63,27 @@ pub enum Contender {
 /// second. `pg_recvlogical` reports its end position as it exits.
 pub const STATUS_INTERVAL_MS: u64 = 100;
 
+/// The worker threads of [`Contender::WalboxKafkaWorkers`]: one per core of
+/// the machine the figures in docs/benchmarks.md come from.
+pub const WORKER_THREADS: usize = 2;
+
 /// How often the metrics contender's endpoint is scraped.
 const SCRAPE_EVERY: Duration = Duration::from_millis(100);
 
 impl Contender {
     /// The contenders of the table scenarios; the ceiling first (the report
     /// relies on it).
-    pub const ALL: [Contender; 8] = [
+    pub const ALL: [Contender; 10] = [
         Contender::TrueCeiling,
         Contender::Ceiling,
         Contender::WalboxStdout,
         Contender::WalboxKafka,
         Contender::WalboxKafkaMetrics,
+        Contender::WalboxKafkaWorkers,
         Contender::WalboxNats,
         Contender::WalboxRedis,
         Contender::WalboxRabbitMq,
+        Contender::WalboxRabbitMqExchange,
     ];
 
     /// The contenders that run the `--baseline` build, beside their own in the
@@ -114,9 +127,11 @@ impl Contender {
             Contender::WalboxStdout => "walbox, stdout sink to /dev/null",
             Contender::WalboxKafka => "walbox to the broker",
             Contender::WalboxKafkaMetrics => "walbox to the broker, metrics on",
+            Contender::WalboxKafkaWorkers => "walbox to the broker, 2 runtime workers",
             Contender::WalboxNats => "walbox to JetStream",
             Contender::WalboxRedis => "walbox to Redis Streams",
             Contender::WalboxRabbitMq => "walbox to RabbitMQ streams",
+            Contender::WalboxRabbitMqExchange => "walbox to a RabbitMQ exchange, confirmed",
             Contender::TrueCeilingMessages => "replication client, no decoding (ceiling)",
             Contender::CeilingMessages => "pg_recvlogical, messages=true",
             Contender::WalboxKafkaMessages => "walbox to the broker, [[messages]]",
@@ -135,9 +150,11 @@ impl Contender {
             Contender::WalboxStdout => "walbox-stdout",
             Contender::WalboxKafka => "walbox-broker",
             Contender::WalboxKafkaMetrics => "walbox-broker-metrics",
+            Contender::WalboxKafkaWorkers => "walbox-broker-workers",
             Contender::WalboxNats => "walbox-jetstream",
             Contender::WalboxRedis => "walbox-redis",
             Contender::WalboxRabbitMq => "walbox-rabbitmq-stream",
+            Contender::WalboxRabbitMqExchange => "walbox-rabbitmq-exchange",
             Contender::TrueCeilingMessages => "ceiling-messages",
             Contender::CeilingMessages => "pg_recvlogical-messages",
             Contender::WalboxKafkaMessages => "walbox-broker-messages",
@@ -156,9 +173,11 @@ impl Contender {
             Contender::WalboxStdout => "walbox_stdout",
             Contender::WalboxKafka => "walbox_kafka",
             Contender::WalboxKafkaMetrics => "walbox_kafka_metrics",
+            Contender::WalboxKafkaWorkers => "walbox_kafka_workers",
             Contender::WalboxNats => "walbox_nats",
             Contender::WalboxRedis => "walbox_redis",
             Contender::WalboxRabbitMq => "walbox_rabbitmq",
+            Contender::WalboxRabbitMqExchange => "walbox_rabbitmq_exchange",
             Contender::TrueCeilingMessages => "ceiling_messages",
             Contender::CeilingMessages => "recvlogical_messages",
             Contender::WalboxKafkaMessages => "walbox_kafka_messages",
@@ -229,10 +248,11 @@ impl Contender {
             Contender::WalboxStdout => "stdout",
             Contender::WalboxKafka
             | Contender::WalboxKafkaMetrics
+            | Contender::WalboxKafkaWorkers
             | Contender::WalboxKafkaMessages => "kafka",
             Contender::WalboxNats => "nats",
             Contender::WalboxRedis => "redis",
-            Contender::WalboxRabbitMq => "rabbitmq",
+            Contender::WalboxRabbitMq | Contender::WalboxRabbitMqExchange => "rabbitmq",
             Contender::BaselineKafka
             | Contender::BaselineNats
             | Contender::BaselineKafkaMessages
@@ -284,11 +304,23 @@ impl Contender {
                     rabbitmq.stream_port()
                 );
             }
+            // Exchange mode to the bench's exchange, the run's topic as the
+            // routing key (a queue of the run's own is bound to it first).
+            Contender::WalboxRabbitMqExchange => {
+                config += &format!(
+                    "[sink]\ntype = \"rabbitmq\"\n\n[sink.rabbitmq]\nmode = \"exchange\"\n\
+                     port = {}\nexchange = \"{RABBITMQ_EXCHANGE}\"\n",
+                    rabbitmq.amqp_port()
+                );
+            }
             _ => {}
         }
         let config_file = pg.client_dir().join(format!("{slot}.toml"));
         std::fs::write(&config_file, config)?;
         cmd.env("WALBOX_CONFIG", config_file);
+        if kind == Contender::WalboxKafkaWorkers {
+            cmd.env("WALBOX_WORKER_THREADS", WORKER_THREADS.to_string());
+        }
         let metrics = if kind == Contender::WalboxKafkaMetrics {
             let addr = format!("127.0.0.1:{}", free_port()?);
             cmd.env("WALBOX_METRICS_LISTEN", &addr);
@@ -321,6 +353,10 @@ pub const MESSAGES_PUBLICATION: &str = "walbox_messages";
 
 /// The prefix the messages scenario emits and walbox relays.
 pub const MESSAGES_PREFIX: &str = "walbox";
+
+/// The exchange of the RabbitMQ exchange-mode contender (a durable topic
+/// exchange, declared by the bench).
+pub const RABBITMQ_EXCHANGE: &str = "bench";
 
 /// The JetStream stream of the JetStream contender.
 pub const NATS_STREAM: &str = "OUTBOX";
@@ -375,6 +411,9 @@ pub struct Run {
     /// `None` for a contender that runs inside the benchmark's own process.
     pub peak_rss_kb: Option<u64>,
     pub cpu_seconds: f64,
+    /// The context switches of the contender's threads (`None` for the
+    /// bench's own).
+    pub switches: Option<Switches>,
     /// What a counting build of walbox allocated (the allocations scenario).
     pub allocations: Option<Allocations>,
 }
@@ -400,6 +439,51 @@ impl Allocations {
             reallocations: field("reallocations:")?,
             bytes: field("bytes:")?,
         })
+    }
+}
+
+/// Context switches of a process, summed over its threads as they are at the
+/// reading (a thread that ended takes its own with it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Switches {
+    /// The thread gave up its core: waiting for I/O, a lock or a wake-up.
+    pub voluntary: u64,
+    /// The scheduler took the core from it for another runnable thread.
+    pub involuntary: u64,
+}
+
+impl Switches {
+    /// Of process `pid`, read from /proc/PID/task/*/status.
+    pub fn of(pid: u32) -> Switches {
+        let mut total = Switches::default();
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return total;
+        };
+        for task in tasks.flatten() {
+            let Ok(status) = std::fs::read_to_string(task.path().join("status")) else {
+                continue;
+            };
+            for line in status.lines() {
+                let field = |name: &str| {
+                    line.strip_prefix(name)
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                };
+                if let Some(n) = field("voluntary_ctxt_switches:") {
+                    total.voluntary += n;
+                } else if let Some(n) = field("nonvoluntary_ctxt_switches:") {
+                    total.involuntary += n;
+                }
+            }
+        }
+        total
+    }
+
+    /// The larger of each count.
+    fn max(self, other: Switches) -> Switches {
+        Switches {
+            voluntary: self.voluntary.max(other.voluntary),
+            involuntary: self.involuntary.max(other.involuntary),
+        }
     }
 }
 
@@ -508,6 +592,7 @@ pub async fn drain(
 ) -> Result<Run, Error> {
     let pid = child.id();
     let mut last = (0u64, 0.0f64);
+    let mut switches = Switches::default();
     // Sample every 20 ms (the timing resolution) until the slot has it all.
     let deadline = started + Duration::from_secs(3600);
     loop {
@@ -519,6 +604,7 @@ pub async fn drain(
         // zombie without VmHWM: keep the highest reading.
         let now = usage(pid);
         last = (last.0.max(now.0), last.1.max(now.1));
+        switches = switches.max(Switches::of(pid));
         if slot_reached(db, slot, target).await? {
             break;
         }
@@ -544,6 +630,7 @@ pub async fn drain(
         }
     } else {
         last = usage(pid);
+        switches = switches.max(Switches::of(pid));
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(i32::try_from(pid)?),
             nix::sys::signal::Signal::SIGTERM,
@@ -554,6 +641,7 @@ pub async fn drain(
         seconds,
         peak_rss_kb: Some(last.0),
         cpu_seconds: last.1,
+        switches: Some(switches),
         allocations: None,
     })
 }

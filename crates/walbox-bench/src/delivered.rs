@@ -15,7 +15,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use walbox_testkit::{NatsServer, RabbitMq, RedisServer};
 
 use crate::Error;
-use crate::contenders::{Contender, NATS_STREAM};
+use crate::contenders::{Contender, NATS_STREAM, RABBITMQ_EXCHANGE};
 
 /// How long the records of a confirmed run may take to be read back.
 const READ_BACK: Duration = Duration::from_secs(300);
@@ -30,6 +30,10 @@ pub enum Destination {
     RedisStream(String),
     /// A RabbitMQ stream that only this run writes (named by its topic).
     RabbitStream(String),
+    /// A durable classic queue of RabbitMQ that only this run's messages
+    /// reach, bound to the bench's exchange by its name (the run's topic,
+    /// walbox's routing key).
+    RabbitQueue(String),
 }
 
 /// Numbers the runs' topics, so that no two runs share one.
@@ -42,6 +46,7 @@ impl Contender {
         match self.base() {
             Contender::WalboxKafka
             | Contender::WalboxKafkaMetrics
+            | Contender::WalboxKafkaWorkers
             | Contender::WalboxKafkaMessages => Some(Destination::Topic(format!(
                 "bench.{slot}.{}",
                 RUNS.fetch_add(1, Ordering::Relaxed) + 1
@@ -52,6 +57,10 @@ impl Contender {
                 RUNS.fetch_add(1, Ordering::Relaxed) + 1
             ))),
             Contender::WalboxRabbitMq => Some(Destination::RabbitStream(format!(
+                "bench.{slot}.{}",
+                RUNS.fetch_add(1, Ordering::Relaxed) + 1
+            ))),
+            Contender::WalboxRabbitMqExchange => Some(Destination::RabbitQueue(format!(
                 "bench.{slot}.{}",
                 RUNS.fetch_add(1, Ordering::Relaxed) + 1
             ))),
@@ -73,11 +82,24 @@ impl Destination {
     /// The topic a broker contender is to write, if this is one.
     pub fn topic(&self) -> Option<&str> {
         match self {
-            Destination::Topic(t) | Destination::RedisStream(t) | Destination::RabbitStream(t) => {
-                Some(t)
-            }
+            Destination::Topic(t)
+            | Destination::RedisStream(t)
+            | Destination::RabbitStream(t)
+            | Destination::RabbitQueue(t) => Some(t),
             Destination::Stream => None,
         }
+    }
+
+    /// Makes what the run needs before it starts: a queue bound to the
+    /// exchange, so that walbox's mandatory messages are routed.
+    pub async fn prepare(&self, rabbitmq: &RabbitMq) -> Result<(), Error> {
+        if let Destination::RabbitQueue(queue) = self {
+            rabbitmq
+                .declare_exchange(RABBITMQ_EXCHANGE, "topic")
+                .await?;
+            rabbitmq.bind_queue(queue, RABBITMQ_EXCHANGE, queue).await?;
+        }
+        Ok(())
     }
 
     /// Fails unless it holds `events` events; a topic is deleted once counted
@@ -105,6 +127,11 @@ impl Destination {
                 // Its messages go, so they take no disk from what follows.
                 rabbitmq.delete_stream(stream).await?;
                 (format!("RabbitMQ stream {stream}"), held)
+            }
+            Destination::RabbitQueue(queue) => {
+                let held = rabbitmq.queue_messages(queue).await?;
+                rabbitmq.delete_queue(queue).await?;
+                (format!("RabbitMQ queue {queue}"), u64::from(held))
             }
             Destination::Stream => (
                 format!("JetStream stream {NATS_STREAM}"),

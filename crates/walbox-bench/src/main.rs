@@ -15,6 +15,9 @@
 //! - `walbox run` to the broker;
 //! - `walbox run` to the broker with `--metrics-listen`, its `/metrics` scraped
 //!   every 100 ms: what the metrics cost, beside the line above;
+//! - `walbox run` to the broker with `WALBOX_WORKER_THREADS=2`: a runtime of
+//!   two worker threads against walbox's one thread (with `--busy N`, on
+//!   cores that N spinning threads want too);
 //! - `walbox run` to NATS JetStream (`nats-server -js` from the test kit, a
 //!   memory stream that walbox creates, deleted after each run so that the
 //!   next one finds neither its messages nor their ids);
@@ -22,13 +25,16 @@
 //!   append-only file fsynced on every write; each run its own stream, counted
 //!   and deleted after it);
 //! - `walbox run` to RabbitMQ streams (stream mode, the test kit's node, a
-//!   stream of the run's own that walbox creates, deleted once counted).
+//!   stream of the run's own that walbox creates, deleted once counted);
+//! - `walbox run` to a RabbitMQ exchange (exchange mode: persistent, mandatory
+//!   messages with publisher confirms), routed to a durable classic queue of
+//!   the run's own that the bench binds first, counted and deleted after it.
 //!
 //! Each runs `--repeat` times (default 3) in rounds, the order rotating from round
 //! to round, each run on its own slot created before the one load, so every run
 //! drains the same WAL (`scenarios.rs`). A run is timed from its start until its
-//! slot's `confirmed_flush_lsn` reaches the last commit; peak RSS (VmHWM) and CPU
-//! seconds come from /proc. walbox confirms a position only once the broker
+//! slot's `confirmed_flush_lsn` reaches the last commit; peak RSS (VmHWM), CPU
+//! seconds and the context switches of all its threads come from /proc. walbox confirms a position only once the broker
 //! (Kafka's acks or JetStream's PubAcks) acknowledged every event before it, so
 //! a walbox run is done when all its events are acknowledged. The report (`report.rs`) gives each contender's median
 //! and the spread (min–max) across rounds, and its ratio to the ceiling from the
@@ -91,6 +97,7 @@ mod report;
 mod scenarios;
 mod steady;
 mod svg;
+mod targets;
 mod webhook;
 
 use walbox_testkit::{Broker, NatsServer, OUTBOX_DDL, PgCluster, PgOptions, RabbitMq, RedisServer};
@@ -137,6 +144,15 @@ async fn main() -> Result<(), Error> {
     };
     let events = bench.a.events;
     let big = bench.a.big_txn;
+    // Spinning threads, for figures of a machine whose cores are wanted by
+    // something else too; they stop with the bench.
+    for _ in 0..bench.a.busy {
+        std::thread::spawn(|| {
+            loop {
+                std::hint::spin_loop();
+            }
+        });
+    }
 
     let runs = |s: Scenario| bench.a.only.contains(&s);
 
@@ -259,7 +275,7 @@ async fn main() -> Result<(), Error> {
          JetStream nats-server -js (memory stream), redis-server 7 (append-only file, \
          appendfsync always), \
          RabbitMQ 3.10 streams (one node, stream mode), \
-         walbox {} (release){}; rows like a real service writes them (uuid id, one of 1,000 \
+         walbox {} (release){}{}; rows like a real service writes them (uuid id, one of 1,000 \
          aggregate ids, ~300-byte jsonb payload, traceparent header){}{}",
         if bench.broker.is_external() {
             "external Kafka"
@@ -272,6 +288,14 @@ async fn main() -> Result<(), Error> {
             .baseline
             .as_ref()
             .map_or_else(String::new, |b| format!(", baseline build {}", b.display())),
+        if bench.a.busy > 0 {
+            format!(
+                "; {} threads of the bench spinning on the CPU throughout",
+                bench.a.busy
+            )
+        } else {
+            String::new()
+        },
         if runs(Scenario::Backlog) || runs(Scenario::BigTxn) {
             format!(
                 "; slot contenders: {}",
@@ -329,6 +353,15 @@ async fn main() -> Result<(), Error> {
     webhook::print(&webhooks);
     pubsub::print(pubsub_run.as_ref());
     aws::print(&aws_runs);
+    targets::print(&targets::Figures {
+        backlog: &with_polling,
+        one_txn: &one_txn,
+        messages: messages.as_ref(),
+        steady: &steady,
+        webhooks: &webhooks,
+        pubsub: pubsub_run.as_ref(),
+        aws: &aws_runs,
+    });
     // The charts compare all contenders: only a full run writes them.
     if let Some(dir) = &bench.a.svg_dir
         && bench.a.only.len() == Scenario::ALL.len()

@@ -2,7 +2,7 @@
 //! of repeated runs, and the charts of a full run.
 
 use crate::Error;
-use crate::contenders::{Contender, Run};
+use crate::contenders::{Contender, Run, Switches};
 use crate::scenarios::order;
 use crate::steady::Steady;
 use crate::svg;
@@ -135,9 +135,9 @@ pub fn print_table(
         println!();
     }
     println!(
-        "| contender | runs | seconds | events/s | WAL MB/s | of ceiling | of pg_recvlogical | peak RSS MB | CPU s | CPU s per M events | CPU of ceiling's | extra WAL per event |"
+        "| contender | runs | seconds | events/s | WAL MB/s | of ceiling | of pg_recvlogical | peak RSS MB | CPU s | CPU s per M events | CPU of ceiling's | context switches per 1k events (involuntary) | extra WAL per event |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     // The ceiling's row comes first when the slot scenario ran; pg_recvlogical
     // is shown beside it.
     let ceiling = results.first().filter(|r| r.name.contains("ceiling"));
@@ -167,8 +167,27 @@ pub fn print_table(
             |c| format!("{:.2}", cpu.median / c.cpu_seconds().median),
         );
         let peak_rss = r.runs.iter().map(|run| run.peak_rss_kb).max().flatten();
+        // Switches of all the process's threads: hand-offs and wake-ups
+        // (voluntary) and the scheduler taking the core (involuntary).
+        let switches = if r.runs.iter().all(|run| run.switches.is_some()) {
+            let per_k = |f: fn(&Switches) -> u64| {
+                Spread::of(
+                    r.runs
+                        .iter()
+                        .filter_map(|run| run.switches)
+                        .map(|s| f(&s) as f64 * 1e3 / events as f64),
+                )
+            };
+            format!(
+                "{} ({})",
+                per_k(|s| s.voluntary + s.involuntary).cell(1),
+                per_k(|s| s.involuntary).cell(1)
+            )
+        } else {
+            "-".to_owned()
+        };
         println!(
-            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.name,
             r.runs.len(),
             seconds.cell(2),
@@ -188,6 +207,7 @@ pub fn print_table(
             cpu.cell(1),
             cpu.map(1e6 / events as f64).cell(1),
             cpu_of_ceiling,
+            switches,
             r.extra_wal_per_event
                 .map_or_else(|| "0".to_owned(), |b| format!("{b:.0} B"))
         );
@@ -298,6 +318,7 @@ mod tests {
                     seconds,
                     peak_rss_kb: Some(1),
                     cpu_seconds: seconds / 2.0,
+                    switches: None,
                     allocations: None,
                 })
                 .collect(),

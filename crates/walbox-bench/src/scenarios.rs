@@ -186,6 +186,9 @@ impl Bench {
                     reset_stream(&self.nats).await?;
                 }
                 let destination = c.destination(&slot);
+                if let Some(d) = &destination {
+                    d.prepare(&self.rabbitmq).await?;
+                }
                 let started = Instant::now();
                 let mut child = c.spawn(
                     &self.pg,
@@ -293,6 +296,7 @@ impl Bench {
                     seconds,
                     peak_rss_kb: None,
                     cpu_seconds: usage(std::process::id()).1 - cpu_before,
+                    switches: None,
                     allocations: None,
                 }],
                 in_rounds: false,

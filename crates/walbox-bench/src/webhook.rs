@@ -38,6 +38,8 @@ pub struct WebhookRun {
     pub drain_seconds: f64,
     /// walbox's CPU seconds.
     pub cpu_seconds: f64,
+    /// walbox's peak RSS (VmHWM), kB.
+    pub peak_rss_kb: u64,
     /// Requests the receiver answered (one per event, plus any resend).
     pub requests: usize,
     /// The plain load generator's time for the same requests.
@@ -112,7 +114,7 @@ impl Bench {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             let seconds = started.elapsed().as_secs_f64();
-            let cpu_seconds = crate::contenders::usage(child.id()).1;
+            let (peak_rss_kb, cpu_seconds) = crate::contenders::usage(child.id());
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(i32::try_from(child.id())?),
                 nix::sys::signal::Signal::SIGTERM,
@@ -133,6 +135,7 @@ impl Bench {
                 seconds,
                 drain_seconds,
                 cpu_seconds,
+                peak_rss_kb,
                 requests,
                 plain_seconds,
                 http2,

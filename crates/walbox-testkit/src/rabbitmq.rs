@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use lapin::options::{
     BasicGetOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
@@ -579,6 +580,33 @@ impl RabbitMq {
             FieldTable::default(),
         )
         .await?;
+        conn.close(200, ShortString::from("done")).await
+    }
+
+    /// How many messages `queue` holds (a passive declare: it must exist).
+    pub async fn queue_messages(&self, queue: &str) -> std::result::Result<u32, lapin::Error> {
+        let conn = self.connect().await?;
+        let ch = conn.create_channel().await?;
+        let q = ch
+            .queue_declare(
+                ShortString::from(queue),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        conn.close(200, ShortString::from("done")).await?;
+        Ok(q.message_count())
+    }
+
+    /// Deletes `queue` with the messages it holds.
+    pub async fn delete_queue(&self, queue: &str) -> std::result::Result<(), lapin::Error> {
+        let conn = self.connect().await?;
+        let ch = conn.create_channel().await?;
+        ch.queue_delete(ShortString::from(queue), QueueDeleteOptions::default())
+            .await?;
         conn.close(200, ShortString::from("done")).await
     }
 

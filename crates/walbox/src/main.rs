@@ -292,6 +292,22 @@ fn init_logging(format: config::LogFormat) {
     }
 }
 
+/// The worker threads `WALBOX_WORKER_THREADS` asks the streaming commands to
+/// run on: unset, empty or 0 is one thread (`None`), the default.
+fn worker_threads(value: Option<&str>) -> Result<Option<usize>, String> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    match v.parse::<usize>() {
+        Ok(0) => Ok(None),
+        Ok(n) if n <= 64 => Ok(Some(n)),
+        _ => Err(format!(
+            "WALBOX_WORKER_THREADS must be a whole number from 0 to 64 (0: the streaming \
+             commands run on one thread, the default), not {v:?}"
+        )),
+    }
+}
+
 /// The log filter `WALBOX_LOG` asks for (`info` when unset or invalid), with
 /// tokio-postgres held at `info` unless the filter names it: at `debug` it logs
 /// every statement's parameters, which are row values (the snapshot's keyset
@@ -366,12 +382,27 @@ fn main() -> std::process::ExitCode {
         cli.command,
         Command::Run(_) | Command::Setup(_) | Command::Replay(_)
     );
-    let mut builder = if streaming {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        b.worker_threads(2);
-        b
+    // WALBOX_WORKER_THREADS=N runs them on N worker threads instead, for
+    // measuring one against the other on a given machine.
+    let workers = match worker_threads(std::env::var("WALBOX_WORKER_THREADS").ok().as_deref()) {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::error!("{e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let mut builder = match (streaming, workers) {
+        (true, None) => tokio::runtime::Builder::new_current_thread(),
+        (true, Some(n)) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        (false, _) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(2);
+            b
+        }
     };
     let runtime = match builder.enable_all().build() {
         Ok(r) => r,
@@ -452,6 +483,19 @@ mod tests {
         out.push(cmd.clone());
         for sub in cmd.get_subcommands() {
             every_command(sub, out);
+        }
+    }
+
+    #[test]
+    fn worker_threads_takes_a_count_and_names_itself_when_wrong() {
+        assert_eq!(worker_threads(None), Ok(None));
+        assert_eq!(worker_threads(Some("")), Ok(None));
+        assert_eq!(worker_threads(Some("0")), Ok(None));
+        assert_eq!(worker_threads(Some(" 2 ")), Ok(Some(2)));
+        for bad in ["two", "-1", "65", "1.5"] {
+            let e = worker_threads(Some(bad)).unwrap_err();
+            assert!(e.starts_with("WALBOX_WORKER_THREADS must be"), "{e}");
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
         }
     }
 
