@@ -104,8 +104,9 @@ fn rows(f: &Figures<'_>) -> Vec<Row> {
             goal: Goal::AtLeast(0.9),
             figure: r,
             shown: format!("{r:.2}"),
-            limit: "the RabbitMQ node: routing, persisting and confirming each message to a \
-                    durable queue (its CPU against walbox's in docs/benchmarks.md)",
+            limit: "walbox's own CPU (about 50 s per M events, two context switches per \
+                    event): lapin's publish and confirm hand-offs, and the confirm reporter \
+                    polling every awaited confirm at each wake; not profiled yet",
         });
     }
     if let Some(r) = of_ceiling(Contender::WalboxRabbitMq) {
