@@ -43,6 +43,7 @@ all_paths=(
   "flame-messages-kafka walbox_kafka_messages_r1 - walbox: [[messages]] to the broker"
   "flame-jetstream walbox_nats_r1 walbox-jetstream walbox: outbox rows to JetStream"
   "flame-redis walbox_redis_r1 walbox-redis walbox: outbox rows to Redis Streams"
+  "flame-rabbitmq-exchange walbox_rabbitmq_exchange_r1 walbox-rabbitmq-exchange walbox: outbox rows to a RabbitMQ exchange, confirmed"
 )
 paths=()
 scenarios=()

@@ -104,9 +104,9 @@ fn rows(f: &Figures<'_>) -> Vec<Row> {
             goal: Goal::AtLeast(0.9),
             figure: r,
             shown: format!("{r:.2}"),
-            limit: "walbox's own CPU (about 50 s per M events, two context switches per \
-                    event): lapin's publish and confirm hand-offs, and the confirm reporter \
-                    polling every awaited confirm at each wake; not profiled yet",
+            limit: "walbox's confirm reporter: it polls every awaited confirm (up to \
+                    max_in_flight) at each wake, 56% of walbox's samples; \
+                    docs/flame-rabbitmq-exchange.svg",
         });
     }
     if let Some(r) = of_ceiling(Contender::WalboxRabbitMq) {
