@@ -778,3 +778,88 @@ async fn stream_events_under_several_producer_names_keep_their_order_in_the_stre
         .collect();
     assert_eq!(stored, sent);
 }
+
+/// Sends `events` through a new exchange-mode sink publishing to `exchange`
+/// and returns each delivery's outcome, in token order.
+async fn send_through_exchange_sink(
+    node: &walbox_testkit::RabbitMq,
+    exchange: &str,
+    events: Vec<walbox_outbox::Event>,
+) -> Vec<Result<(), walbox_sink::DeliveryClass>> {
+    use walbox_sink::Sink as _;
+    let config = walbox_sink::RabbitMqSinkConfig {
+        mode: walbox_sink::RabbitMqMode::Exchange,
+        port: Some(node.amqp_port()),
+        stream_port: Some(node.stream_port()),
+        exchange: exchange.to_owned(),
+        declare: true,
+        confirm_timeout_ms: 30_000,
+        ..Default::default()
+    };
+    let (mut sink, mut deliveries) = walbox_sink::RabbitMqSink::new(config).unwrap();
+    let n = events.len();
+    for (token, e) in events.into_iter().enumerate() {
+        sink.send(e, token).await.unwrap();
+    }
+    sink.end_batch();
+    let mut out = vec![None; n];
+    for _ in 0..n {
+        let d = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
+            .await
+            .expect("a delivery in time")
+            .expect("the sink is alive");
+        out[d.token] = Some(d.result.map_err(|e| e.class));
+    }
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exchange_returns_amid_thousands_in_flight_fail_exactly_their_own_events() {
+    // The broker acks many publications at once; lapin hands each return to
+    // whichever confirm of such a batch it resolves first. However the
+    // returns and confirms interleave, exactly the unroutable events fail and
+    // every routed one is stored once, in order.
+    let node = node().read().await;
+    node.declare_exchange("amid", "topic").await.unwrap();
+    node.bind_queue("amid.q", "amid", "routed.#").await.unwrap();
+    let n = 4_000usize;
+    let unroutable = |i: usize| i % 37 == 5 || (1_000..1_003).contains(&i);
+    let mut events = Vec::new();
+    for i in 0..n {
+        let topic = if unroutable(i) {
+            "unbound.order"
+        } else {
+            "routed.order"
+        };
+        let mut e = stream_event(topic, &format!("amid-{i}"), 0x3000 + i as u64, 0);
+        e.key = Some(bytes::Bytes::from(format!("k{}", i % 7)));
+        events.push(e);
+    }
+    let got = send_through_exchange_sink(&node, "amid", events).await;
+    for (i, r) in got.iter().enumerate() {
+        if unroutable(i) {
+            assert_eq!(
+                *r,
+                Err(walbox_sink::DeliveryClass::UnknownTopic),
+                "event {i}"
+            );
+        } else {
+            assert_eq!(*r, Ok(()), "event {i}");
+        }
+    }
+    let stored: Vec<String> = node
+        .read_queue("amid.q")
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let id = r.headers.iter().find(|(k, _)| k == "message_id");
+            String::from_utf8(id.unwrap().1.clone().unwrap()).unwrap()
+        })
+        .collect();
+    let want: Vec<String> = (0..n)
+        .filter(|i| !unroutable(*i))
+        .map(|i| format!("amid-{i}"))
+        .collect();
+    assert_eq!(stored, want);
+}

@@ -94,6 +94,11 @@ impl<T> Confirms<T> {
         self.queue.iter_mut()
     }
 
+    /// The entry `i` places from the front, if there is one.
+    pub(super) fn get_mut(&mut self, i: usize) -> Option<&mut Entry<T>> {
+        self.queue.get_mut(i)
+    }
+
     /// Records a message the broker sent back.
     pub(super) fn returned(&mut self, message_id: Option<String>, returned: Returned) {
         match message_id {

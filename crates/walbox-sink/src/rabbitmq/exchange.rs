@@ -7,25 +7,28 @@
 //! without a word: see [`headers_of`]). The publisher confirm is the
 //! acknowledgement, reported in publish order ([`super::confirms`]); a message
 //! the broker sends back (no queue took it) or nacks fails its event, which is
-//! retried, never dead-lettered. After a failure nothing more of the session
-//! is published: later events fail unsent, and [`Sink::abort`] closes the
-//! channel.
+//! retried, never dead-lettered. Publications are started by the reporter
+//! task in publish order, without waiting for each one's frames to be
+//! written; after a failure nothing more of the session is started: later
+//! events fail unsent, and [`Sink::abort`] closes the channel.
 //!
 //! A resend after a crash is stored again (AMQP 0-9-1 has no deduplication):
 //! at least once, every copy with the same `message_id`.
 
 use std::future::Future;
 use std::pin::Pin;
-
-use std::task::Poll;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
+use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+    PublisherConfirm,
 };
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
@@ -36,15 +39,28 @@ use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::{DROPPED_HEADERS_HEADER, KEY_HEADER, is_dead_letter, percent_encode};
 use crate::{Deliveries, DeliveryClass, RejectedRecord, Sink, SinkError};
 
+/// A `basic.publish` not yet started: the reporter starts it, so that it
+/// knows of every publication before the broker can answer it.
+type Publish = Pin<Box<dyn Future<Output = Result<PublisherConfirm, lapin::Error>> + Send>>;
+
 /// One publication on its way to the reporter.
 struct Published {
     token: usize,
     event_id: String,
     topic: String,
-    confirm: Option<lapin::PublisherConfirm>,
+    /// The publication, unless the event failed before it (`answer`).
+    publish: Option<Publish>,
     answer: Option<Answer>,
     rejected: RejectedRecord,
     sent_at: Instant,
+}
+
+/// Where a started publication is.
+enum Stage {
+    /// Its frames are on their way to the socket.
+    Writing(Publish),
+    /// Written; its confirm is awaited.
+    Confirming(PublisherConfirm),
 }
 
 /// What a report needs besides the answer.
@@ -52,9 +68,57 @@ struct Item {
     token: usize,
     event_id: String,
     topic: String,
-    confirm: Option<lapin::PublisherConfirm>,
+    stage: Option<Stage>,
+    /// Wakes the reporter naming this publication.
+    waker: Waker,
     rejected: RejectedRecord,
     sent_at: Instant,
+}
+
+/// The publications whose futures woke since the reporter last looked (by
+/// sequence number, in the order they woke), and the reporter's waker.
+#[derive(Default)]
+struct Woken(Mutex<(Vec<u64>, Option<Waker>)>);
+
+impl Woken {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<u64>, Option<Waker>)> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The reporter is about to wait: wake `waker`.
+    fn register(&self, waker: &Waker) {
+        let mut g = self.lock();
+        if !g.1.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            g.1 = Some(waker.clone());
+        }
+    }
+
+    /// Moves the woken sequence numbers into `into`.
+    fn take(&self, into: &mut Vec<u64>) {
+        into.append(&mut self.lock().0);
+    }
+}
+
+/// The waker of one publication: records its sequence number and wakes the
+/// reporter. lapin resolves every promise from its one I/O loop, so the
+/// order of these records is the order the promises were resolved in.
+struct Wakes {
+    seq: u64,
+    woken: Arc<Woken>,
+}
+
+impl Wake for Wakes {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let mut g = self.woken.lock();
+        g.0.push(self.seq);
+        if let Some(w) = &g.1 {
+            w.wake_by_ref();
+        }
+    }
 }
 
 struct Session {
@@ -86,9 +150,6 @@ pub(super) struct ExchangeSink {
     config: RabbitMqSinkConfig,
     session: Lifecycle<Session>,
     reports: Reports,
-    /// A publication of this session could not be sent: every later event
-    /// fails with this, unsent.
-    unsent: FailRest,
 }
 
 impl std::fmt::Debug for ExchangeSink {
@@ -187,7 +248,6 @@ impl ExchangeSink {
                 config,
                 session: Lifecycle::default(),
                 reports,
-                unsent: FailRest::default(),
             },
             rx,
         )
@@ -336,17 +396,12 @@ impl Sink for ExchangeSink {
             token,
             event_id: event.event_id.clone(),
             topic: event.topic.clone(),
-            confirm: None,
+            publish: None,
             answer: None,
             rejected: kit::rejected(&event),
             sent_at: Instant::now(),
         };
         self.session().await?;
-        if let Some((class, reason)) = self.unsent.get() {
-            p.answer = Some(Answer::Failed(class, reason));
-            self.queue(p);
-            return Ok(());
-        }
         let Ok(routing_key) = ShortString::try_new(event.topic.as_str()) else {
             p.answer = Some(Answer::Failed(
                 DeliveryClass::InvalidTopic,
@@ -404,35 +459,22 @@ impl Sink for ExchangeSink {
             properties = properties.with_content_type(ShortString::from("application/json"));
         }
         let channel = self.session().await?.channel.clone();
-        let published = channel
-            .basic_publish(
-                ShortString::from(self.config.exchange.clone()),
-                routing_key,
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                &event.value,
-                properties,
-            )
-            .await;
-        match published {
-            Ok(confirm) => p.confirm = Some(confirm),
-            Err(e) => {
-                self.unsent.after(
-                    DeliveryClass::BrokerError,
-                    format!(
-                        "not sent: event {} of this session was not published ({e}); walbox \
-                         publishes again from its acknowledged position",
-                        event.event_id
-                    ),
-                );
-                p.answer = Some(Answer::Failed(
-                    DeliveryClass::BrokerError,
-                    format!("publishing: {e}"),
-                ));
-            }
-        }
+        let exchange = ShortString::from(self.config.exchange.clone());
+        let value = event.value.clone();
+        p.publish = Some(Box::pin(async move {
+            channel
+                .basic_publish(
+                    exchange,
+                    routing_key,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &value,
+                    properties,
+                )
+                .await
+        }));
         self.queue(p);
         Ok(())
     }
@@ -446,11 +488,33 @@ impl Sink for ExchangeSink {
     }
 }
 
-/// Reports publications in publish order as their confirms come: every wake
-/// polls every awaited confirm, so that each return is recorded (whichever
-/// confirm lapin attached it to) before the prefix it belongs to is reported.
+/// Starts each publication and reports them in publish order as their
+/// confirms come.
+///
+/// lapin hands a returned message to whichever confirm it resolves next,
+/// which may be another publication's (see [`super::confirms`]), so an entry
+/// is reported only once every confirm resolved before its own has been
+/// seen. Two things make that so without polling every awaited confirm at
+/// each wake: the reporter starts every publication itself, so none can be
+/// answered before it is known here; and each publication has its own waker
+/// ([`Wakes`]), which lapin's one I/O loop calls as it resolves the
+/// publication's write, then its confirm. The woken list therefore holds a
+/// confirm resolved earlier before any resolved later; each round takes the
+/// whole list and polls what it names, so whatever round sees a confirm
+/// resolved has seen (and recorded the return of) every one resolved before
+/// it.
+///
+/// After a publication fails, nothing later that is not yet started is
+/// published: it fails unsent ([`FailRest`]).
 async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, timeout: Duration) {
     let mut confirms: Confirms<Item> = Confirms::default();
+    let woken = Arc::new(Woken::default());
+    let mut due: Vec<u64> = Vec::new();
+    let mut unsent = FailRest::default();
+    // The sequence number of the next publication, and of the oldest one
+    // awaiting its report.
+    let mut next: u64 = 0;
+    let mut front: u64 = 0;
     let mut closed = false;
     loop {
         if closed && confirms.len() == 0 {
@@ -464,19 +528,36 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
             oldest.unwrap_or_else(Instant::now) + timeout,
         ));
         let progressed = std::future::poll_fn(|cx| {
+            woken.register(cx.waker());
             let mut progressed = false;
+            let mut returns = Vec::new();
             while !closed {
                 match rx.poll_recv(cx) {
                     Poll::Ready(Some(p)) => {
-                        let item = Item {
+                        let seq = next;
+                        next += 1;
+                        let mut item = Item {
                             token: p.token,
                             event_id: p.event_id.clone(),
                             topic: p.topic,
-                            confirm: p.confirm,
+                            stage: None,
+                            waker: Waker::from(Arc::new(Wakes {
+                                seq,
+                                woken: woken.clone(),
+                            })),
                             rejected: p.rejected,
                             sent_at: p.sent_at,
                         };
-                        confirms.push(item, p.event_id, p.answer);
+                        let mut answer = p.answer;
+                        if answer.is_none() {
+                            if let Some((class, reason)) = unsent.get() {
+                                answer = Some(Answer::Failed(class, reason));
+                            } else {
+                                item.stage = p.publish.map(Stage::Writing);
+                                answer = advance(&mut item, &mut returns, &mut unsent);
+                            }
+                        }
+                        confirms.push(item, p.event_id, answer);
                         progressed = true;
                     }
                     Poll::Ready(None) => {
@@ -486,35 +567,20 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                     Poll::Pending => break,
                 }
             }
-            let mut returns = Vec::new();
-            for e in confirms.entries() {
+            woken.take(&mut due);
+            for seq in due.drain(..) {
+                let Some(e) = seq
+                    .checked_sub(front)
+                    .and_then(|i| confirms.get_mut(i as usize))
+                else {
+                    continue;
+                };
                 if e.answer.is_some() {
                     continue;
                 }
-                let Some(confirm) = e.item.confirm.as_mut() else {
-                    continue;
-                };
-                if let Poll::Ready(r) = Pin::new(confirm).poll(cx) {
-                    e.item.confirm = None;
+                if let Some(answer) = advance(&mut e.item, &mut returns, &mut unsent) {
+                    e.answer = Some(answer);
                     progressed = true;
-                    e.answer = Some(match r {
-                        Ok(Confirmation::Ack(ret)) => {
-                            returns.extend(ret);
-                            Answer::Ack
-                        }
-                        Ok(Confirmation::Nack(ret)) => {
-                            returns.extend(ret);
-                            Answer::Nack
-                        }
-                        Ok(Confirmation::NotRequested) => Answer::Failed(
-                            DeliveryClass::BrokerError,
-                            "the channel is not in confirm mode".into(),
-                        ),
-                        Err(e) => Answer::Failed(
-                            DeliveryClass::BrokerError,
-                            format!("no confirm: the channel or connection failed ({e})"),
-                        ),
-                    });
                 }
             }
             for r in returns {
@@ -557,7 +623,9 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                 &format!("no publisher confirm within {} ms", timeout.as_millis()),
             );
         }
-        for (item, outcome) in confirms.ready() {
+        let ready = confirms.ready();
+        front += ready.len() as u64;
+        for (item, outcome) in ready {
             let result = match outcome {
                 Outcome::Stored => Ok(()),
                 Outcome::Failed(class, reason) => Err(kit::refused(
@@ -569,6 +637,65 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                 )),
             };
             reports.report(item.token, result);
+        }
+    }
+}
+
+/// Polls a publication's write, then its confirm, with its own waker; its
+/// answer once it has one. A return it carries goes to `returns`; a failed
+/// write fails every later publication unsent.
+fn advance(
+    item: &mut Item,
+    returns: &mut Vec<BasicReturnMessage>,
+    unsent: &mut FailRest,
+) -> Option<Answer> {
+    let waker = item.waker.clone();
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        match item.stage.as_mut()? {
+            Stage::Writing(publish) => match publish.as_mut().poll(&mut cx) {
+                Poll::Pending => return None,
+                Poll::Ready(Ok(confirm)) => item.stage = Some(Stage::Confirming(confirm)),
+                Poll::Ready(Err(e)) => {
+                    item.stage = None;
+                    unsent.after(
+                        DeliveryClass::BrokerError,
+                        format!(
+                            "not sent: event {} of this session was not published ({e}); \
+                             walbox publishes again from its acknowledged position",
+                            item.event_id
+                        ),
+                    );
+                    return Some(Answer::Failed(
+                        DeliveryClass::BrokerError,
+                        format!("publishing: {e}"),
+                    ));
+                }
+            },
+            Stage::Confirming(confirm) => {
+                let Poll::Ready(r) = Pin::new(confirm).poll(&mut cx) else {
+                    return None;
+                };
+                item.stage = None;
+                return Some(match r {
+                    Ok(Confirmation::Ack(ret)) => {
+                        returns.extend(ret);
+                        Answer::Ack
+                    }
+                    Ok(Confirmation::Nack(ret)) => {
+                        returns.extend(ret);
+                        Answer::Nack
+                    }
+                    Ok(Confirmation::NotRequested) => Answer::Failed(
+                        DeliveryClass::BrokerError,
+                        "the channel is not in confirm mode".into(),
+                    ),
+                    Err(e) => Answer::Failed(
+                        DeliveryClass::BrokerError,
+                        format!("no confirm: the channel or connection failed ({e})"),
+                    ),
+                });
+            }
         }
     }
 }
