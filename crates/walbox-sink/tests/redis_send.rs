@@ -901,3 +901,59 @@ async fn an_entry_of_another_writer_added_and_deleted_stops_walbox_naming_the_la
     assert!(reason.contains(&foreign), "{reason}");
     assert!(raw_ids(&redis, fresh).await.is_empty());
 }
+
+/// Sends `e` through `sink`, waits for its delivery and returns it.
+async fn send_one(
+    sink: &mut RedisSink,
+    deliveries: &mut walbox_sink::Deliveries,
+    e: Event,
+    token: usize,
+) -> Result<(), (DeliveryClass, String)> {
+    sink.send(e, token).await.unwrap();
+    sink.flush(Duration::from_secs(30)).await.unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(30), deliveries.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.token, token);
+    d.result.map_err(|e| (e.class, e.reason))
+}
+
+/// A dead-letter replay runs beside the relay under the same writer (the
+/// slot): each session's calls are chained within its own flow, so neither
+/// takes the other's calls for a call of its own that was not stored. (A
+/// replayed event is appended after the top at an odd millisecond part:
+/// positions are even.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_beside_the_relay_under_the_same_writer_leaves_both_chains_whole() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let s = "outbox.beside";
+    let cfg = config(&redis, "slot_a");
+    let (mut relay, mut relay_d) = RedisSink::new(cfg.clone()).unwrap();
+    let (mut replay, mut replay_d) = RedisSink::new(cfg.clone()).unwrap();
+    let replayed = |mut e: Event| {
+        e.origin = walbox_outbox::Origin::Replay {
+            from: "0/64".parse().unwrap(),
+        };
+        e
+    };
+    for i in 0..4u64 {
+        let r = send_one(
+            &mut relay,
+            &mut relay_d,
+            event(&format!("r{i}"), s, 1000 + 16 * i, 0),
+            i as usize,
+        )
+        .await;
+        assert_eq!(r, Ok(()), "relay event {i}");
+        let r = send_one(
+            &mut replay,
+            &mut replay_d,
+            replayed(event(&format!("d{i}"), s, 500 + 16 * i, 0)),
+            i as usize,
+        )
+        .await;
+        assert_eq!(r, Ok(()), "replayed event {i}");
+    }
+    assert_eq!(raw_ids(&redis, s).await.len(), 8);
+}

@@ -354,31 +354,46 @@ struct Writer {
     chain: Chain,
 }
 
-/// The marks that chain a session's calls: `<session>:<n>` for its n-th
-/// call, recorded by the script when the call was stored whole.
+/// The marks that chain a session's calls, per flow (the relay's events,
+/// or one replay's): `<session>:<n>` for its n-th call of the flow,
+/// recorded by the script in the flow's field when the call was stored
+/// whole. Flows chain apart, so that a `dlq replay` run beside the relay
+/// (same writer) does not break the relay's chain, nor the relay its.
 struct Chain {
     session: String,
-    calls: u64,
+    /// Calls made so far, by the flow's field.
+    calls: HashMap<String, u64>,
 }
 
 impl Chain {
     fn new() -> Self {
         Chain {
             session: format!("{:016x}", fastrand::u64(..)),
-            calls: 0,
+            calls: HashMap::new(),
         }
     }
 
-    /// The mark of the call before the next one (empty for the session's
-    /// first, which follows nothing), and the next call's own.
-    fn next(&mut self) -> (String, String) {
-        let before = if self.calls == 0 {
+    /// The field of the writer's hash holding the last mark of the flow of
+    /// `replay` (none: the relay's events).
+    fn field(replay: Option<&str>) -> String {
+        match replay {
+            None => "walbox:session".to_owned(),
+            Some(name) => format!("walbox:session:{name}"),
+        }
+    }
+
+    /// For the next call of the flow in `field`: the mark of the call before
+    /// it (empty for the session's first of the flow, which follows
+    /// nothing), and its own.
+    fn next(&mut self, field: &str) -> (String, String) {
+        let calls = self.calls.entry(field.to_owned()).or_insert(0);
+        let before = if *calls == 0 {
             String::new()
         } else {
-            format!("{}:{}", self.session, self.calls)
+            format!("{}:{}", self.session, calls)
         };
-        self.calls += 1;
-        (before, format!("{}:{}", self.session, self.calls))
+        *calls += 1;
+        (before, format!("{}:{}", self.session, calls))
     }
 }
 
@@ -495,7 +510,8 @@ impl Writer {
                 None => held.push(String::new()),
             }
         }
-        let (before, mark) = self.chain.next();
+        let field = Chain::field(batch.first().and_then(|i| i.replay.as_deref()));
+        let (before, mark) = self.chain.next(&field);
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.script.get_hash()).arg(batch.len());
         for item in &batch {
@@ -505,7 +521,8 @@ impl Writer {
             .arg(&progress)
             .arg(own_ids_key(&writer))
             .arg(&before)
-            .arg(&mark);
+            .arg(&mark)
+            .arg(&field);
         let mut name = String::new();
         for (item, copy) in batch.iter().zip(&held) {
             let e = &item.event;
@@ -737,7 +754,8 @@ impl Writer {
             ),
             Stop::Behind => (
                 DeliveryClass::BrokerError,
-                "not written: a call sent before this one in the session was not stored                  whole; walbox writes again from its acknowledged position"
+                "not written: a call sent before this one in the session was not stored \
+                 whole; walbox writes again from its acknowledged position"
                     .into(),
             ),
             Stop::Error(text) => (classify(text), text.clone()),

@@ -38,13 +38,17 @@
 //! A key of another type (WRONGTYPE) refuses its entry alone (it is about
 //! the record's stream: it goes to a dead letter), and the call goes on.
 //!
-//! Calls are chained: each names the call its session sent before it, and
-//! writes nothing (it answers `behind`) unless the writer's hash
-//! `walbox:ids:<writer>` records that call as stored whole (field
-//! `walbox:session`, which no stream name can be: topics are of
-//! `[a-zA-Z0-9._-]`). A call that was stored whole records itself there. So
-//! with several calls of a session in flight, one that stopped, failed or
-//! never ran leaves the ones sent after it unwritten.
+//! Calls are chained: each names the call its session sent before it for the
+//! same flow, and writes nothing (it answers `behind`) unless the writer's
+//! hash `walbox:ids:<writer>` records that call as stored whole (in the
+//! flow's field: `walbox:session` for the relay's events,
+//! `walbox:session:<name>` for replay `<name>`; no stream name can be one,
+//! topics being of `[a-zA-Z0-9._-]`). A call that was stored whole records
+//! itself there. So with several calls of a session in flight, one that
+//! stopped, failed or never ran leaves the ones of its flow sent after it
+//! unwritten, and a stale call of an ended session is left unwritten once a
+//! later session of the same flow wrote; a `dlq replay` beside the relay
+//! chains apart from it.
 //!
 //! The reply is `{outcomes, failed_at, kind, details...}`: one outcome per
 //! entry (its id, `dup`, `+<id>` when appended after the top, `!<error>` when
@@ -57,7 +61,8 @@ use redis::Value;
 /// The script. KEYS[i] is entry i's stream; ARGV[1] the writer, ARGV[2] the
 /// replay's progress hash (empty outside a replay), ARGV[3] the writer's hash
 /// of the highest id it generated per stream, ARGV[4] the mark of the call
-/// this one follows (empty: none), ARGV[5] this call's mark; then per entry:
+/// this one follows (empty: none), ARGV[5] this call's mark, ARGV[6] the
+/// field of the writer's hash holding the flow's last mark; then per entry:
 /// mode (`n`: at its id, `a`: after the top), event id, the id of the entry
 /// holding a copy of it from an earlier run of the replay (empty: none), the
 /// count of trimming arguments, the count of field names and values, and then
@@ -69,10 +74,11 @@ local progress = ARGV[2]
 local ownkey = ARGV[3]
 local before = ARGV[4]
 local this_call = ARGV[5]
-if before ~= '' and redis.call('HGET', ownkey, 'walbox:session') ~= before then
+local chain = ARGV[6]
+if before ~= '' and redis.call('HGET', ownkey, chain) ~= before then
   return {{}, 1, 'behind'}
 end
-local pos = 6
+local pos = 7
 local out = {}
 local checked = {}
 local function field(fields, name)
@@ -263,7 +269,7 @@ for i = 1, #KEYS do
     out[#out + 1] = '+' .. r
   end
 end
-if this_call ~= '' then redis.call('HSET', ownkey, 'walbox:session', this_call) end
+if this_call ~= '' then redis.call('HSET', ownkey, chain, this_call) end
 return finish({out, 0})
 "#;
 
