@@ -85,6 +85,7 @@
 #![allow(clippy::print_stdout)] // the report is the output
 
 mod allocations;
+mod amqp;
 mod aws;
 mod cli;
 mod cloud;
@@ -161,6 +162,7 @@ async fn main() -> Result<(), Error> {
     let backlog_load = backlog_load(events);
     let mut with_polling = Vec::new();
     let mut backlog_wal = 0;
+    let mut plain_amqp = None;
     if runs(Scenario::Backlog) {
         println!("scenario 1: backlog of {events} events in transactions of 10");
         let drained = bench
@@ -168,6 +170,24 @@ async fn main() -> Result<(), Error> {
             .await?;
         with_polling = drained.contenders;
         backlog_wal = drained.wal_bytes;
+        if bench
+            .slot_contenders()
+            .contains(&Contender::WalboxRabbitMqExchange)
+        {
+            let mut plain = amqp::PlainAmqp {
+                events,
+                seconds: Vec::new(),
+            };
+            for round in 1..=bench.a.repeat {
+                let s = amqp::publish_round(&bench.rabbitmq, events, round).await?;
+                println!(
+                    "round {round}/{}: plain AMQP client to the exchange, confirmed {s:.2} s",
+                    bench.a.repeat
+                );
+                plain.seconds.push(s);
+            }
+            plain_amqp = Some(plain);
+        }
     }
     if runs(Scenario::Polling) {
         if !runs(Scenario::Backlog) {
@@ -337,6 +357,13 @@ async fn main() -> Result<(), Error> {
         };
         messages::print_comparison(events, m, backlog);
     }
+    amqp::print(
+        plain_amqp.as_ref(),
+        with_polling
+            .iter()
+            .find(|c| c.name == Contender::WalboxRabbitMqExchange.name())
+            .map(|c| c.seconds().median),
+    );
     allocations::print(&counted, bench.a.counting());
     if !one_txn.is_empty() {
         report::print_table(
@@ -361,6 +388,7 @@ async fn main() -> Result<(), Error> {
         webhooks: &webhooks,
         pubsub: pubsub_run.as_ref(),
         aws: &aws_runs,
+        plain_amqp: plain_amqp.as_ref(),
     });
     // The charts compare all contenders: only a full run writes them.
     if let Some(dir) = &bench.a.svg_dir

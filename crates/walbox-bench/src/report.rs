@@ -67,7 +67,7 @@ impl Spread {
     }
 
     /// `median (min–max)` with `decimals`; a single run is just its value.
-    fn cell(&self, decimals: usize) -> String {
+    pub fn cell(&self, decimals: usize) -> String {
         if self.n > 1 {
             format!(
                 "{:.decimals$} ({:.decimals$}–{:.decimals$})",

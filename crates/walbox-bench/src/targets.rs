@@ -22,6 +22,7 @@ pub struct Figures<'a> {
     pub webhooks: &'a [WebhookRun],
     pub pubsub: Option<&'a PubSubRun>,
     pub aws: &'a [AwsRun],
+    pub plain_amqp: Option<&'a crate::amqp::PlainAmqp>,
 }
 
 /// One row: a figure against its goal.
@@ -104,8 +105,25 @@ fn rows(f: &Figures<'_>) -> Vec<Row> {
             goal: Goal::AtLeast(0.9),
             figure: r,
             shown: format!("{r:.2}"),
-            limit: "walbox's confirm reporter: it polls every awaited confirm (up to \
-                    max_in_flight) at each wake, 56% of walbox's samples; \
+            limit: "the broker: one classic queue is one Erlang process, and a plain AMQP \
+                    client publishing the same shape to the same exchange is held to about \
+                    the same rate (its row below and table above); walbox is idle most of the \
+                    run; docs/flame-rabbitmq-exchange.svg",
+        });
+    }
+    if let (Some(plain), Some(walbox)) = (
+        f.plain_amqp,
+        find(backlog, Contender::WalboxRabbitMqExchange),
+    ) {
+        let r = plain.seconds().median / walbox.seconds().median;
+        rows.push(Row {
+            target: "RabbitMQ exchange mode, of a plain AMQP client's rate (same exchange, \
+                     confirmed)"
+                .into(),
+            goal: Goal::AtLeast(0.9),
+            figure: r,
+            shown: format!("{r:.2}"),
+            limit: "walbox's path per event beside the plain client's: \
                     docs/flame-rabbitmq-exchange.svg",
         });
     }
@@ -294,6 +312,7 @@ mod tests {
             webhooks: &[],
             pubsub: None,
             aws: &[],
+            plain_amqp: None,
         };
         let rows = rows(&f);
         let row = |prefix: &str| {
