@@ -495,8 +495,9 @@ impl Sink for ExchangeSink {
 /// which may be another publication's (see [`super::confirms`]), so an entry
 /// is reported only once every confirm resolved before its own has been
 /// seen. Two things make that so without polling every awaited confirm at
-/// each wake: the reporter starts every publication itself, so none can be
-/// answered before it is known here; and each publication has its own waker
+/// each wake: the reporter starts every publication itself (in publish
+/// order, with at most [`MAX_UNWRITTEN`] started and not yet written), so
+/// none can be answered before it is known here; and each publication has its own waker
 /// ([`Wakes`]), which lapin's one I/O loop calls as it resolves the
 /// publication's write, then its confirm. The woken list therefore holds a
 /// confirm resolved earlier before any resolved later; each round takes the
@@ -515,6 +516,9 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
     // awaiting its report.
     let mut next: u64 = 0;
     let mut front: u64 = 0;
+    // The first publication not started, and how many started are unwritten.
+    let mut started: u64 = 0;
+    let mut unwritten: usize = 0;
     let mut closed = false;
     loop {
         if closed && confirms.len() == 0 {
@@ -548,16 +552,10 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                             rejected: p.rejected,
                             sent_at: p.sent_at,
                         };
-                        let mut answer = p.answer;
-                        if answer.is_none() {
-                            if let Some((class, reason)) = unsent.get() {
-                                answer = Some(Answer::Failed(class, reason));
-                            } else {
-                                item.stage = p.publish.map(Stage::Writing);
-                                answer = advance(&mut item, &mut returns, &mut unsent);
-                            }
+                        if p.answer.is_none() {
+                            item.stage = p.publish.map(Stage::Writing);
                         }
-                        confirms.push(item, p.event_id, answer);
+                        confirms.push(item, p.event_id, p.answer);
                         progressed = true;
                     }
                     Poll::Ready(None) => {
@@ -578,10 +576,31 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                 if e.answer.is_some() {
                     continue;
                 }
-                if let Some(answer) = advance(&mut e.item, &mut returns, &mut unsent) {
+                if let Some(answer) =
+                    advance(&mut e.item, &mut returns, &mut unsent, &mut unwritten)
+                {
                     e.answer = Some(answer);
                     progressed = true;
                 }
+            }
+            // Start publications, in order, while few are unwritten.
+            started = started.max(front);
+            while unwritten < MAX_UNWRITTEN && started < next {
+                let Some(e) = confirms.get_mut((started - front) as usize) else {
+                    break;
+                };
+                started += 1;
+                if e.answer.is_some() {
+                    continue;
+                }
+                progressed = true;
+                if let Some((class, reason)) = unsent.get() {
+                    e.item.stage = None;
+                    e.answer = Some(Answer::Failed(class, reason));
+                    continue;
+                }
+                unwritten += 1;
+                e.answer = advance(&mut e.item, &mut returns, &mut unsent, &mut unwritten);
             }
             for r in returns {
                 let id = r
@@ -641,10 +660,31 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
     }
 }
 
+/// Publications started whose frames are not yet written, at most: the rest
+/// wait unstarted, so that a broker slower than the WAL holds few frames in
+/// lapin's queue (each a copy of its message), not `max_in_flight` of them.
+const MAX_UNWRITTEN: usize = 256;
+
 /// Polls a publication's write, then its confirm, with its own waker; its
 /// answer once it has one. A return it carries goes to `returns`; a failed
-/// write fails every later publication unsent.
+/// write fails every later publication unsent. `unwritten` counts the
+/// publications in [`Stage::Writing`]: one leaving it is taken off.
 fn advance(
+    item: &mut Item,
+    returns: &mut Vec<BasicReturnMessage>,
+    unsent: &mut FailRest,
+    unwritten: &mut usize,
+) -> Option<Answer> {
+    let writing = matches!(item.stage, Some(Stage::Writing(_)));
+    let answer = poll_stage(item, returns, unsent);
+    if writing && !matches!(item.stage, Some(Stage::Writing(_))) {
+        *unwritten -= 1;
+    }
+    answer
+}
+
+/// [`advance`] without the count.
+fn poll_stage(
     item: &mut Item,
     returns: &mut Vec<BasicReturnMessage>,
     unsent: &mut FailRest,
