@@ -231,7 +231,8 @@ impl Window {
                 }
             }
             None => {
-                self.early.insert(seq, a);
+                // The first reply wins, as for one that waits.
+                self.early.entry(seq).or_insert(a);
             }
         }
     }
@@ -414,6 +415,119 @@ async fn settle(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn pending(seq: u64, sent: bool) -> Pending {
+        Pending {
+            token: seq as usize,
+            seq,
+            event: Event {
+                event_id: format!("e{seq}"),
+                topic: "outbox.order".into(),
+                key: None,
+                value: bytes::Bytes::from_static(b"{}"),
+                json_value: true,
+                headers: Vec::new(),
+                position: walbox_outbox::Position {
+                    commit_lsn: walbox_pgoutput::Lsn(0x1000 + 2 * seq),
+                    index: 0,
+                    xid: 7,
+                },
+                origin: walbox_outbox::Origin::Stream,
+            },
+            subject: "outbox.order".into(),
+            state: if sent {
+                State::Waiting
+            } else {
+                State::Failed(
+                    DeliveryClass::InvalidRecord,
+                    "refused before sending".into(),
+                )
+            },
+            published: None,
+            probe: None,
+        }
+    }
+
+    /// Which publications of a history were sent (the others were refused
+    /// before sending, and no reply can name them).
+    fn sent(seq: u64) -> bool {
+        seq % 5 != 3
+    }
+
+    fn answer_of(kind: u8) -> Answer {
+        match kind % 3 {
+            0 => Answer::Stored,
+            1 => Answer::Refused(PublishError::new(PublishErrorKind::TimedOut)),
+            _ => Answer::Duplicate(
+                serde_json::from_str(r#"{"stream":"s","seq":1,"duplicate":true}"#).unwrap(),
+            ),
+        }
+    }
+
+    /// An outcome as the model knows it: the answer's kind, or failed unsent.
+    fn tag(state: &State) -> u8 {
+        match state {
+            State::Waiting => 9,
+            State::Answered(Answer::Stored) => 0,
+            State::Answered(Answer::Refused(_)) => 1,
+            State::Answered(Answer::Duplicate(_)) => 2,
+            State::Failed(..) => 3,
+        }
+    }
+
+    proptest! {
+        /// Against a model: whatever order publications, replies (early,
+        /// repeated, late) and settling come in, publications settle in
+        /// publishing order, each with the first reply that named it while it
+        /// waited (or failed unsent), and never while it still waits.
+        #[test]
+        fn the_window_settles_in_publishing_order_with_each_publication_s_first_reply(
+            ops in proptest::collection::vec((0u8..3, any::<u8>(), any::<u8>()), 0..200)
+        ) {
+            let mut w = Window { entries: VecDeque::new(), base: 0, early: HashMap::new() };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            // The model: publications pushed, settled, and each one's first
+            // reply while unsettled.
+            let (mut pushed, mut settled) = (0u64, 0u64);
+            let mut first: HashMap<u64, u8> = HashMap::new();
+            for (op, a, b) in ops {
+                match op {
+                    0 => {
+                        w.push(pending(pushed, sent(pushed)), deadline);
+                        pushed += 1;
+                    }
+                    1 => {
+                        // A reply naming a publication settled already, waiting,
+                        // or not yet handed over.
+                        let Some(seq) = (settled + u64::from(a % 12)).checked_sub(3) else {
+                            continue;
+                        };
+                        if !sent(seq) {
+                            continue;
+                        }
+                        if seq >= settled {
+                            first.entry(seq).or_insert(b % 3);
+                        }
+                        w.answer(seq, answer_of(b));
+                    }
+                    _ => {
+                        let want = if settled < pushed {
+                            if sent(settled) { first.get(&settled).copied() } else { Some(3) }
+                        } else {
+                            None
+                        };
+                        let got = w.settled();
+                        prop_assert_eq!(got.as_ref().map(|p| p.seq), want.map(|_| settled));
+                        if let (Some(p), Some(t)) = (got, want) {
+                            prop_assert_eq!(tag(&p.state), t);
+                            settled += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn failures_are_classified() {
