@@ -225,8 +225,11 @@ fn rows(f: &Figures<'_>) -> Vec<Row> {
             goal: Goal::AtMost(RSS_MB),
             figure: mb,
             shown: format!("{mb:.1} MB ({at})"),
-            limit: "the destination's client library: its connection pool, TLS and HTTP \
-                    stacks, sized before the first event (the RSS column of each table)",
+            limit: "the in-flight window against a destination slower than the WAL: up to \
+                    sink.max_in_flight (10,000) events held at once, each as the relay's \
+                    event and the sink's prepared message; RSS falls back once they are \
+                    acknowledged, and about 18 MB of it is walbox's mapped code \
+                    (docs/benchmarks.md, \"Peak RSS\"; the RSS column of each table)",
         });
     }
     if let Some(p) = f.pubsub {
