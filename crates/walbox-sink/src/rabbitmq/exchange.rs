@@ -17,6 +17,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
@@ -28,7 +29,6 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
-    PublisherConfirm,
 };
 use tokio::sync::mpsc;
 use walbox_outbox::Event;
@@ -39,9 +39,34 @@ use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::{DROPPED_HEADERS_HEADER, KEY_HEADER, is_dead_letter, percent_encode};
 use crate::{Deliveries, DeliveryClass, RejectedRecord, Sink, SinkError};
 
-/// A `basic.publish` not yet started: the reporter starts it, so that it
-/// knows of every publication before the broker can answer it.
-type Publish = Pin<Box<dyn Future<Output = Result<PublisherConfirm, lapin::Error>> + Send>>;
+/// What one publication came to: the broker's answer, and the messages it
+/// sent back that lapin handed over with it (each with its `message_id`),
+/// whichever publication they belong to.
+struct Confirmed {
+    answer: Answer,
+    returns: Vec<(Option<String>, Returned)>,
+}
+
+impl Confirmed {
+    fn failed(class: DeliveryClass, reason: String) -> Self {
+        Confirmed {
+            answer: Answer::Failed(class, reason),
+            returns: Vec::new(),
+        }
+    }
+}
+
+/// A publication not yet started: `basic.publish` and then its confirm. The
+/// reporter starts it (its first poll writes nothing yet but registers the
+/// publication with lapin and queues its frames), so that it knows of every
+/// publication before the broker can answer it.
+type Publish = Pin<Box<dyn Future<Output = Confirmed> + Send>>;
+
+/// A publication to start, and the flag it sets once its frames are written.
+struct Start {
+    publish: Publish,
+    written: Arc<AtomicBool>,
+}
 
 /// One publication on its way to the reporter.
 struct Published {
@@ -49,18 +74,10 @@ struct Published {
     event_id: String,
     topic: String,
     /// The publication, unless the event failed before it (`answer`).
-    publish: Option<Publish>,
+    publish: Option<Start>,
     answer: Option<Answer>,
     rejected: RejectedRecord,
     sent_at: Instant,
-}
-
-/// Where a started publication is.
-enum Stage {
-    /// Its frames are on their way to the socket.
-    Writing(Publish),
-    /// Written; its confirm is awaited.
-    Confirming(PublisherConfirm),
 }
 
 /// What a report needs besides the answer.
@@ -68,7 +85,11 @@ struct Item {
     token: usize,
     event_id: String,
     topic: String,
-    stage: Option<Stage>,
+    /// The publication, until it has its answer.
+    publish: Option<Start>,
+    /// Started, and counted among the unwritten until its frames are.
+    started: bool,
+    unwritten: bool,
     /// Wakes the reporter naming this publication.
     waker: Waker,
     rejected: RejectedRecord,
@@ -461,20 +482,36 @@ impl Sink for ExchangeSink {
         let channel = self.session().await?.channel.clone();
         let exchange = ShortString::from(self.config.exchange.clone());
         let value = event.value.clone();
-        p.publish = Some(Box::pin(async move {
-            channel
-                .basic_publish(
-                    exchange,
-                    routing_key,
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    &value,
-                    properties,
-                )
-                .await
-        }));
+        let written = Arc::new(AtomicBool::new(false));
+        let done = Arc::clone(&written);
+        p.publish = Some(Start {
+            written,
+            publish: Box::pin(async move {
+                let confirm = match channel
+                    .basic_publish(
+                        exchange,
+                        routing_key,
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..Default::default()
+                        },
+                        &value,
+                        properties,
+                    )
+                    .await
+                {
+                    Ok(confirm) => confirm,
+                    Err(e) => {
+                        return Confirmed::failed(
+                            DeliveryClass::BrokerError,
+                            format!("publishing: {e}"),
+                        );
+                    }
+                };
+                done.store(true, Ordering::Release);
+                confirmed(confirm.await)
+            }),
+        });
         self.queue(p);
         Ok(())
     }
@@ -488,35 +525,93 @@ impl Sink for ExchangeSink {
     }
 }
 
+/// What lapin's confirm says, with the messages it handed over.
+fn confirmed(r: Result<Confirmation, lapin::Error>) -> Confirmed {
+    let (answer, returned) = match r {
+        Ok(Confirmation::Ack(ret)) => (Answer::Ack, ret),
+        Ok(Confirmation::Nack(ret)) => (Answer::Nack, ret),
+        Ok(Confirmation::NotRequested) => (
+            Answer::Failed(
+                DeliveryClass::BrokerError,
+                "the channel is not in confirm mode".into(),
+            ),
+            None,
+        ),
+        Err(e) => (
+            Answer::Failed(
+                DeliveryClass::BrokerError,
+                format!("no confirm: the channel or connection failed ({e})"),
+            ),
+            None,
+        ),
+    };
+    let returns = returned
+        .into_iter()
+        .map(|r: BasicReturnMessage| {
+            (
+                r.delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map(|m| m.to_string()),
+                Returned {
+                    code: r.reply_code,
+                    text: r.reply_text.to_string(),
+                    exchange: r.delivery.exchange.to_string(),
+                    routing_key: r.delivery.routing_key.to_string(),
+                },
+            )
+        })
+        .collect();
+    Confirmed { answer, returns }
+}
+
+/// Publications started whose frames are not yet written, at most: the rest
+/// wait unstarted, so that a broker slower than the WAL holds few frames in
+/// lapin's queue (each a copy of its message), not `max_in_flight` of them.
+const MAX_UNWRITTEN: usize = 256;
+
 /// Starts each publication and reports them in publish order as their
 /// confirms come.
 ///
-/// lapin hands a returned message to whichever confirm it resolves next,
-/// which may be another publication's (see [`super::confirms`]), so an entry
-/// is reported only once every confirm resolved before its own has been
-/// seen. Two things make that so without polling every awaited confirm at
-/// each wake: the reporter starts every publication itself (in publish
-/// order, with at most [`MAX_UNWRITTEN`] started and not yet written), so
-/// none can be answered before it is known here; and each publication has its own waker
-/// ([`Wakes`]), which lapin's one I/O loop calls as it resolves the
-/// publication's write, then its confirm. The woken list therefore holds a
-/// confirm resolved earlier before any resolved later; each round takes the
-/// whole list and polls what it names, so whatever round sees a confirm
-/// resolved has seen (and recorded the return of) every one resolved before
-/// it.
+/// lapin hands each returned message to the next confirm it resolves, which
+/// may be another publication's (see [`super::confirms`]): when one ack
+/// (`multiple`) resolves a batch, it walks the batch in its `HashMap`'s order
+/// and the first confirms it resolves take the returns waiting, oldest first.
+/// The return of a publication P is the i-th waiting, where i - 1 returns
+/// of publications before P wait with it; every one of those i publications
+/// is in the batch, so the last of them (or P) that lapin resolves is resolved
+/// at or after the confirm carrying P's return. An entry is reported only when
+/// it and every entry before it are answered, so it is enough that whatever
+/// round sees a confirm resolved has seen every one resolved before it.
 ///
-/// After a publication fails, nothing later that is not yet started is
-/// published: it fails unsent ([`FailRest`]).
+/// That holds without polling every awaited confirm at each wake:
+/// - the reporter starts every publication itself (in publish order, with at
+///   most [`MAX_UNWRITTEN`] started and not yet written), so none can be
+///   answered before it is known here;
+/// - each publication has its own waker ([`Wakes`]), which lapin calls once
+///   the promise's outcome is set, and lapin resolves a publication's write
+///   before its confirm (the ack comes after the frames are written), so a
+///   confirm not yet armed belongs to a publication whose write woke it;
+/// - each round takes the woken list and polls what it names, again and
+///   again until a take finds it empty, and only then reports: a confirm
+///   resolved before anything the round saw woke before that last take.
+///
+/// After a publication fails (a failed write, a nack, a return, a lost
+/// channel, a timeout), nothing later that is not yet started is published:
+/// it fails unsent ([`FailRest`]). A timeout fails every entry not reported,
+/// answered or not: a return for one of them may ride on a confirm not yet
+/// seen.
 async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, timeout: Duration) {
     let mut confirms: Confirms<Item> = Confirms::default();
     let woken = Arc::new(Woken::default());
     let mut due: Vec<u64> = Vec::new();
     let mut unsent = FailRest::default();
-    // The sequence number of the next publication, and of the oldest one
-    // awaiting its report.
+    // The sequence number of the next publication, of the oldest one
+    // awaiting its report, and of the first not started; how many started
+    // are unwritten.
     let mut next: u64 = 0;
     let mut front: u64 = 0;
-    // The first publication not started, and how many started are unwritten.
     let mut started: u64 = 0;
     let mut unwritten: usize = 0;
     let mut closed = false;
@@ -534,17 +629,18 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
         let progressed = std::future::poll_fn(|cx| {
             woken.register(cx.waker());
             let mut progressed = false;
-            let mut returns = Vec::new();
             while !closed {
                 match rx.poll_recv(cx) {
                     Poll::Ready(Some(p)) => {
                         let seq = next;
                         next += 1;
-                        let mut item = Item {
+                        let item = Item {
                             token: p.token,
                             event_id: p.event_id.clone(),
                             topic: p.topic,
-                            stage: None,
+                            publish: if p.answer.is_none() { p.publish } else { None },
+                            started: false,
+                            unwritten: false,
                             waker: Waker::from(Arc::new(Wakes {
                                 seq,
                                 woken: woken.clone(),
@@ -552,9 +648,6 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                             rejected: p.rejected,
                             sent_at: p.sent_at,
                         };
-                        if p.answer.is_none() {
-                            item.stage = p.publish.map(Stage::Writing);
-                        }
                         confirms.push(item, p.event_id, p.answer);
                         progressed = true;
                     }
@@ -563,24 +656,6 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                         progressed = true;
                     }
                     Poll::Pending => break,
-                }
-            }
-            woken.take(&mut due);
-            for seq in due.drain(..) {
-                let Some(e) = seq
-                    .checked_sub(front)
-                    .and_then(|i| confirms.get_mut(i as usize))
-                else {
-                    continue;
-                };
-                if e.answer.is_some() {
-                    continue;
-                }
-                if let Some(answer) =
-                    advance(&mut e.item, &mut returns, &mut unsent, &mut unwritten)
-                {
-                    e.answer = Some(answer);
-                    progressed = true;
                 }
             }
             // Start publications, in order, while few are unwritten.
@@ -595,36 +670,38 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
                 }
                 progressed = true;
                 if let Some((class, reason)) = unsent.get() {
-                    e.item.stage = None;
+                    e.item.publish = None;
                     e.answer = Some(Answer::Failed(class, reason));
                     continue;
                 }
+                e.item.started = true;
+                e.item.unwritten = true;
                 unwritten += 1;
-                e.answer = advance(&mut e.item, &mut returns, &mut unsent, &mut unwritten);
+                if let Some(c) = advance(&mut e.item, &mut unwritten) {
+                    record(&mut confirms, front, started - 1, c, &mut unsent);
+                }
             }
-            for r in returns {
-                let id = r
-                    .delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|m| m.to_string());
-                tracing::warn!(
-                    event_id = id.as_deref().unwrap_or("(none)"),
-                    exchange = r.delivery.exchange.as_str(),
-                    routing_key = r.delivery.routing_key.as_str(),
-                    code = r.reply_code,
-                    "the broker returned a message: no queue took it"
-                );
-                confirms.returned(
-                    id,
-                    Returned {
-                        code: r.reply_code,
-                        text: r.reply_text.to_string(),
-                        exchange: r.delivery.exchange.to_string(),
-                        routing_key: r.delivery.routing_key.to_string(),
-                    },
-                );
+            // What woke, until nothing more has.
+            loop {
+                woken.take(&mut due);
+                if due.is_empty() {
+                    break;
+                }
+                for seq in due.drain(..) {
+                    let Some(e) = seq
+                        .checked_sub(front)
+                        .and_then(|i| confirms.get_mut(i as usize))
+                    else {
+                        continue;
+                    };
+                    if e.answer.is_some() || !e.item.started {
+                        continue;
+                    }
+                    if let Some(c) = advance(&mut e.item, &mut unwritten) {
+                        record(&mut confirms, front, seq, c, &mut unsent);
+                        progressed = true;
+                    }
+                }
             }
             if progressed {
                 Poll::Ready(true)
@@ -633,14 +710,29 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
             }
         });
         let progressed = tokio::select! {
+            biased;
             p = progressed => p,
             () = sleep, if oldest.is_some() => false,
         };
         if !progressed && confirms.front_waiting() {
-            confirms.fail_waiting(
+            let reason = format!("no publisher confirm within {} ms", timeout.as_millis());
+            unsent.after(
                 DeliveryClass::Timeout,
-                &format!("no publisher confirm within {} ms", timeout.as_millis()),
+                format!(
+                    "not sent: an earlier event of this session got {reason}; walbox \
+                     publishes again from its acknowledged position"
+                ),
             );
+            for e in confirms.entries() {
+                if e.item.unwritten {
+                    e.item.unwritten = false;
+                    unwritten -= 1;
+                }
+                e.item.publish = None;
+                if matches!(e.answer, None | Some(Answer::Ack)) {
+                    e.answer = Some(Answer::Failed(DeliveryClass::Timeout, reason.clone()));
+                }
+            }
         }
         let ready = confirms.ready();
         front += ready.len() as u64;
@@ -660,84 +752,78 @@ async fn report(mut rx: mpsc::UnboundedReceiver<Published>, reports: Reports, ti
     }
 }
 
-/// Publications started whose frames are not yet written, at most: the rest
-/// wait unstarted, so that a broker slower than the WAL holds few frames in
-/// lapin's queue (each a copy of its message), not `max_in_flight` of them.
-const MAX_UNWRITTEN: usize = 256;
-
-/// Polls a publication's write, then its confirm, with its own waker; its
-/// answer once it has one. A return it carries goes to `returns`; a failed
-/// write fails every later publication unsent. `unwritten` counts the
-/// publications in [`Stage::Writing`]: one leaving it is taken off.
-fn advance(
-    item: &mut Item,
-    returns: &mut Vec<BasicReturnMessage>,
-    unsent: &mut FailRest,
-    unwritten: &mut usize,
-) -> Option<Answer> {
-    let writing = matches!(item.stage, Some(Stage::Writing(_)));
-    let answer = poll_stage(item, returns, unsent);
-    if writing && !matches!(item.stage, Some(Stage::Writing(_))) {
+/// Polls a started publication with its own waker; what it came to, once
+/// it has. `unwritten` counts the started publications whose frames are not
+/// yet written: one written is taken off.
+fn advance(item: &mut Item, unwritten: &mut usize) -> Option<Confirmed> {
+    let start = item.publish.as_mut()?;
+    let mut cx = Context::from_waker(&item.waker);
+    let r = start.publish.as_mut().poll(&mut cx);
+    if item.unwritten && (r.is_ready() || start.written.load(Ordering::Acquire)) {
+        item.unwritten = false;
         *unwritten -= 1;
     }
-    answer
+    let Poll::Ready(c) = r else {
+        return None;
+    };
+    item.publish = None;
+    Some(c)
 }
 
-/// [`advance`] without the count.
-fn poll_stage(
-    item: &mut Item,
-    returns: &mut Vec<BasicReturnMessage>,
+/// Records what publication `seq` came to: its answer, and the returns it
+/// carried (each for the publication it names). A failure of any kind, or a
+/// return, leaves every later publication not yet started unsent.
+fn record(
+    confirms: &mut Confirms<Item>,
+    front: u64,
+    seq: u64,
+    c: Confirmed,
     unsent: &mut FailRest,
-) -> Option<Answer> {
-    let waker = item.waker.clone();
-    let mut cx = Context::from_waker(&waker);
-    loop {
-        match item.stage.as_mut()? {
-            Stage::Writing(publish) => match publish.as_mut().poll(&mut cx) {
-                Poll::Pending => return None,
-                Poll::Ready(Ok(confirm)) => item.stage = Some(Stage::Confirming(confirm)),
-                Poll::Ready(Err(e)) => {
-                    item.stage = None;
-                    unsent.after(
-                        DeliveryClass::BrokerError,
-                        format!(
-                            "not sent: event {} of this session was not published ({e}); \
-                             walbox publishes again from its acknowledged position",
-                            item.event_id
-                        ),
-                    );
-                    return Some(Answer::Failed(
-                        DeliveryClass::BrokerError,
-                        format!("publishing: {e}"),
-                    ));
-                }
-            },
-            Stage::Confirming(confirm) => {
-                let Poll::Ready(r) = Pin::new(confirm).poll(&mut cx) else {
-                    return None;
-                };
-                item.stage = None;
-                return Some(match r {
-                    Ok(Confirmation::Ack(ret)) => {
-                        returns.extend(ret);
-                        Answer::Ack
-                    }
-                    Ok(Confirmation::Nack(ret)) => {
-                        returns.extend(ret);
-                        Answer::Nack
-                    }
-                    Ok(Confirmation::NotRequested) => Answer::Failed(
-                        DeliveryClass::BrokerError,
-                        "the channel is not in confirm mode".into(),
-                    ),
-                    Err(e) => Answer::Failed(
-                        DeliveryClass::BrokerError,
-                        format!("no confirm: the channel or connection failed ({e})"),
-                    ),
-                });
-            }
-        }
+) {
+    for (id, r) in c.returns {
+        tracing::warn!(
+            event_id = id.as_deref().unwrap_or("(none)"),
+            exchange = r.exchange.as_str(),
+            routing_key = r.routing_key.as_str(),
+            code = r.code,
+            "the broker returned a message: no queue took it"
+        );
+        unsent.after(
+            DeliveryClass::BrokerError,
+            format!(
+                "not sent: event {} of this session came back unroutable; walbox publishes \
+                 again from its acknowledged position",
+                id.as_deref().unwrap_or("(none)")
+            ),
+        );
+        confirms.returned(id, r);
     }
+    let Some(e) = seq
+        .checked_sub(front)
+        .and_then(|i| confirms.get_mut(i as usize))
+    else {
+        return;
+    };
+    match &c.answer {
+        Answer::Ack => {}
+        Answer::Nack => unsent.after(
+            DeliveryClass::BrokerError,
+            format!(
+                "not sent: event {} of this session was refused (basic.nack); walbox \
+                 publishes again from its acknowledged position",
+                e.item.event_id
+            ),
+        ),
+        Answer::Failed(class, reason) => unsent.after(
+            *class,
+            format!(
+                "not sent: event {} of this session failed ({reason}); walbox publishes \
+                 again from its acknowledged position",
+                e.item.event_id
+            ),
+        ),
+    }
+    e.answer = Some(c.answer);
 }
 
 #[cfg(test)]
@@ -764,6 +850,172 @@ mod tests {
             },
             origin: walbox_outbox::Origin::Stream,
         }
+    }
+
+    /// A publication handed to the reporter, whose outcome is `publish`.
+    fn published(token: usize, id: &str, publish: Publish, written: bool) -> Published {
+        Published {
+            token,
+            event_id: id.into(),
+            topic: "outbox.order".into(),
+            publish: Some(Start {
+                publish,
+                written: Arc::new(AtomicBool::new(written)),
+            }),
+            answer: None,
+            rejected: kit::rejected(&event(vec![])),
+            sent_at: Instant::now(),
+        }
+    }
+
+    fn ack() -> Confirmed {
+        Confirmed {
+            answer: Answer::Ack,
+            returns: Vec::new(),
+        }
+    }
+
+    fn no_route(id: &str) -> (Option<String>, Returned) {
+        (
+            Some(id.into()),
+            Returned {
+                code: 312,
+                text: "NO_ROUTE".into(),
+                exchange: "outbox".into(),
+                routing_key: "outbox.order".into(),
+            },
+        )
+    }
+
+    /// Each delivery's class (`None`: stored) and reason, by token.
+    async fn outcomes(
+        deliveries: &mut crate::Deliveries,
+        n: usize,
+    ) -> Vec<Option<(DeliveryClass, String)>> {
+        let mut out = vec![None; n];
+        let mut seen = 0;
+        while seen < n {
+            let d = tokio::time::timeout(Duration::from_secs(10), deliveries.recv())
+                .await
+                .expect("a delivery in time")
+                .expect("the reporter is alive");
+            out[d.token] = d.result.err().map(|e| (e.class, e.reason));
+            seen += 1;
+        }
+        out
+    }
+
+    /// lapin resolves W's confirm (an ack without the return) after V's,
+    /// which carries W's return, and V's waker fires while the round that
+    /// polls W is under way: W is reported only once V is seen, so it fails
+    /// as returned, never as stored.
+    #[tokio::test]
+    async fn a_return_carried_by_a_confirm_that_wakes_mid_round_fails_its_own_event() {
+        let (reports, mut deliveries) = Reports::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(report(rx, reports.clone(), Duration::from_secs(30)));
+        let (w_tx, w_rx) = tokio::sync::oneshot::channel::<Confirmed>();
+        let (v_tx, v_rx) = tokio::sync::oneshot::channel::<Confirmed>();
+        let w = Box::pin(async move {
+            let c = w_rx.await.expect("answered");
+            // lapin's I/O loop resolves V (carrying W's return) as W's own
+            // confirm comes out: V's waker fires after this round's take.
+            let _ = v_tx.send(Confirmed {
+                answer: Answer::Ack,
+                returns: vec![no_route("w")],
+            });
+            c
+        });
+        let v = Box::pin(async move { v_rx.await.expect("answered") });
+        reports.sent();
+        tx.send(published(0, "w", w, true)).unwrap();
+        reports.sent();
+        tx.send(published(1, "v", v, true)).unwrap();
+        // Both are started (and wait) before W is answered.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        w_tx.send(ack()).ok().expect("W waits");
+        let got = outcomes(&mut deliveries, 2).await;
+        assert_eq!(
+            got[0].as_ref().map(|o| o.0),
+            Some(DeliveryClass::UnknownTopic),
+            "{got:?}"
+        );
+        assert_eq!(got[1], None, "{got:?}");
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    /// A timeout fails every publication not reported, and what is sent
+    /// after it fails unsent at once: none is left waiting for a start that
+    /// would never come.
+    #[tokio::test]
+    async fn after_a_timeout_later_publications_fail_unsent_and_none_is_started() {
+        let (reports, mut deliveries) = Reports::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(report(rx, reports.clone(), Duration::from_millis(50)));
+        let n = MAX_UNWRITTEN + 44;
+        for i in 0..n {
+            reports.sent();
+            let never = Box::pin(std::future::pending::<Confirmed>());
+            tx.send(published(i, &format!("e{i}"), never, false))
+                .unwrap();
+        }
+        let got = outcomes(&mut deliveries, n).await;
+        assert!(
+            got.iter()
+                .all(|o| o.as_ref().is_some_and(|o| o.0 == DeliveryClass::Timeout)),
+            "{got:?}"
+        );
+        // A publication after the timeout is never started (its future
+        // panics if polled) and fails at once, saying why.
+        reports.sent();
+        let polled = Box::pin(async { panic!("started after the session failed") });
+        tx.send(published(0, "late", polled, false)).unwrap();
+        let late = tokio::time::timeout(Duration::from_millis(40), deliveries.recv())
+            .await
+            .expect("failed before a timeout of its own")
+            .expect("the reporter is alive");
+        let reason = late.result.unwrap_err().reason;
+        assert!(reason.contains("not sent"), "{reason}");
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    /// A nack stops the session: a publication handed over after it is never
+    /// started and fails unsent, so nothing of a key lands after an earlier
+    /// event that did not.
+    #[tokio::test]
+    async fn after_a_nack_a_publication_not_yet_started_fails_unsent() {
+        let (reports, mut deliveries) = Reports::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(report(rx, reports.clone(), Duration::from_secs(30)));
+        reports.sent();
+        let nacked = Box::pin(async {
+            Confirmed {
+                answer: Answer::Nack,
+                returns: Vec::new(),
+            }
+        });
+        tx.send(published(0, "a", nacked, true)).unwrap();
+        let got = outcomes(&mut deliveries, 1).await;
+        assert_eq!(
+            got[0].as_ref().map(|o| o.0),
+            Some(DeliveryClass::BrokerError)
+        );
+        reports.sent();
+        let polled = Box::pin(async { panic!("started after the session failed") });
+        tx.send(published(1, "b", polled, false)).unwrap();
+        let d = tokio::time::timeout(Duration::from_secs(10), deliveries.recv())
+            .await
+            .expect("a delivery in time")
+            .expect("the reporter is alive");
+        assert_eq!(d.token, 1);
+        let reason = d.result.unwrap_err().reason;
+        assert!(reason.contains("not sent: event a"), "{reason}");
+        drop(tx);
+        task.await.unwrap();
     }
 
     fn text(table: &FieldTable, name: &str) -> Option<String> {
