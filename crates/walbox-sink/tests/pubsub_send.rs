@@ -332,6 +332,15 @@ async fn a_publish_that_cannot_be_stored_fails_the_session_and_nothing_later_of_
     assert!(outcomes(&mut deliveries, 1).await[0].is_ok());
     proxy.refuse();
     proxy.cut();
+    // The cut takes effect on the proxy's own thread: until f0's kept-alive
+    // connection is gone, a request written on it could still reach the
+    // emulator.
+    walbox_testkit::wait_until(
+        "the proxy to drop its connections",
+        Duration::from_secs(10),
+        || (proxy.live() == 0).then_some(()),
+    )
+    .unwrap();
     sink.send(event("f1", "final.orders", "k", 1), 1)
         .await
         .unwrap();
