@@ -691,23 +691,44 @@ fn stream_event(stream: &str, id: &str, lsn: u64, index: u32) -> walbox_outbox::
     }
 }
 
-/// Sends `events` through a new stream-mode sink and returns each delivery's
-/// outcome (in token order) and how many were dropped as duplicates.
-async fn send_through_stream_sink(
+/// A sink's settings against `node`: in stream mode, `name` is the producer
+/// name; in exchange mode, the exchange it publishes to.
+fn sink_config(
     node: &walbox_testkit::RabbitMq,
-    producer: &str,
-    events: Vec<walbox_outbox::Event>,
-) -> (Vec<Result<(), walbox_sink::DeliveryClass>>, u64) {
-    use walbox_sink::Sink as _;
-    let config = walbox_sink::RabbitMqSinkConfig {
-        mode: walbox_sink::RabbitMqMode::Stream,
+    mode: walbox_sink::RabbitMqMode,
+    name: &str,
+) -> walbox_sink::RabbitMqSinkConfig {
+    let mut config = walbox_sink::RabbitMqSinkConfig {
+        mode,
         port: Some(node.amqp_port()),
         stream_port: Some(node.stream_port()),
         declare: true,
-        producer: Some(producer.to_owned()),
-        confirm_timeout_ms: 5_000,
         ..Default::default()
     };
+    match mode {
+        walbox_sink::RabbitMqMode::Stream => {
+            config.producer = Some(name.to_owned());
+            config.confirm_timeout_ms = 5_000;
+        }
+        walbox_sink::RabbitMqMode::Exchange => {
+            config.exchange = name.to_owned();
+            config.confirm_timeout_ms = 30_000;
+        }
+    }
+    config
+}
+
+/// Sends `events` through a new sink in `mode` (see [`sink_config`] for
+/// `name`) and returns each delivery's outcome, in token order, and how
+/// many were dropped as duplicates.
+async fn send_through_sink(
+    node: &walbox_testkit::RabbitMq,
+    mode: walbox_sink::RabbitMqMode,
+    name: &str,
+    events: Vec<walbox_outbox::Event>,
+) -> (Vec<Result<(), walbox_sink::DeliveryClass>>, u64) {
+    use walbox_sink::Sink as _;
+    let config = sink_config(node, mode, name);
     let (mut sink, mut deliveries) = walbox_sink::RabbitMqSink::new(config).unwrap();
     let n = events.len();
     for (token, e) in events.into_iter().enumerate() {
@@ -724,6 +745,15 @@ async fn send_through_stream_sink(
     }
     let duplicates = sink.duplicates();
     (out.into_iter().map(Option::unwrap).collect(), duplicates)
+}
+
+/// [`send_through_sink`] in stream mode, under the producer name `producer`.
+async fn send_through_stream_sink(
+    node: &walbox_testkit::RabbitMq,
+    producer: &str,
+    events: Vec<walbox_outbox::Event>,
+) -> (Vec<Result<(), walbox_sink::DeliveryClass>>, u64) {
+    send_through_sink(node, walbox_sink::RabbitMqMode::Stream, producer, events).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -779,40 +809,6 @@ async fn stream_events_under_several_producer_names_keep_their_order_in_the_stre
     assert_eq!(stored, sent);
 }
 
-/// Sends `events` through a new exchange-mode sink publishing to `exchange`
-/// and returns each delivery's outcome, in token order.
-async fn send_through_exchange_sink(
-    node: &walbox_testkit::RabbitMq,
-    exchange: &str,
-    events: Vec<walbox_outbox::Event>,
-) -> Vec<Result<(), walbox_sink::DeliveryClass>> {
-    use walbox_sink::Sink as _;
-    let config = walbox_sink::RabbitMqSinkConfig {
-        mode: walbox_sink::RabbitMqMode::Exchange,
-        port: Some(node.amqp_port()),
-        stream_port: Some(node.stream_port()),
-        exchange: exchange.to_owned(),
-        declare: true,
-        confirm_timeout_ms: 30_000,
-        ..Default::default()
-    };
-    let (mut sink, mut deliveries) = walbox_sink::RabbitMqSink::new(config).unwrap();
-    let n = events.len();
-    for (token, e) in events.into_iter().enumerate() {
-        sink.send(e, token).await.unwrap();
-    }
-    sink.end_batch();
-    let mut out = vec![None; n];
-    for _ in 0..n {
-        let d = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
-            .await
-            .expect("a delivery in time")
-            .expect("the sink is alive");
-        out[d.token] = Some(d.result.map_err(|e| e.class));
-    }
-    out.into_iter().map(Option::unwrap).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exchange_returns_amid_thousands_in_flight_fail_their_own_events_and_stop_the_rest() {
     // The broker acks many publications at once; lapin hands each return to
@@ -838,7 +834,8 @@ async fn exchange_returns_amid_thousands_in_flight_fail_their_own_events_and_sto
         e.key = Some(bytes::Bytes::from(format!("k{}", i % 7)));
         events.push(e);
     }
-    let got = send_through_exchange_sink(&node, "amid", events).await;
+    let (got, _) =
+        send_through_sink(&node, walbox_sink::RabbitMqMode::Exchange, "amid", events).await;
     for (i, r) in got.iter().enumerate().take(5) {
         assert_eq!(*r, Ok(()), "event {i}");
     }
