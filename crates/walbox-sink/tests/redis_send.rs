@@ -957,3 +957,47 @@ async fn a_replay_beside_the_relay_under_the_same_writer_leaves_both_chains_whol
     }
     assert_eq!(raw_ids(&redis, s).await.len(), 8);
 }
+
+/// A call's answer is awaited from when the server reaches it: calls queued
+/// behind others on the connection, each of which the server takes its
+/// time over, are not failed for the time spent on the ones before them;
+/// a call the server itself takes too long over still fails as a timeout.
+#[tokio::test] // one thread: every event is queued before the sink's writer runs, so its calls go out together
+async fn a_call_is_timed_from_when_the_server_reaches_it() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let proxy = walbox_testkit::TcpProxy::start(
+        format!("127.0.0.1:{}", redis.port())
+            .parse()
+            .expect("an address"),
+    )
+    .expect("the proxy starts");
+    // The server answers one request per 500 ms: four calls sent together
+    // are answered 0.5, 1.0, 1.5 and 2.0 s after the first reaches it, each
+    // within 1.2 s of the answer before it.
+    proxy.pace_requests(Duration::from_millis(500));
+    let s = "outbox.paced";
+    let cfg = RedisSinkConfig {
+        url: format!("redis://127.0.0.1:{}", proxy.addr().port()),
+        ack_timeout_ms: 1_200,
+        connect_timeout_ms: 30_000,
+        max_in_flight: 4,
+        ..config(&redis, "slot_a")
+    };
+    let events: Vec<Event> = (0..16u64)
+        .map(|i| event(&format!("p{i}"), s, 400 + 8 * i, 0))
+        .collect();
+    let sent: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+    let (r, _) = send_all(&cfg, None, events).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(ids(&redis, s).await, sent);
+
+    // A server that takes 2 s over each request: the call times out.
+    proxy.pace_requests(Duration::from_millis(2_000));
+    let (r, _) = send_all(&cfg, None, vec![event("slow", s, 600, 0)]).await;
+    let (class, reason) = r[0].clone().unwrap_err();
+    assert_eq!(class, DeliveryClass::Timeout, "{reason}");
+    assert!(
+        reason.contains("within 1200 ms of the server reaching it"),
+        "{reason}"
+    );
+}

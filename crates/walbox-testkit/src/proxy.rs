@@ -2,13 +2,17 @@
 //! forwards every connection it accepts, and on command cuts them all, refuses
 //! new ones (closes each as soon as it is accepted) and accepts again. It
 //! counts the connections it holds open, so a test sees a client that keeps
-//! connections it should have closed. It runs on a thread of its own and stops
-//! when dropped.
+//! connections it should have closed. It can also hold each Redis request
+//! (RESP) a client sends until a set time after the one before it went on
+//! ([`TcpProxy::pace_requests`]): a server that takes that long over each
+//! call. It runs on a thread of its own and stops when dropped.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -27,6 +31,9 @@ struct State {
     live: AtomicUsize,
     accepted: AtomicUsize,
     refused: AtomicUsize,
+    /// Milliseconds between the Redis requests forwarded on a connection
+    /// accepted from now on (0: bytes go through as they come).
+    pace_ms: AtomicU64,
     /// Bumped by [`TcpProxy::cut`]: every connection ends when it changes.
     cuts: watch::Sender<u64>,
 }
@@ -77,6 +84,7 @@ impl TcpProxy {
             live: AtomicUsize::new(0),
             accepted: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
+            pace_ms: AtomicU64::new(0),
             cuts: watch::channel(0).0,
         });
         runtime.spawn(serve(listener, target, Arc::clone(&state)));
@@ -108,6 +116,16 @@ impl TcpProxy {
     /// Forwards new connections again.
     pub fn accept(&self) {
         self.state.accepting.store(true, Ordering::SeqCst);
+    }
+
+    /// On each connection accepted from now on, holds every Redis request
+    /// (RESP) the client sends until `pace` after the one before it was
+    /// forwarded: however the client pipelines its calls, the server gets
+    /// them one per `pace`, as if each took that long. Replies go through as
+    /// they come. `Duration::ZERO` turns it off for later connections.
+    pub fn pace_requests(&self, pace: Duration) {
+        let ms = u64::try_from(pace.as_millis()).unwrap_or(u64::MAX);
+        self.state.pace_ms.store(ms, Ordering::SeqCst);
     }
 
     /// Connections open now.
@@ -151,17 +169,104 @@ async fn serve(listener: TcpListener, target: SocketAddr, state: Arc<State>) {
         state.live.fetch_add(1, Ordering::SeqCst);
         let live = Live(Arc::clone(&state));
         let mut cuts = state.cuts.subscribe();
+        let pace_ms = state.pace_ms.load(Ordering::SeqCst);
         tokio::spawn(async move {
             let _live = live;
             let Ok(mut server) = TcpStream::connect(target).await else {
                 return;
             };
-            tokio::select! {
-                _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
-                _ = cuts.changed() => {}
+            match pace_ms {
+                0 => tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                    _ = cuts.changed() => {}
+                },
+                ms => {
+                    let pace = Duration::from_millis(ms);
+                    let (mut from_client, mut to_client) = client.split();
+                    let (mut from_server, mut to_server) = server.split();
+                    tokio::select! {
+                        _ = paced(&mut from_client, &mut to_server, pace) => {}
+                        _ = tokio::io::copy(&mut from_server, &mut to_client) => {}
+                        _ = cuts.changed() => {}
+                    }
+                }
             }
         });
     }
+}
+
+/// Forwards the Redis requests read from `from` to `to`, each one `pace`
+/// after the one before it; ends when either side does or the stream is not
+/// RESP.
+async fn paced(
+    from: &mut (impl tokio::io::AsyncRead + Unpin),
+    to: &mut (impl tokio::io::AsyncWrite + Unpin),
+    pace: Duration,
+) -> std::io::Result<()> {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    let mut last: Option<tokio::time::Instant> = None;
+    loop {
+        let n = from.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        loop {
+            let len = match request_len(&buf) {
+                Ok(Some(len)) => len,
+                Ok(None) => break,
+                Err(()) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "not a RESP request",
+                    ));
+                }
+            };
+            if let Some(last) = last {
+                tokio::time::sleep_until(last + pace).await;
+            }
+            to.write_all(&buf[..len]).await?;
+            to.flush().await?;
+            last = Some(tokio::time::Instant::now());
+            buf.drain(..len);
+        }
+    }
+}
+
+/// The length of the whole RESP request at the start of `buf` (an array of
+/// bulk strings, `*<n>\r\n` then `$<len>\r\n<bytes>\r\n` each), `None` while
+/// part of it is still to come, `Err` for anything else.
+fn request_len(buf: &[u8]) -> std::result::Result<Option<usize>, ()> {
+    /// The number on the line at `at` after its one-byte prefix `tag`, and
+    /// where the next line starts.
+    fn line(buf: &[u8], at: usize, tag: u8) -> std::result::Result<Option<(usize, usize)>, ()> {
+        let Some(&first) = buf.get(at) else {
+            return Ok(None);
+        };
+        if first != tag {
+            return Err(());
+        }
+        let Some(end) = buf[at..].windows(2).position(|w| w == b"\r\n") else {
+            return Ok(None);
+        };
+        let digits = std::str::from_utf8(&buf[at + 1..at + end]).map_err(|_| ())?;
+        let n = digits.parse::<usize>().map_err(|_| ())?;
+        Ok(Some((n, at + end + 2)))
+    }
+    let Some((count, mut at)) = line(buf, 0, b'*')? else {
+        return Ok(None);
+    };
+    for _ in 0..count {
+        let Some((len, start)) = line(buf, at, b'$')? else {
+            return Ok(None);
+        };
+        at = start + len + 2;
+        if buf.len() < at {
+            return Ok(None);
+        }
+    }
+    Ok(Some(at))
 }
 
 #[cfg(test)]
@@ -196,6 +301,44 @@ mod tests {
         s.read_exact(&mut buf)?;
         assert_eq!(&buf, b"ping");
         Ok(())
+    }
+
+    #[test]
+    fn a_request_is_whole_only_with_every_bulk_string() {
+        let two = b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n";
+        assert_eq!(request_len(two), Ok(Some(two.len())));
+        for cut in 0..two.len() {
+            assert_eq!(request_len(&two[..cut]), Ok(None), "{cut}");
+        }
+        let mut both = two.to_vec();
+        both.extend_from_slice(b"*1\r\n$4\r\nPING\r\n");
+        assert_eq!(request_len(&both), Ok(Some(two.len())));
+        assert_eq!(request_len(b"PING\r\n"), Err(()));
+    }
+
+    /// Three requests written at once reach the server one per pace.
+    #[test]
+    fn paced_requests_reach_the_server_one_per_pace() {
+        let proxy = TcpProxy::start(echo()).unwrap();
+        proxy.pace_requests(Duration::from_millis(300));
+        let mut a = std::net::TcpStream::connect(proxy.addr()).unwrap();
+        a.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let one = b"*1\r\n$4\r\nPING\r\n";
+        let started = std::time::Instant::now();
+        a.write_all(&one.repeat(3)).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 64];
+        while got.len() < 3 * one.len() {
+            let n = a.read(&mut buf).unwrap();
+            assert!(n > 0, "the proxy closed the connection");
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(got, one.repeat(3));
+        assert!(
+            started.elapsed() >= Duration::from_millis(600),
+            "{:?}",
+            started.elapsed()
+        );
     }
 
     #[test]

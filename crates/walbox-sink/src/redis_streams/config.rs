@@ -61,7 +61,9 @@ pub struct RedisSinkConfig {
     /// How long to wait for a connection, in ms.
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
-    /// How long to wait for the server's answer to a batch, in ms.
+    /// How long to wait for the server's answer to a batch once it has
+    /// reached the batch (the calls before it on the connection answered),
+    /// in ms.
     #[serde(default = "default_ack_timeout_ms")]
     pub ack_timeout_ms: u64,
     /// Most events in flight (the relay's bound, and at most 1,000 in one
@@ -276,11 +278,17 @@ impl RedisSinkConfig {
         }
     }
 
-    /// The connection's timeouts.
-    pub(crate) fn connection_config(&self) -> redis::AsyncConnectionConfig {
+    /// The connection's timeouts, for a connection where a request may
+    /// queue behind `behind` script calls: a request's answer may take its
+    /// own `ack_timeout_ms` and theirs. (The writer times each script call
+    /// itself, from when the server reaches it.)
+    pub(crate) fn connection_config(&self, behind: usize) -> redis::AsyncConnectionConfig {
+        let calls = u64::try_from(behind).unwrap_or(u64::MAX).saturating_add(1);
         redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(Duration::from_millis(self.connect_timeout_ms)))
-            .set_response_timeout(Some(Duration::from_millis(self.ack_timeout_ms)))
+            .set_response_timeout(Some(Duration::from_millis(
+                self.ack_timeout_ms.saturating_mul(calls),
+            )))
     }
 
     /// The trimming arguments of an event's entry whose commit LSN is `lsn`

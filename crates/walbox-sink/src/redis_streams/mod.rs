@@ -14,7 +14,10 @@
 //! sent before it, and the script writes nothing unless that call was stored
 //! whole (it records each whole call in the writer's hash): so a call that
 //! stopped, failed or never ran leaves every later call of the session
-//! unwritten, and the session is still stored as a prefix.
+//! unwritten, and the session is still stored as a prefix. A call's answer
+//! is awaited `ack_timeout_ms` from when the server reaches it (from its
+//! sending, or the answer to the call before it, whichever is later), so the
+//! calls queued ahead of it do not count against it.
 //!
 //! Histories where positions do not grow (a retaken snapshot, whose rows sit
 //! at the later consistent point; `walbox replay`) put an event below the
@@ -59,6 +62,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use redis::aio::MultiplexedConnection;
 use tokio::sync::mpsc;
@@ -129,9 +134,18 @@ impl std::fmt::Debug for RedisSink {
 
 /// Connects with `config`'s settings; refused credentials are final.
 pub(crate) async fn connect(config: &RedisSinkConfig) -> Result<MultiplexedConnection, SinkError> {
+    connect_behind(config, 0).await
+}
+
+/// Connects for a session that keeps up to `behind` script calls in flight
+/// ahead of a request ([`RedisSinkConfig::connection_config`]).
+async fn connect_behind(
+    config: &RedisSinkConfig,
+    behind: usize,
+) -> Result<MultiplexedConnection, SinkError> {
     let client = config.client()?;
     client
-        .get_multiplexed_async_connection_with_config(&config.connection_config())
+        .get_multiplexed_async_connection_with_config(&config.connection_config(behind))
         .await
         .map_err(|e| connect_error(&e, config))
 }
@@ -199,7 +213,7 @@ impl RedisSink {
         let session = self
             .session
             .open_with(|| async {
-                let mut con = connect(config).await?;
+                let mut con = connect_behind(config, CALLS_IN_FLIGHT).await?;
                 if !*checked {
                     check_durability(&mut con, config).await?;
                     *checked = true;
@@ -404,6 +418,8 @@ type Answer = Pin<Box<dyn Future<Output = redis::RedisResult<redis::Value>> + Se
 struct Call {
     batch: Vec<Item>,
     answer: Answer,
+    /// When it was sent.
+    sent: Instant,
 }
 
 impl Writer {
@@ -413,6 +429,10 @@ impl Writer {
         let mut waiting: VecDeque<Item> = VecDeque::new();
         let mut waiting_bytes = 0usize;
         let mut in_flight: VecDeque<Call> = VecDeque::new();
+        // When the last answer came: the server has reached the oldest call
+        // in flight since then, or since its sending.
+        let mut answered_at = Instant::now();
+        let wait = Duration::from_millis(self.config.ack_timeout_ms);
         let mut open = true;
         loop {
             while let Ok(item) = rx.try_recv() {
@@ -439,12 +459,27 @@ impl Writer {
             if !open && waiting.is_empty() && in_flight.is_empty() {
                 break;
             }
+            let due = in_flight.front().map(|c| c.sent.max(answered_at) + wait);
             tokio::select! {
+                biased;
                 answer = async { (&mut in_flight.front_mut().expect("checked").answer).await },
                     if !in_flight.is_empty() =>
                 {
                     let call = in_flight.pop_front().expect("checked");
+                    answered_at = Instant::now();
                     self.answered(call.batch, answer);
+                }
+                () = tokio::time::sleep_until(due.unwrap_or(answered_at)), if due.is_some() => {
+                    // The server reached the call and has not answered it in
+                    // time; what it does with it is found out when walbox
+                    // writes again.
+                    let call = in_flight.pop_front().expect("checked");
+                    answered_at = Instant::now();
+                    let cause = format!(
+                        "no answer within {} ms of the server reaching it",
+                        self.config.ack_timeout_ms
+                    );
+                    self.unanswered(call.batch, DeliveryClass::Timeout, &cause);
                 }
                 item = rx.recv(), if open => match item {
                     Some(item) => {
@@ -485,7 +520,7 @@ impl Writer {
         }
         if !self.loaded {
             if let Err(e) = self.script.load_async(&mut self.con).await {
-                self.unanswered(batch, &e);
+                self.unanswered_error(batch, &e);
                 return None;
             }
             self.loaded = true;
@@ -503,7 +538,7 @@ impl Writer {
                 Some(name) => match self.copy_of(&progress, name, &writer, &item.event).await {
                     Ok(copy) => held.push(copy),
                     Err(e) => {
-                        self.unanswered(batch, &e);
+                        self.unanswered_error(batch, &e);
                         return None;
                     }
                 },
@@ -559,7 +594,11 @@ impl Writer {
         {
             answer = Box::pin(std::future::ready(r));
         }
-        Some(Call { batch, answer })
+        Some(Call {
+            batch,
+            answer,
+            sent: Instant::now(),
+        })
     }
 
     /// What became of a call's batch, by its answer.
@@ -577,7 +616,7 @@ impl Writer {
                 written: Vec::new(),
                 stop: Some((0, Stop::Error("an answer walbox cannot read".into()))),
             }),
-            Err(e) => return self.unanswered(batch, &e),
+            Err(e) => return self.unanswered_error(batch, &e),
         };
         let mut appended = 0usize;
         let mut items = batch.into_iter().enumerate();
@@ -639,17 +678,22 @@ impl Writer {
 
     /// The batch got no answer (or what it needs could not be read): it
     /// fails, and so does every later entry of the session.
-    fn unanswered(&mut self, batch: Vec<Item>, e: &redis::RedisError) {
+    fn unanswered_error(&mut self, batch: Vec<Item>, e: &redis::RedisError) {
         let class = if e.is_timeout() {
             DeliveryClass::Timeout
         } else {
             DeliveryClass::BrokerError
         };
+        self.unanswered(batch, class, &error_text(e));
+    }
+
+    /// The batch got no answer, for `cause`: it fails with `class`, and so
+    /// does every later entry of the session.
+    fn unanswered(&mut self, batch: Vec<Item>, class: DeliveryClass, cause: &str) {
         let reason = format!(
-            "the batch of {} entries got no answer ({}); whether it was stored is \
+            "the batch of {} entries got no answer ({cause}); whether it was stored is \
              checked when walbox writes again from its acknowledged position",
             batch.len(),
-            error_text(e)
         );
         self.failed
             .after(DeliveryClass::BrokerError, reason.clone());
