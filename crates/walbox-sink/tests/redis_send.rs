@@ -958,46 +958,146 @@ async fn a_replay_beside_the_relay_under_the_same_writer_leaves_both_chains_whol
     assert_eq!(raw_ids(&redis, s).await.len(), 8);
 }
 
-/// A call's answer is awaited from when the server reaches it: calls queued
-/// behind others on the connection, each of which the server takes its
-/// time over, are not failed for the time spent on the ones before them;
-/// a call the server itself takes too long over still fails as a timeout.
-#[tokio::test] // one thread: every event is queued before the sink's writer runs, so its calls go out together
-async fn a_call_is_timed_from_when_the_server_reaches_it() {
-    let redis = RedisServer::start().expect("redis-server starts");
+/// A proxy in front of `redis` and a sink's settings through it.
+fn proxied(
+    redis: &RedisServer,
+    ack_timeout_ms: u64,
+) -> (walbox_testkit::TcpProxy, RedisSinkConfig) {
     let proxy = walbox_testkit::TcpProxy::start(
         format!("127.0.0.1:{}", redis.port())
             .parse()
             .expect("an address"),
     )
     .expect("the proxy starts");
-    // The server answers one request per 500 ms: four calls sent together
-    // are answered 0.5, 1.0, 1.5 and 2.0 s after the first reaches it, each
-    // within 1.2 s of the answer before it.
-    proxy.pace_requests(Duration::from_millis(500));
-    let s = "outbox.paced";
     let cfg = RedisSinkConfig {
         url: format!("redis://127.0.0.1:{}", proxy.addr().port()),
-        ack_timeout_ms: 1_200,
-        connect_timeout_ms: 30_000,
-        max_in_flight: 4,
-        ..config(&redis, "slot_a")
+        ack_timeout_ms,
+        connect_timeout_ms: 60_000,
+        ..config(redis, "slot_a")
     };
+    (proxy, cfg)
+}
+
+/// The outcomes of the deliveries of tokens `from..from + n`, in token
+/// order, as they come.
+async fn outcomes(
+    deliveries: &mut walbox_sink::Deliveries,
+    from: usize,
+    n: usize,
+) -> Vec<Result<(), (DeliveryClass, String)>> {
+    let mut out = vec![None; n];
+    for _ in 0..n {
+        let d = tokio::time::timeout(Duration::from_secs(60), deliveries.recv())
+            .await
+            .expect("a delivery in time")
+            .expect("the sink is alive");
+        out[d.token - from] = Some(d.result.map_err(|e| (e.class, e.reason)));
+    }
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+/// A call's answer is awaited from when the server reaches it: calls queued
+/// behind others on the connection, each of which the server takes its
+/// time over, are not failed for the time spent on the ones before them,
+/// nor is a call sent after the connection sat idle; a call the server
+/// itself takes too long over fails as a timeout, and the calls in flight
+/// behind it fail with it at once.
+#[tokio::test] // one thread: every event is queued before the sink's writer runs, so its calls go out together
+async fn a_call_is_timed_from_when_the_server_reaches_it() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let (proxy, cfg) = proxied(&redis, 2_500);
+    // The server answers one request per second: four calls sent together
+    // are answered 1, 2, 3 and 4 s after the first reaches it, each within
+    // 2.5 s of the answer before it.
+    proxy.pace_requests(Duration::from_secs(1));
+    let s = "outbox.paced";
+    let cfg = RedisSinkConfig {
+        max_in_flight: 4,
+        ..cfg
+    };
+    let (mut sink, mut deliveries) = RedisSink::new(cfg).unwrap();
     let events: Vec<Event> = (0..16u64)
         .map(|i| event(&format!("p{i}"), s, 400 + 8 * i, 0))
         .collect();
-    let sent: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
-    let (r, _) = send_all(&cfg, None, events).await;
+    let mut sent: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+    for (token, e) in events.into_iter().enumerate() {
+        sink.send(e, token).await.unwrap();
+    }
+    let r = outcomes(&mut deliveries, 0, 16).await;
     assert!(r.iter().all(Result::is_ok), "{r:?}");
+    // The calls were on the connection together: the third was answered
+    // 3 s after it was sent.
+    assert!(proxy.most_held() >= 3, "{}", proxy.most_held());
     assert_eq!(ids(&redis, s).await, sent);
 
-    // A server that takes 2 s over each request: the call times out.
-    proxy.pace_requests(Duration::from_millis(2_000));
-    let (r, _) = send_all(&cfg, None, vec![event("slow", s, 600, 0)]).await;
-    let (class, reason) = r[0].clone().unwrap_err();
-    assert_eq!(class, DeliveryClass::Timeout, "{reason}");
+    // Idle for longer than the timeout, then a call answered at once: its
+    // time runs from its sending, not from the last answer.
+    proxy.pace_requests(Duration::ZERO);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    sink.send(event("after-idle", s, 600, 0), 16).await.unwrap();
+    let r = outcomes(&mut deliveries, 16, 1).await;
+    assert!(r[0].is_ok(), "{r:?}");
+    sent.push("after-idle".into());
+
+    // A server that takes 5 s over each request: the first call times out,
+    // and the three in flight behind it fail with it, without their own
+    // timeouts to wait for.
+    proxy.pace_requests(Duration::from_secs(5));
+    for i in 0..16u64 {
+        let token = 17 + i as usize;
+        sink.send(event(&format!("slow{i}"), s, 700 + 8 * i, 0), token)
+            .await
+            .unwrap();
+    }
+    let r = outcomes(&mut deliveries, 17, 16).await;
+    for (i, o) in r.iter().enumerate() {
+        let (class, reason) = o.clone().unwrap_err();
+        if i < 4 {
+            // The first call's batch.
+            assert_eq!(class, DeliveryClass::Timeout, "event {i}: {reason}");
+            assert!(
+                reason.contains("within 2500 ms of the server reaching it"),
+                "{reason}"
+            );
+        } else {
+            assert_eq!(class, DeliveryClass::BrokerError, "event {i}: {reason}");
+        }
+    }
+    drop(sink);
+    // What the server may still have stored of them is a prefix after the
+    // events before.
+    let stored = ids(&redis, s).await;
+    assert_eq!(stored[..sent.len()], sent[..]);
+}
+
+/// A read of the server's durability settings that gets no answer says
+/// nothing of them: the session does not open (it is retried), rather than
+/// going on as if the server could not tell.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durability_read_without_an_answer_does_not_open_the_session() {
+    let redis = RedisServer::start().expect("redis-server starts");
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("appendfsync")
+        .arg("everysec")
+        .query_async(&mut con)
+        .await
+        .unwrap();
+    let (proxy, cfg) = proxied(&redis, 1_000);
+    // Each request reaches the server 3 s after the one before it: the
+    // connection's set-up goes through, CONFIG GET gets no answer in 1 s.
+    proxy.pace_requests(Duration::from_secs(3));
+    let (mut sink, _d) = RedisSink::new(cfg).unwrap();
+    let e = sink
+        .send(event("e1", "outbox.d", 100, 0), 0)
+        .await
+        .expect_err("the session does not open");
+    let text = e.to_string();
     assert!(
-        reason.contains("within 1200 ms of the server reaching it"),
-        "{reason}"
+        text.contains("CONFIG GET") && text.contains("no answer within 1000 ms"),
+        "{text}"
     );
+    assert!(matches!(e, walbox_sink::SinkError::Redis(_)), "{e:?}");
 }

@@ -31,9 +31,11 @@ struct State {
     live: AtomicUsize,
     accepted: AtomicUsize,
     refused: AtomicUsize,
-    /// Milliseconds between the Redis requests forwarded on a connection
-    /// accepted from now on (0: bytes go through as they come).
+    /// Milliseconds between the Redis requests forwarded on a paced
+    /// connection; a connection accepted while it is 0 is not paced.
     pace_ms: AtomicU64,
+    /// The most whole requests a paced connection held at once.
+    most_held: AtomicUsize,
     /// Bumped by [`TcpProxy::cut`]: every connection ends when it changes.
     cuts: watch::Sender<u64>,
 }
@@ -85,6 +87,7 @@ impl TcpProxy {
             accepted: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
             pace_ms: AtomicU64::new(0),
+            most_held: AtomicUsize::new(0),
             cuts: watch::channel(0).0,
         });
         runtime.spawn(serve(listener, target, Arc::clone(&state)));
@@ -118,14 +121,23 @@ impl TcpProxy {
         self.state.accepting.store(true, Ordering::SeqCst);
     }
 
-    /// On each connection accepted from now on, holds every Redis request
-    /// (RESP) the client sends until `pace` after the one before it was
-    /// forwarded: however the client pipelines its calls, the server gets
-    /// them one per `pace`, as if each took that long. Replies go through as
-    /// they come. `Duration::ZERO` turns it off for later connections.
+    /// Holds every Redis request (RESP) a client sends until `pace` after
+    /// the one before it on its connection was forwarded: however the
+    /// client pipelines its calls, the server gets them one per `pace`, as
+    /// if each took that long. Replies go through as they come. It applies
+    /// to the connections accepted while a pace is set, each request taking
+    /// the pace set when it is forwarded; `Duration::ZERO` forwards at once
+    /// (and leaves later connections unpaced).
     pub fn pace_requests(&self, pace: Duration) {
         let ms = u64::try_from(pace.as_millis()).unwrap_or(u64::MAX);
         self.state.pace_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// The most whole requests a paced connection has held at once: how
+    /// many the client had sent before the first of them was answered.
+    #[must_use]
+    pub fn most_held(&self) -> usize {
+        self.state.most_held.load(Ordering::SeqCst)
     }
 
     /// Connections open now.
@@ -170,6 +182,7 @@ async fn serve(listener: TcpListener, target: SocketAddr, state: Arc<State>) {
         let live = Live(Arc::clone(&state));
         let mut cuts = state.cuts.subscribe();
         let pace_ms = state.pace_ms.load(Ordering::SeqCst);
+        let state = Arc::clone(&state);
         tokio::spawn(async move {
             let _live = live;
             let Ok(mut server) = TcpStream::connect(target).await else {
@@ -180,12 +193,11 @@ async fn serve(listener: TcpListener, target: SocketAddr, state: Arc<State>) {
                     _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
                     _ = cuts.changed() => {}
                 },
-                ms => {
-                    let pace = Duration::from_millis(ms);
+                _ => {
                     let (mut from_client, mut to_client) = client.split();
                     let (mut from_server, mut to_server) = server.split();
                     tokio::select! {
-                        _ = paced(&mut from_client, &mut to_server, pace) => {}
+                        _ = paced(&mut from_client, &mut to_server, &state) => {}
                         _ = tokio::io::copy(&mut from_server, &mut to_client) => {}
                         _ = cuts.changed() => {}
                     }
@@ -195,14 +207,15 @@ async fn serve(listener: TcpListener, target: SocketAddr, state: Arc<State>) {
     }
 }
 
-/// Forwards the Redis requests read from `from` to `to`, each one `pace`
-/// after the one before it; ends when either side does or the stream is not
-/// RESP.
+/// Forwards the Redis requests read from `from` to `to`, each one the pace
+/// set in `state` after the one before it; ends when either side does or
+/// the stream is not RESP.
 async fn paced(
     from: &mut (impl tokio::io::AsyncRead + Unpin),
     to: &mut (impl tokio::io::AsyncWrite + Unpin),
-    pace: Duration,
+    state: &State,
 ) -> std::io::Result<()> {
+    let not_resp = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not a RESP request");
     let mut buf: Vec<u8> = Vec::new();
     let mut chunk = [0u8; 16 * 1024];
     let mut last: Option<tokio::time::Instant> = None;
@@ -212,17 +225,10 @@ async fn paced(
             return Ok(());
         }
         buf.extend_from_slice(&chunk[..n]);
-        loop {
-            let len = match request_len(&buf) {
-                Ok(Some(len)) => len,
-                Ok(None) => break,
-                Err(()) => {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        "not a RESP request",
-                    ));
-                }
-            };
+        let held = whole_requests(&buf).map_err(|()| not_resp())?;
+        state.most_held.fetch_max(held, Ordering::SeqCst);
+        while let Some(len) = request_len(&buf).map_err(|()| not_resp())? {
+            let pace = Duration::from_millis(state.pace_ms.load(Ordering::SeqCst));
             if let Some(last) = last {
                 tokio::time::sleep_until(last + pace).await;
             }
@@ -232,6 +238,17 @@ async fn paced(
             buf.drain(..len);
         }
     }
+}
+
+/// How many whole RESP requests `buf` starts with.
+fn whole_requests(buf: &[u8]) -> std::result::Result<usize, ()> {
+    let mut at = 0;
+    let mut n = 0;
+    while let Some(len) = request_len(&buf[at..])? {
+        at += len;
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// The length of the whole RESP request at the start of `buf` (an array of
@@ -313,6 +330,8 @@ mod tests {
         let mut both = two.to_vec();
         both.extend_from_slice(b"*1\r\n$4\r\nPING\r\n");
         assert_eq!(request_len(&both), Ok(Some(two.len())));
+        assert_eq!(whole_requests(&both), Ok(2));
+        assert_eq!(whole_requests(&both[..both.len() - 1]), Ok(1));
         assert_eq!(request_len(b"PING\r\n"), Err(()));
     }
 
@@ -339,6 +358,7 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
+        assert_eq!(proxy.most_held(), 3);
     }
 
     #[test]

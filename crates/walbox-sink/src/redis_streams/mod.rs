@@ -17,7 +17,9 @@
 //! unwritten, and the session is still stored as a prefix. A call's answer
 //! is awaited `ack_timeout_ms` from when the server reaches it (from its
 //! sending, or the answer to the call before it, whichever is later), so the
-//! calls queued ahead of it do not count against it.
+//! calls queued ahead of it do not count against it; when one gets none, the
+//! calls behind it fail with it. A replay's calls go one at a time, since
+//! one may first read what earlier runs of the replay stored.
 //!
 //! Histories where positions do not grow (a retaken snapshot, whose rows sit
 //! at the later consistent point; `walbox replay`) put an event below the
@@ -288,18 +290,34 @@ impl Durability {
 /// Connects and reads the server's `appendonly` and `appendfsync`.
 pub async fn server_durability(config: &RedisSinkConfig) -> Result<Durability, SinkError> {
     let mut con = connect(config).await?;
-    Ok(durability(&mut con).await)
+    durability(&mut con, config).await
 }
 
-async fn durability(con: &mut MultiplexedConnection) -> Durability {
-    let read: redis::RedisResult<HashMap<String, String>> = redis::cmd("CONFIG")
-        .arg("GET")
+/// What the server says of its durability. A server that refuses the read
+/// (a managed Redis without `CONFIG`) is [`Durability::Unknown`]; a read that
+/// got no answer (a lost connection, no answer within `ack_timeout_ms`) is an
+/// error, retried like an unreachable server: it says nothing of the server.
+async fn durability(
+    con: &mut MultiplexedConnection,
+    config: &RedisSinkConfig,
+) -> Result<Durability, SinkError> {
+    let within = Duration::from_millis(config.ack_timeout_ms);
+    let mut cmd = redis::cmd("CONFIG");
+    cmd.arg("GET")
         .arg("appendonly")
         .arg("appendfsync")
-        .arg("no-appendfsync-on-rewrite")
-        .query_async(con)
-        .await;
-    match read {
+        .arg("no-appendfsync-on-rewrite");
+    let query = cmd.query_async::<HashMap<String, String>>(con);
+    let unread = |why: String| {
+        SinkError::Redis(format!(
+            "reading the server's appendonly and appendfsync (CONFIG GET) on {}: {why}",
+            shown_url(&config.url)
+        ))
+    };
+    let read = tokio::time::timeout(within, query)
+        .await
+        .map_err(|_| unread(format!("no answer within {} ms", config.ack_timeout_ms)))?;
+    Ok(match read {
         Ok(settings) => {
             let aof = settings.get("appendonly").cloned().unwrap_or_default();
             let fsync = settings.get("appendfsync").cloned().unwrap_or_default();
@@ -314,8 +332,17 @@ async fn durability(con: &mut MultiplexedConnection) -> Durability {
                 Durability::Unsynced(aof, fsync)
             }
         }
-        Err(e) => Durability::Unknown(error_text(&e)),
-    }
+        // The server refused the command for good (no CONFIG on a managed
+        // Redis, an ACL without it): it will not say.
+        Err(e)
+            if matches!(e.kind(), redis::ErrorKind::Server(_))
+                && matches!(e.retry_method(), redis::RetryMethod::NoRetry) =>
+        {
+            Durability::Unknown(error_text(&e))
+        }
+        // No answer, or a busy or loading server: nothing was learnt.
+        Err(e) => return Err(unread(error_text(&e))),
+    })
 }
 
 /// An acknowledged entry is on disk only with `appendonly yes`,
@@ -326,7 +353,7 @@ async fn check_durability(
     con: &mut MultiplexedConnection,
     config: &RedisSinkConfig,
 ) -> Result<(), SinkError> {
-    match durability(con).await {
+    match durability(con, config).await? {
         Durability::Synced => Ok(()),
         d @ Durability::Unknown(_) => {
             tracing::warn!("{}", d.describe());
@@ -440,10 +467,14 @@ impl Writer {
                 waiting.push_back(item);
             }
             // A call goes out at once when none is in flight; beside others
-            // only with a whole batch, so that calls stay large.
+            // only with a whole batch, so that calls stay large, and never a
+            // replay's: its batch may first read what earlier runs stored,
+            // and the calls' timer does not run while `send` waits for that.
             while in_flight.len() < CALLS_IN_FLIGHT
                 && !waiting.is_empty()
-                && (in_flight.is_empty() || waiting.len() >= cap || waiting_bytes >= BATCH_BYTES)
+                && (in_flight.is_empty()
+                    || (waiting.front().is_some_and(|i| i.replay.is_none())
+                        && (waiting.len() >= cap || waiting_bytes >= BATCH_BYTES)))
             {
                 let batch = cut_batch(&mut waiting, &mut waiting_bytes, cap);
                 if let Some((class, reason)) = self.failed.get() {
@@ -471,15 +502,21 @@ impl Writer {
                 }
                 () = tokio::time::sleep_until(due.unwrap_or(answered_at)), if due.is_some() => {
                     // The server reached the call and has not answered it in
-                    // time; what it does with it is found out when walbox
-                    // writes again.
+                    // time; what it does with it, and with the calls after it,
+                    // is found out when walbox writes again. Those fail now,
+                    // whatever their answers would say.
                     let call = in_flight.pop_front().expect("checked");
-                    answered_at = Instant::now();
                     let cause = format!(
                         "no answer within {} ms of the server reaching it",
                         self.config.ack_timeout_ms
                     );
                     self.unanswered(call.batch, DeliveryClass::Timeout, &cause);
+                    let failed = self.failed.get().expect("set by unanswered");
+                    for call in in_flight.drain(..) {
+                        for item in call.batch {
+                            self.report(&item, Err(failed.clone()));
+                        }
+                    }
                 }
                 item = rx.recv(), if open => match item {
                     Some(item) => {
