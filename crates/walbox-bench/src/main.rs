@@ -196,8 +196,7 @@ async fn main() -> Result<(), Error> {
         }
         // The topic walbox would have created (6 partitions, its default):
         // walbox's own runs each write a topic of their own.
-        walbox_testkit::kafka::create_topic(&bench.broker.bootstrap(), "outbox.order", 6)
-            .await?;
+        walbox_testkit::kafka::create_topic(&bench.broker.bootstrap(), "outbox.order", 6).await?;
         with_polling.extend(bench.polling(events).await?);
     }
 
