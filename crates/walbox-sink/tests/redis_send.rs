@@ -70,6 +70,19 @@ async fn send_all(
     )
 }
 
+/// Sets one of the server's settings (`CONFIG SET`).
+async fn config_set(redis: &RedisServer, name: &str, value: &str) {
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut con = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query_async(&mut con)
+        .await
+        .unwrap();
+}
+
 async fn ids(redis: &RedisServer, stream: &str) -> Vec<String> {
     let mut out = Vec::new();
     let cfg = RedisSinkConfig {
@@ -346,15 +359,7 @@ async fn a_key_of_another_type_refuses_its_entry_alone_and_other_refusals_store_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_without_fsync_on_every_write_is_refused_unless_allowed() {
     let redis = RedisServer::start().expect("redis-server starts");
-    let client = redis::Client::open(redis.url()).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("appendfsync")
-        .arg("everysec")
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    config_set(&redis, "appendfsync", "everysec").await;
     let cfg = config(&redis, "slot_a");
     let (mut sink, _d) = RedisSink::new(cfg.clone()).unwrap();
     let e = sink
@@ -530,15 +535,7 @@ async fn a_server_that_skips_fsync_while_it_rewrites_is_refused_unless_allowed()
     // background save or AOF rewrite runs, even with appendfsync always: an
     // acknowledged entry may not be on disk.
     let redis = RedisServer::start().expect("redis-server starts");
-    let client = redis::Client::open(redis.url()).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("no-appendfsync-on-rewrite")
-        .arg("yes")
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    config_set(&redis, "no-appendfsync-on-rewrite", "yes").await;
     let cfg = config(&redis, "slot_a");
     let (mut sink, _d) = RedisSink::new(cfg.clone()).unwrap();
     let e = sink
@@ -1076,15 +1073,7 @@ async fn a_call_is_timed_from_when_the_server_reaches_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_durability_read_without_an_answer_does_not_open_the_session() {
     let redis = RedisServer::start().expect("redis-server starts");
-    let client = redis::Client::open(redis.url()).unwrap();
-    let mut con = client.get_multiplexed_async_connection().await.unwrap();
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("appendfsync")
-        .arg("everysec")
-        .query_async(&mut con)
-        .await
-        .unwrap();
+    config_set(&redis, "appendfsync", "everysec").await;
     let (proxy, cfg) = proxied(&redis, 1_000);
     // Each request reaches the server 3 s after the one before it: the
     // connection's set-up goes through, CONFIG GET gets no answer in 1 s.
