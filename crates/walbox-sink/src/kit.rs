@@ -10,6 +10,8 @@
 //!   leaving its events unreported for ever.
 //! - [`FailRest`]: after one failure of a session, every later event fails
 //!   unsent, so nothing of a key lands after an earlier event that did not.
+//! - [`AnswerTimer`]: when the oldest unanswered request of a window a
+//!   destination works through in order has waited too long.
 //! - [`rejected`]: the record as sent, without its value, for a dead letter.
 
 use std::future::Future;
@@ -369,9 +371,70 @@ impl FailRest {
     }
 }
 
+/// The timer of a window of requests a destination works through in order
+/// (a session's publications on one connection or channel): the oldest
+/// request still unanswered is due `timeout` after the later of its sending
+/// and the last answer of the session.
+///
+/// Timing it from its sending alone counts the time it waited behind the
+/// rest of the window: with a full window of `n` requests and a destination
+/// that answers fewer than `n` per `timeout`, every request is already
+/// `timeout` old when the destination reaches it, and a slow but working
+/// destination gets a false timeout, and the whole window again. An answer
+/// says the destination is working through the window; the timer runs from
+/// the last one, so a timeout means that nothing came for `timeout` while
+/// a request waited. A destination that answers out of order (a confirm for
+/// a message routed to other queues) keeps the front waiting only while the
+/// rest of a bounded window is answered.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AnswerTimer {
+    timeout: Duration,
+    answered: Option<tokio::time::Instant>,
+}
+
+impl AnswerTimer {
+    pub(crate) fn new(timeout: Duration) -> Self {
+        AnswerTimer {
+            timeout,
+            answered: None,
+        }
+    }
+
+    /// An answer came, now.
+    pub(crate) fn answered(&mut self) {
+        self.answered = Some(tokio::time::Instant::now());
+    }
+
+    /// When the oldest request waiting, sent at `sent`, is due.
+    pub(crate) fn due(&self, sent: tokio::time::Instant) -> tokio::time::Instant {
+        self.answered.map_or(sent, |a| a.max(sent)) + self.timeout
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The front request is timed from its sending while nothing has been
+    /// answered, and from the last answer once one came after it was sent.
+    #[tokio::test(start_paused = true)]
+    async fn the_front_request_is_timed_from_its_sending_or_the_last_answer_whichever_is_later() {
+        let t = Duration::from_millis(200);
+        let mut timer = AnswerTimer::new(t);
+        let sent = tokio::time::Instant::now();
+        assert_eq!(timer.due(sent), sent + t);
+        tokio::time::advance(Duration::from_millis(150)).await;
+        timer.answered();
+        assert_eq!(timer.due(sent), sent + Duration::from_millis(350));
+        // A request sent after the last answer is timed from its sending.
+        tokio::time::advance(Duration::from_millis(50)).await;
+        let later = tokio::time::Instant::now();
+        assert_eq!(timer.due(later), later + t);
+    }
 
     #[tokio::test]
     async fn a_flush_is_woken_by_the_last_report_and_a_dead_task_fails_it() {

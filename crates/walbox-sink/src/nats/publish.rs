@@ -27,7 +27,7 @@ use walbox_outbox::Event;
 
 use super::duplicate::{self, Sent};
 use crate::DeliveryClass;
-use crate::kit::Reports;
+use crate::kit::{AnswerTimer, Reports};
 
 /// One event handed to the session, in publishing order.
 pub(super) struct Pending {
@@ -198,8 +198,8 @@ fn seq_of(subject: &str, prefix: &str) -> Option<u64> {
     subject.strip_prefix(prefix)?.parse().ok()
 }
 
-/// The publications of a session awaiting their outcome, in publishing order;
-/// entry `i` is publication `base + i`.
+/// The publications of a session awaiting their outcome, in publishing order,
+/// each with when it was handed over; entry `i` is publication `base + i`.
 struct Window {
     entries: VecDeque<(Pending, Instant)>,
     base: u64,
@@ -208,12 +208,12 @@ struct Window {
 }
 
 impl Window {
-    fn push(&mut self, mut p: Pending, deadline: Instant) {
+    fn push(&mut self, mut p: Pending, sent: Instant) {
         debug_assert_eq!(p.seq, self.base + self.entries.len() as u64);
         if let Some(a) = self.early.remove(&p.seq) {
             p.state = State::Answered(a);
         }
-        self.entries.push_back((p, deadline));
+        self.entries.push_back((p, sent));
     }
 
     fn answer(&mut self, seq: u64, a: Answer) {
@@ -250,9 +250,14 @@ impl Window {
 /// Receives the session's PubAcks on `replies` (the subscription to
 /// `prefix`*), matches them with the publications handed over on `rx`, and
 /// reports outcomes in publishing order; counts the duplicates delivered.
+///
+/// The first publication waiting is timed from its hand-over or the last
+/// PubAck, whichever is later ([`AnswerTimer`]): a stream stores a
+/// session's publications in order, so one waiting behind a full window is
+/// not late while PubAcks still come.
 pub(super) async fn report(
     js: jetstream::Context,
-    mut replies: async_nats::Subscriber,
+    mut replies: impl futures_util::Stream<Item = async_nats::Message> + Unpin,
     prefix: String,
     ack_timeout: Duration,
     mut rx: mpsc::UnboundedReceiver<Pending>,
@@ -268,8 +273,10 @@ pub(super) async fn report(
     let mut after_duplicate = false;
     let mut handed_over = true;
     let mut subscribed = true;
-    // Fires at or before the first waiting publication's deadline (deadlines
-    // grow along the window, so it is re-armed only when it fires).
+    let mut answers = AnswerTimer::new(ack_timeout);
+    // Fires at or before the first waiting publication's deadline (a
+    // deadline only grows: a later publication at the front, or a later
+    // PubAck; so it is re-armed only when it fires).
     let timer = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(timer);
     let mut armed = false;
@@ -280,8 +287,8 @@ pub(super) async fn report(
         if !handed_over && window.entries.is_empty() {
             return;
         }
-        if !armed && let Some((_, deadline)) = window.entries.front() {
-            timer.as_mut().reset(*deadline);
+        if !armed && let Some((_, sent)) = window.entries.front() {
+            timer.as_mut().reset(answers.due(*sent));
             armed = true;
         }
         tokio::select! {
@@ -291,6 +298,7 @@ pub(super) async fn report(
                 while let Some(m) = next {
                     match m {
                         Some(m) => {
+                            answers.answered();
                             if let Some(seq) = seq_of(m.subject.as_str(), &prefix) {
                                 window.answer(seq, answer(&m));
                             }
@@ -312,7 +320,7 @@ pub(super) async fn report(
                 }
             }
             p = rx.recv(), if handed_over => {
-                let deadline = Instant::now() + ack_timeout;
+                let sent = Instant::now();
                 let mut next = p;
                 loop {
                     match next {
@@ -322,7 +330,7 @@ pub(super) async fn report(
                                     PublishErrorKind::BrokenPipe,
                                 )));
                             }
-                            window.push(p, deadline);
+                            window.push(p, sent);
                         }
                         None => {
                             handed_over = false;
@@ -339,8 +347,8 @@ pub(super) async fn report(
             () = &mut timer, if armed => {
                 armed = false;
                 let now = Instant::now();
-                if let Some((p, deadline)) = window.entries.front_mut()
-                    && *deadline <= now
+                if let Some((p, sent)) = window.entries.front_mut()
+                    && answers.due(*sent) <= now
                     && matches!(p.state, State::Waiting)
                 {
                     p.state = State::Answered(Answer::Refused(PublishError::new(
@@ -486,7 +494,7 @@ mod tests {
             ops in proptest::collection::vec((0u8..3, any::<u8>(), any::<u8>()), 0..200)
         ) {
             let mut w = Window { entries: VecDeque::new(), base: 0, early: HashMap::new() };
-            let deadline = Instant::now() + Duration::from_secs(60);
+            let at = Instant::now();
             // The model: publications pushed, settled, and each one's first
             // reply while unsettled.
             let (mut pushed, mut settled) = (0u64, 0u64);
@@ -494,7 +502,7 @@ mod tests {
             for (op, a, b) in ops {
                 match op {
                     0 => {
-                        w.push(pending(pushed, sent(pushed)), deadline);
+                        w.push(pending(pushed, sent(pushed)), at);
                         pushed += 1;
                     }
                     1 => {
@@ -527,6 +535,88 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A stream that stores one publication per 100 ms works through a
+    /// window of 20 under a PubAck timeout of 200 ms: none of the first 15
+    /// times out, though each waits longer than the timeout in all. The
+    /// last 5 are never answered: they time out 200 ms after the last
+    /// PubAck.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_slower_than_the_window_but_answering_gets_no_timeout() {
+        // Only a duplicate's check uses the context: none comes here, and
+        // the client never connects.
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect("127.0.0.1:9")
+            .await
+            .expect("a client connecting in the background");
+        let js = jetstream::new(client);
+        let (reports, mut deliveries) = Reports::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (reply_tx, reply_rx) = mpsc::unbounded_channel::<async_nats::Message>();
+        let replies = Box::pin(futures_util::stream::unfold(
+            reply_rx,
+            |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+        ));
+        let prefix = "_INBOX.test.".to_string();
+        let task = tokio::spawn(report(
+            js,
+            replies,
+            prefix.clone(),
+            Duration::from_millis(200),
+            rx,
+            reports.clone(),
+            Arc::default(),
+        ));
+        let start = Instant::now();
+        let (n, answered) = (20u64, 15u64);
+        for seq in 0..n {
+            reports.sent();
+            tx.send(pending(seq, true)).unwrap();
+        }
+        let stream = tokio::spawn(async move {
+            for seq in 0..answered {
+                tokio::time::sleep_until(start + Duration::from_millis(100) * (seq as u32 + 1))
+                    .await;
+                let payload = format!(r#"{{"stream":"s","seq":{}}}"#, seq + 1);
+                reply_tx
+                    .send(async_nats::Message {
+                        subject: format!("{prefix}{seq}").into(),
+                        reply: None,
+                        payload: payload.into(),
+                        headers: None,
+                        status: None,
+                        description: None,
+                        length: 0,
+                    })
+                    .unwrap();
+            }
+            reply_tx
+        });
+        let mut got = vec![None; n as usize];
+        for _ in 0..n {
+            let d = deliveries.recv().await.expect("the reporter is alive");
+            got[d.token] = Some(d.result.err().map(|e| e.class));
+        }
+        let took = start.elapsed();
+        assert!(
+            got[..answered as usize].iter().all(|o| *o == Some(None)),
+            "{got:?}"
+        );
+        assert!(
+            got[answered as usize..]
+                .iter()
+                .all(|o| *o == Some(Some(DeliveryClass::Timeout))),
+            "{got:?}"
+        );
+        assert!(
+            took >= Duration::from_millis(1700) && took < Duration::from_millis(1800),
+            "{took:?}"
+        );
+        drop(stream.await.unwrap());
+        drop(tx);
+        task.await.unwrap();
     }
 
     #[test]

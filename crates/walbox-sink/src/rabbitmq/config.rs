@@ -89,7 +89,8 @@ pub struct RabbitMqSinkConfig {
     /// position (see the sink's documentation). Default `walbox.{slot}`.
     #[serde(default)]
     pub producer: Option<String>,
-    /// How long to wait for a confirm, in ms.
+    /// How long the oldest event waiting may go without a confirm, in ms:
+    /// timed from its publishing or the last confirm, whichever is later.
     #[serde(default = "default_confirm_timeout_ms")]
     pub confirm_timeout_ms: u64,
     /// How long to wait for a connection, in ms.

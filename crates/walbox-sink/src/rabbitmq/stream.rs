@@ -31,19 +31,20 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use rabbitmq_stream_client::error::{ProducerCreateError, StreamCreateError};
 use rabbitmq_stream_client::types::{Message, OffsetSpecification, ResponseCode, SimpleValue};
 use rabbitmq_stream_client::{Client, ClientOptions, Dedup, Environment, Producer};
 use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 use walbox_outbox::{Event, Origin};
 
 use super::RabbitMqSinkConfig;
 use super::confirms::{Answer, Confirms, Outcome};
 use super::publishing_id::{Slot, message_slot, slot};
-use crate::kit::{self, Close, FailRest, Lifecycle, Reports, SessionTask};
+use crate::kit::{self, AnswerTimer, Close, FailRest, Lifecycle, Reports, SessionTask};
 use crate::nats::KEY_HEADER;
 use crate::{Deliveries, DeliveryClass, RejectedRecord, Sink, SinkError};
 
@@ -792,14 +793,15 @@ async fn report(
     timeout: Duration,
 ) {
     let mut confirms: Confirms<Item> = Confirms::default();
+    let mut timer = AnswerTimer::new(timeout);
     loop {
+        // The oldest publication waiting, timed from its queueing or the
+        // last confirm, whichever is later.
         let oldest = confirms
             .entries()
             .find(|e| e.answer.is_none())
-            .map(|e| e.item.queued_at);
-        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(
-            oldest.unwrap_or_else(Instant::now) + timeout,
-        ));
+            .map(|e| timer.due(e.item.queued_at));
+        let sleep = tokio::time::sleep_until(oldest.unwrap_or_else(Instant::now));
         tokio::select! {
             r = rx.recv() => match r {
                 None => return,
@@ -808,6 +810,7 @@ async fn report(
                     confirms.push(item, event_id, answer);
                 }
                 Some(Report::Answered(seq, answer)) => {
+                    timer.answered();
                     if let Some(e) = confirms.entries().find(|e| e.item.seq == seq) {
                         e.answer = Some(answer);
                     }
@@ -843,11 +846,15 @@ async fn report(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use bytes::Bytes;
+    use tokio::time::Instant;
     use walbox_outbox::{Event, Origin, Position};
     use walbox_pgoutput::Lsn;
 
-    use super::slot_of;
+    use super::{Answer, Report, report, slot_of};
+    use crate::DeliveryClass;
 
     fn at(lsn: u64, index: u32, xid: u32, origin: Origin) -> Event {
         Event {
@@ -864,6 +871,72 @@ mod tests {
             },
             origin,
         }
+    }
+
+    /// A broker that confirms one publication per 100 ms works through a
+    /// window of 20 under a confirm timeout of 200 ms: none of the first 15
+    /// times out, though each waits longer than the timeout in all. The
+    /// last 5 are never confirmed: they time out 200 ms after the last
+    /// confirm.
+    #[tokio::test(start_paused = true)]
+    async fn a_broker_slower_than_the_window_but_answering_gets_no_timeout() {
+        let (reports, mut deliveries) = crate::kit::Reports::new();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(report(
+            rx,
+            reports.clone(),
+            Default::default(),
+            Duration::from_millis(200),
+        ));
+        let start = Instant::now();
+        let (n, answered) = (20u64, 15u64);
+        for seq in 0..n {
+            reports.sent();
+            let event = at(0x1000 + seq * 8, 0, 7, Origin::Stream);
+            tx.send(Report::Queued {
+                seq,
+                token: seq as usize,
+                event_id: event.event_id.clone(),
+                topic: "s".into(),
+                dropped: false,
+                answer: None,
+                rejected: crate::kit::rejected(&event),
+            })
+            .unwrap();
+        }
+        let broker = {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                for seq in 0..answered {
+                    tokio::time::sleep_until(start + Duration::from_millis(100) * (seq as u32 + 1))
+                        .await;
+                    tx.send(Report::Answered(seq, Answer::Ack)).unwrap();
+                }
+            })
+        };
+        let mut got = vec![None; n as usize];
+        for _ in 0..n {
+            let d = deliveries.recv().await.expect("the reporter is alive");
+            got[d.token] = Some(d.result.err().map(|e| e.class));
+        }
+        let took = start.elapsed();
+        assert!(
+            got[..answered as usize].iter().all(|o| *o == Some(None)),
+            "{got:?}"
+        );
+        assert!(
+            got[answered as usize..]
+                .iter()
+                .all(|o| *o == Some(Some(DeliveryClass::Timeout))),
+            "{got:?}"
+        );
+        assert!(
+            took >= Duration::from_millis(1700) && took < Duration::from_millis(1800),
+            "{took:?}"
+        );
+        broker.await.unwrap();
+        drop(tx);
+        task.await.unwrap();
     }
 
     /// Dead letters of non-transactional messages (transaction id 0) go

@@ -21,7 +21,7 @@ use super::{
     copies, entry, error_text, own_ids_key, replay_progress_key,
 };
 use crate::DeliveryClass;
-use crate::kit::{self, FailRest, Reports};
+use crate::kit::{self, AnswerTimer, FailRest, Reports};
 
 /// The task that writes a session's entries, one batch per script call.
 pub(super) struct Writer {
@@ -123,10 +123,9 @@ impl Writer {
         let mut waiting: VecDeque<Item> = VecDeque::new();
         let mut waiting_bytes = 0usize;
         let mut in_flight: VecDeque<Call> = VecDeque::new();
-        // When the last answer came: the server has reached the oldest call
-        // in flight since then, or since its sending.
-        let mut answered_at = Instant::now();
-        let wait = Duration::from_millis(self.config.ack_timeout_ms);
+        // The oldest call in flight is timed from when the server reached
+        // it: its sending, or the last answer if that came later.
+        let mut timer = AnswerTimer::new(Duration::from_millis(self.config.ack_timeout_ms));
         let mut open = true;
         loop {
             while let Ok(item) = rx.try_recv() {
@@ -157,17 +156,17 @@ impl Writer {
             if !open && waiting.is_empty() && in_flight.is_empty() {
                 break;
             }
-            let due = in_flight.front().map(|c| c.sent.max(answered_at) + wait);
+            let due = in_flight.front().map(|c| timer.due(c.sent));
             tokio::select! {
                 biased;
                 answer = async { (&mut in_flight.front_mut().expect("checked").answer).await },
                     if !in_flight.is_empty() =>
                 {
                     let call = in_flight.pop_front().expect("checked");
-                    answered_at = Instant::now();
+                    timer.answered();
                     self.answered(call.batch, answer);
                 }
-                () = tokio::time::sleep_until(due.unwrap_or(answered_at)), if due.is_some() => {
+                () = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {
                     // The server reached the call and has not answered it in
                     // time; what it does with it, and with the calls after it,
                     // is found out when walbox writes again. Those fail now,
@@ -175,7 +174,7 @@ impl Writer {
                     let call = in_flight.pop_front().expect("checked");
                     let cause = format!(
                         "no answer within {} ms of the server reaching it",
-                        self.config.ack_timeout_ms
+                        timer.timeout().as_millis()
                     );
                     self.unanswered(call.batch, DeliveryClass::Timeout, &cause);
                     let failed = self.failed.get().expect("set by unanswered");

@@ -19,7 +19,7 @@ mod report;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
@@ -314,7 +314,6 @@ impl Sink for ExchangeSink {
             publish: None,
             answer: None,
             rejected: kit::rejected(&event),
-            sent_at: Instant::now(),
         };
         self.session().await?;
         let Ok(routing_key) = ShortString::try_new(event.topic.as_str()) else {

@@ -7,14 +7,16 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use lapin::Confirmation;
 use lapin::message::BasicReturnMessage;
 use tokio::sync::mpsc;
 
 use super::super::confirms::{Answer, Confirms, Outcome, Returned};
-use crate::kit::{self, FailRest, Reports};
+use crate::kit::{self, AnswerTimer, FailRest, Reports};
 use crate::{DeliveryClass, RejectedRecord};
 
 /// What one publication came to: the broker's answer, and the messages it
@@ -55,7 +57,6 @@ pub(super) struct Published {
     pub(super) publish: Option<Start>,
     pub(super) answer: Option<Answer>,
     pub(super) rejected: RejectedRecord,
-    pub(super) sent_at: Instant,
 }
 
 /// What a report needs besides the answer.
@@ -65,13 +66,13 @@ struct Item {
     topic: String,
     /// The publication, until it has its answer.
     publish: Option<Start>,
-    /// Started, and counted among the unwritten until its frames are.
-    started: bool,
+    /// When it was started (its frames queued with lapin), and whether it
+    /// is counted among the unwritten until its frames are.
+    started: Option<Instant>,
     unwritten: bool,
     /// Wakes the reporter naming this publication.
     waker: Waker,
     rejected: RejectedRecord,
-    sent_at: Instant,
 }
 
 /// The publications whose futures woke since the reporter last looked (by
@@ -214,17 +215,18 @@ pub(super) async fn report(
     let mut started: u64 = 0;
     let mut unwritten: usize = 0;
     let mut closed = false;
+    let mut timer = AnswerTimer::new(timeout);
     loop {
         if closed && confirms.len() == 0 {
             return;
         }
-        let oldest = confirms
+        // The oldest publication waiting, timed from its start or the last
+        // confirm, whichever is later (not yet started: from now).
+        let deadline = confirms
             .entries()
             .find(|e| e.answer.is_none())
-            .map(|e| e.item.sent_at);
-        let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(
-            oldest.unwrap_or_else(Instant::now) + timeout,
-        ));
+            .map(|e| timer.due(e.item.started.unwrap_or_else(Instant::now)));
+        let sleep = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now));
         let progressed = std::future::poll_fn(|cx| {
             woken.register(cx.waker());
             let mut progressed = false;
@@ -238,14 +240,13 @@ pub(super) async fn report(
                             event_id: p.event_id.clone(),
                             topic: p.topic,
                             publish: if p.answer.is_none() { p.publish } else { None },
-                            started: false,
+                            started: None,
                             unwritten: false,
                             waker: Waker::from(Arc::new(Wakes {
                                 seq,
                                 woken: woken.clone(),
                             })),
                             rejected: p.rejected,
-                            sent_at: p.sent_at,
                         };
                         confirms.push(item, p.event_id, p.answer);
                         progressed = true;
@@ -273,10 +274,11 @@ pub(super) async fn report(
                     e.answer = Some(Answer::Failed(class, reason));
                     continue;
                 }
-                e.item.started = true;
+                e.item.started = Some(Instant::now());
                 e.item.unwritten = true;
                 unwritten += 1;
                 if let Some(c) = advance(&mut e.item, &mut unwritten) {
+                    timer.answered();
                     record(&mut confirms, front, started - 1, c, &mut unsent);
                 }
             }
@@ -293,10 +295,11 @@ pub(super) async fn report(
                     else {
                         continue;
                     };
-                    if e.answer.is_some() || !e.item.started {
+                    if e.answer.is_some() || e.item.started.is_none() {
                         continue;
                     }
                     if let Some(c) = advance(&mut e.item, &mut unwritten) {
+                        timer.answered();
                         record(&mut confirms, front, seq, c, &mut unsent);
                         progressed = true;
                     }
@@ -311,7 +314,7 @@ pub(super) async fn report(
         let progressed = tokio::select! {
             biased;
             p = progressed => p,
-            () = sleep, if oldest.is_some() => false,
+            () = sleep, if deadline.is_some() => false,
         };
         if !progressed && confirms.front_waiting() {
             let reason = format!("no publisher confirm within {} ms", timeout.as_millis());
@@ -441,7 +444,6 @@ mod tests {
             }),
             answer: None,
             rejected: kit::rejected(&super::super::tests::event(vec![])),
-            sent_at: Instant::now(),
         }
     }
 
@@ -525,6 +527,50 @@ mod tests {
             "{got:?}"
         );
         assert_eq!(got[1], None, "{got:?}");
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    /// A broker that confirms one publication per 100 ms works through a
+    /// window of 20 under a confirm timeout of 200 ms: each publication
+    /// waits longer than the timeout in all, but never more than 100 ms
+    /// after the confirm before it, so none of the first 15 times out. The
+    /// last 5 are never confirmed: they time out 200 ms after the last
+    /// confirm.
+    #[tokio::test(start_paused = true)]
+    async fn a_broker_slower_than_the_window_but_answering_gets_no_timeout() {
+        let (reports, mut deliveries) = Reports::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(report(rx, reports.clone(), Duration::from_millis(200)));
+        let start = Instant::now();
+        let (n, answered) = (20, 15);
+        for i in 0..n {
+            reports.sent();
+            let at = start + Duration::from_millis(100) * (i as u32 + 1);
+            let publish: Publish = if i < answered {
+                Box::pin(async move {
+                    tokio::time::sleep_until(at).await;
+                    ack()
+                })
+            } else {
+                Box::pin(std::future::pending())
+            };
+            tx.send(published(i, &format!("e{i}"), publish, true))
+                .unwrap();
+        }
+        let got = outcomes(&mut deliveries, n).await;
+        assert!(got[..answered].iter().all(Option::is_none), "{got:?}");
+        assert!(
+            got[answered..]
+                .iter()
+                .all(|o| o.as_ref().is_some_and(|o| o.0 == DeliveryClass::Timeout)),
+            "{got:?}"
+        );
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_millis(1700) && took < Duration::from_millis(1800),
+            "{took:?}"
+        );
         drop(tx);
         task.await.unwrap();
     }
