@@ -374,18 +374,22 @@ impl FailRest {
 /// The timer of a window of requests a destination works through in order
 /// (a session's publications on one connection or channel): the oldest
 /// request still unanswered is due `timeout` after the later of its sending
-/// and the last answer of the session.
+/// and the answer to the oldest one before it.
 ///
 /// Timing it from its sending alone counts the time it waited behind the
 /// rest of the window: with a full window of `n` requests and a destination
 /// that answers fewer than `n` per `timeout`, every request is already
 /// `timeout` old when the destination reaches it, and a slow but working
-/// destination gets a false timeout, and the whole window again. An answer
-/// says the destination is working through the window; the timer runs from
-/// the last one, so a timeout means that nothing came for `timeout` while
-/// a request waited. A destination that answers out of order (a confirm for
-/// a message routed to other queues) keeps the front waiting only while the
-/// rest of a bounded window is answered.
+/// destination gets a false timeout, and the whole window again. The answer
+/// to the request before it says the destination has reached it, so its
+/// timer runs from then.
+///
+/// Only an answer to the oldest request waiting counts
+/// ([`AnswerTimer::answered`]). Answers to later ones (a confirm of another
+/// queue's message, a refusal of a publication chained to a lost one) say
+/// nothing of it: counting them would let a destination that answers
+/// everything but the oldest hold it, and the position, until the window is
+/// full, one timeout per answer.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AnswerTimer {
     timeout: Duration,
@@ -400,7 +404,7 @@ impl AnswerTimer {
         }
     }
 
-    /// An answer came, now.
+    /// The oldest request waiting got its answer, now.
     pub(crate) fn answered(&mut self) {
         self.answered = Some(tokio::time::Instant::now());
     }

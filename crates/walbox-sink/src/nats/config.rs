@@ -61,7 +61,8 @@ pub struct NatsSinkConfig {
     #[serde(default)]
     pub duplicate_window_s: Option<u64>,
     /// How long the oldest publication waiting may go without a PubAck, in
-    /// ms: timed from its hand-over or the last PubAck, whichever is later.
+    /// ms: timed from its hand-over or the PubAck of the publication before
+    /// it, whichever is later.
     #[serde(default = "default_ack_timeout_ms")]
     pub ack_timeout_ms: u64,
     /// How long to wait for a connection, in ms.

@@ -55,7 +55,8 @@
 //! walbox's own, and one subscription receives every PubAck of the session
 //! ([`publish`]): no request and no inbox per message. A PubAck that does not
 //! come within `ack_timeout_ms` (of the publication's hand-over, or of the
-//! last PubAck if that came later) leaves the outcome unknown: the event fails
+//! PubAck of the one before it if that came later) leaves the outcome
+//! unknown: the event fails
 //! as a timeout and the relay publishes it again, under the same
 //! `Nats-Msg-Id`, from its acknowledged position. Publications lost with a
 //! connection (async-nats reconnects) are never answered: they time out, and

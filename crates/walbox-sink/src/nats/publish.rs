@@ -205,6 +205,8 @@ struct Window {
     base: u64,
     /// Answers that came before their publication reached the window.
     early: HashMap<u64, Answer>,
+    /// No entry before this place from the front waits.
+    waiting: usize,
 }
 
 impl Window {
@@ -216,11 +218,26 @@ impl Window {
         self.entries.push_back((p, sent));
     }
 
-    fn answer(&mut self, seq: u64, a: Answer) {
+    /// The place from the front of the oldest publication waiting.
+    fn first_waiting(&mut self) -> usize {
+        while self
+            .entries
+            .get(self.waiting)
+            .is_some_and(|(p, _)| !matches!(p.state, State::Waiting))
+        {
+            self.waiting += 1;
+        }
+        self.waiting
+    }
+
+    /// Records the reply to publication `seq`; whether it answered the
+    /// oldest publication waiting (the stream has reached it).
+    fn answer(&mut self, seq: u64, a: Answer) -> bool {
         let Some(i) = seq.checked_sub(self.base) else {
             // Settled already (its wait ended): a late answer.
-            return;
+            return false;
         };
+        let first = self.first_waiting();
         match usize::try_from(i)
             .ok()
             .and_then(|i| self.entries.get_mut(i))
@@ -228,11 +245,14 @@ impl Window {
             Some((p, _)) => {
                 if matches!(p.state, State::Waiting) {
                     p.state = State::Answered(a);
+                    return first as u64 == i;
                 }
+                false
             }
             None => {
                 // The first reply wins, as for one that waits.
                 self.early.entry(seq).or_insert(a);
+                false
             }
         }
     }
@@ -241,6 +261,7 @@ impl Window {
     fn settled(&mut self) -> Option<Pending> {
         if matches!(self.entries.front(), Some((p, _)) if !matches!(p.state, State::Waiting)) {
             self.base += 1;
+            self.waiting = self.waiting.saturating_sub(1);
             return self.entries.pop_front().map(|(p, _)| p);
         }
         None
@@ -251,10 +272,11 @@ impl Window {
 /// `prefix`*), matches them with the publications handed over on `rx`, and
 /// reports outcomes in publishing order; counts the duplicates delivered.
 ///
-/// The first publication waiting is timed from its hand-over or the last
-/// PubAck, whichever is later ([`AnswerTimer`]): a stream stores a
-/// session's publications in order, so one waiting behind a full window is
-/// not late while PubAcks still come.
+/// The first publication waiting is timed from its hand-over or the PubAck
+/// of the one before it, whichever is later ([`AnswerTimer`]): a stream
+/// stores a session's publications in order, so one waiting behind a full
+/// window is not late while they still come in turn. Replies to later
+/// publications (refusals of ones chained to a lost one) do not count.
 pub(super) async fn report(
     js: jetstream::Context,
     mut replies: impl futures_util::Stream<Item = async_nats::Message> + Unpin,
@@ -268,6 +290,7 @@ pub(super) async fn report(
         entries: VecDeque::new(),
         base: 0,
         early: HashMap::new(),
+        waiting: 0,
     };
     // Whether the previous publication was dropped as a duplicate.
     let mut after_duplicate = false;
@@ -298,9 +321,13 @@ pub(super) async fn report(
                 while let Some(m) = next {
                     match m {
                         Some(m) => {
-                            answers.answered();
-                            if let Some(seq) = seq_of(m.subject.as_str(), &prefix) {
-                                window.answer(seq, answer(&m));
+                            // Only an answer to the oldest publication
+                            // waiting says the stream reached it (a refusal
+                            // of a later one does not).
+                            if let Some(seq) = seq_of(m.subject.as_str(), &prefix)
+                                && window.answer(seq, answer(&m))
+                            {
+                                answers.answered();
                             }
                         }
                         None => {
@@ -493,7 +520,7 @@ mod tests {
         fn the_window_settles_in_publishing_order_with_each_publication_s_first_reply(
             ops in proptest::collection::vec((0u8..3, any::<u8>(), any::<u8>()), 0..200)
         ) {
-            let mut w = Window { entries: VecDeque::new(), base: 0, early: HashMap::new() };
+            let mut w = Window { entries: VecDeque::new(), base: 0, early: HashMap::new(), waiting: 0 };
             let at = Instant::now();
             // The model: publications pushed, settled, and each one's first
             // reply while unsettled.
@@ -514,10 +541,15 @@ mod tests {
                         if !sent(seq) {
                             continue;
                         }
+                        // It answers the oldest publication waiting: handed
+                        // over, sent, not answered, and none before it waits.
+                        let waits = |s: u64| s < pushed && sent(s) && !first.contains_key(&s);
+                        let oldest = (settled..pushed).find(|s| waits(*s));
+                        let want = seq >= settled && waits(seq) && oldest == Some(seq);
                         if seq >= settled {
                             first.entry(seq).or_insert(b % 3);
                         }
-                        w.answer(seq, answer_of(b));
+                        prop_assert_eq!(w.answer(seq, answer_of(b)), want);
                     }
                     _ => {
                         let want = if settled < pushed {
@@ -537,13 +569,19 @@ mod tests {
         }
     }
 
-    /// A stream that stores one publication per 100 ms works through a
-    /// window of 20 under a PubAck timeout of 200 ms: none of the first 15
-    /// times out, though each waits longer than the timeout in all. The
-    /// last 5 are never answered: they time out 200 ms after the last
-    /// PubAck.
-    #[tokio::test(start_paused = true)]
-    async fn a_stream_slower_than_the_window_but_answering_gets_no_timeout() {
+    /// A PubAck reporter on replies the test sends: its task, where
+    /// publications are handed over, where replies come in, the reports.
+    struct Reporter {
+        task: tokio::task::JoinHandle<()>,
+        tx: mpsc::UnboundedSender<Pending>,
+        replies: mpsc::UnboundedSender<async_nats::Message>,
+        reports: Reports,
+        deliveries: crate::Deliveries,
+    }
+
+    const PREFIX: &str = "_INBOX.test.";
+
+    async fn reporter(timeout: Duration) -> Reporter {
         // Only a duplicate's check uses the context: none comes here, and
         // the client never connects.
         let client = async_nats::ConnectOptions::new()
@@ -551,72 +589,134 @@ mod tests {
             .connect("127.0.0.1:9")
             .await
             .expect("a client connecting in the background");
-        let js = jetstream::new(client);
-        let (reports, mut deliveries) = Reports::new();
+        let (reports, deliveries) = Reports::new();
         let (tx, rx) = mpsc::unbounded_channel();
-        let (reply_tx, reply_rx) = mpsc::unbounded_channel::<async_nats::Message>();
-        let replies = Box::pin(futures_util::stream::unfold(
+        let (replies, reply_rx) = mpsc::unbounded_channel::<async_nats::Message>();
+        let stream = Box::pin(futures_util::stream::unfold(
             reply_rx,
             |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
         ));
-        let prefix = "_INBOX.test.".to_string();
         let task = tokio::spawn(report(
-            js,
-            replies,
-            prefix.clone(),
-            Duration::from_millis(200),
+            jetstream::new(client),
+            stream,
+            PREFIX.to_string(),
+            timeout,
             rx,
             reports.clone(),
             Arc::default(),
         ));
+        Reporter {
+            task,
+            tx,
+            replies,
+            reports,
+            deliveries,
+        }
+    }
+
+    /// The server's reply to publication `seq`: `payload` on its subject.
+    fn reply(seq: u64, payload: String) -> async_nats::Message {
+        async_nats::Message {
+            subject: format!("{PREFIX}{seq}").into(),
+            reply: None,
+            payload: payload.into(),
+            headers: None,
+            status: None,
+            description: None,
+            length: 0,
+        }
+    }
+
+    /// Each delivery's class (`None`: stored), by token, for `n` deliveries.
+    async fn classes(deliveries: &mut crate::Deliveries, n: usize) -> Vec<Option<DeliveryClass>> {
+        let mut got = vec![None; n];
+        for _ in 0..n {
+            let d = deliveries.recv().await.expect("the reporter is alive");
+            got[d.token] = d.result.err().map(|e| e.class);
+        }
+        got
+    }
+
+    /// A stream that stores one publication per 100 ms works through a
+    /// window of 20 under a PubAck timeout of 200 ms: none of the first 15
+    /// times out, though each waits longer than the timeout in all. The
+    /// last 5 are never answered: they time out 200 ms after the last
+    /// PubAck.
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_slower_than_the_window_but_answering_gets_no_timeout() {
+        let mut r = reporter(Duration::from_millis(200)).await;
         let start = Instant::now();
         let (n, answered) = (20u64, 15u64);
         for seq in 0..n {
-            reports.sent();
-            tx.send(pending(seq, true)).unwrap();
+            r.reports.sent();
+            r.tx.send(pending(seq, true)).unwrap();
         }
+        let replies = r.replies.clone();
         let stream = tokio::spawn(async move {
             for seq in 0..answered {
                 tokio::time::sleep_until(start + Duration::from_millis(100) * (seq as u32 + 1))
                     .await;
-                let payload = format!(r#"{{"stream":"s","seq":{}}}"#, seq + 1);
-                reply_tx
-                    .send(async_nats::Message {
-                        subject: format!("{prefix}{seq}").into(),
-                        reply: None,
-                        payload: payload.into(),
-                        headers: None,
-                        status: None,
-                        description: None,
-                        length: 0,
-                    })
-                    .unwrap();
+                let stored = format!(r#"{{"stream":"s","seq":{}}}"#, seq + 1);
+                replies.send(reply(seq, stored)).unwrap();
             }
-            reply_tx
         });
-        let mut got = vec![None; n as usize];
-        for _ in 0..n {
-            let d = deliveries.recv().await.expect("the reporter is alive");
-            got[d.token] = Some(d.result.err().map(|e| e.class));
-        }
+        let got = classes(&mut r.deliveries, n as usize).await;
         let took = start.elapsed();
         assert!(
-            got[..answered as usize].iter().all(|o| *o == Some(None)),
+            got[..answered as usize].iter().all(Option::is_none),
             "{got:?}"
         );
         assert!(
             got[answered as usize..]
                 .iter()
-                .all(|o| *o == Some(Some(DeliveryClass::Timeout))),
+                .all(|c| *c == Some(DeliveryClass::Timeout)),
             "{got:?}"
         );
         assert!(
             took >= Duration::from_millis(1700) && took < Duration::from_millis(1800),
             "{took:?}"
         );
-        drop(stream.await.unwrap());
-        drop(tx);
-        task.await.unwrap();
+        stream.await.unwrap();
+        drop(r.tx);
+        r.task.await.unwrap();
+    }
+
+    /// The oldest publication is lost with a connection and never answered,
+    /// while a slow source hands over one event every 150 ms that the
+    /// stream refuses at once (its expected last id is the lost one). Those
+    /// refusals say nothing of the oldest publication: it times out 200 ms
+    /// after its hand-over, not when the window is full.
+    #[tokio::test(start_paused = true)]
+    async fn replies_to_later_publications_do_not_hold_back_the_oldest_ones_timeout() {
+        let mut r = reporter(Duration::from_millis(200)).await;
+        let start = Instant::now();
+        let source = {
+            let (tx, replies, reports) = (r.tx.clone(), r.replies.clone(), r.reports.clone());
+            tokio::spawn(async move {
+                for seq in 0..40u64 {
+                    reports.sent();
+                    let _ = tx.send(pending(seq, true));
+                    if seq > 0 {
+                        let refused = r#"{"error":{"code":400,"err_code":10071,"description":"wrong last msg ID: e0"}}"#;
+                        let _ = replies.send(reply(seq, refused.to_string()));
+                    }
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+            })
+        };
+        let d = r.deliveries.recv().await.expect("the reporter is alive");
+        let took = start.elapsed();
+        assert_eq!(d.token, 0);
+        assert_eq!(
+            d.result.err().map(|e| e.class),
+            Some(DeliveryClass::Timeout)
+        );
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_millis(300),
+            "{took:?}"
+        );
+        source.abort();
+        r.task.abort();
     }
 
     #[test]

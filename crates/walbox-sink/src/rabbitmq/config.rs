@@ -90,7 +90,8 @@ pub struct RabbitMqSinkConfig {
     #[serde(default)]
     pub producer: Option<String>,
     /// How long the oldest event waiting may go without a confirm, in ms:
-    /// timed from its publishing or the last confirm, whichever is later.
+    /// timed from its publishing or the confirm of the event before it,
+    /// whichever is later.
     #[serde(default = "default_confirm_timeout_ms")]
     pub confirm_timeout_ms: u64,
     /// How long to wait for a connection, in ms.

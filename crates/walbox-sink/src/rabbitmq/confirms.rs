@@ -68,6 +68,8 @@ pub(super) enum Outcome {
 pub(super) struct Confirms<T> {
     queue: VecDeque<Entry<T>>,
     returned: HashMap<String, Returned>,
+    /// Every entry before this place from the front has its answer.
+    waiting: usize,
 }
 
 impl<T> Default for Confirms<T> {
@@ -75,6 +77,7 @@ impl<T> Default for Confirms<T> {
         Confirms {
             queue: VecDeque::new(),
             returned: HashMap::new(),
+            waiting: 0,
         }
     }
 }
@@ -97,6 +100,39 @@ impl<T> Confirms<T> {
     /// The entry `i` places from the front, if there is one.
     pub(super) fn get_mut(&mut self, i: usize) -> Option<&mut Entry<T>> {
         self.queue.get_mut(i)
+    }
+
+    /// The place from the front of the entry whose item `cmp` finds (items
+    /// in publish order, `cmp` comparing an item with the one sought).
+    pub(super) fn find(&self, mut cmp: impl FnMut(&T) -> std::cmp::Ordering) -> Option<usize> {
+        self.queue.binary_search_by(|e| cmp(&e.item)).ok()
+    }
+
+    /// The oldest publication still unanswered, and its place from the front.
+    pub(super) fn first_waiting(&mut self) -> Option<(usize, &mut Entry<T>)> {
+        while self
+            .queue
+            .get(self.waiting)
+            .is_some_and(|e| e.answer.is_some())
+        {
+            self.waiting += 1;
+        }
+        let i = self.waiting;
+        self.queue.get_mut(i).map(|e| (i, e))
+    }
+
+    /// Records the broker's answer for the entry `i` places from the front;
+    /// whether it was the oldest one unanswered (the broker has reached the
+    /// front of what it has to answer, see [`crate::kit::AnswerTimer`]).
+    pub(super) fn answer(&mut self, i: usize, answer: Answer) -> bool {
+        let first = self.first_waiting().is_some_and(|(w, _)| w == i);
+        match self.queue.get_mut(i) {
+            Some(e) => {
+                e.answer = Some(answer);
+                first
+            }
+            None => false,
+        }
     }
 
     /// Records a message the broker sent back.
@@ -163,6 +199,7 @@ impl<T> Confirms<T> {
             };
             out.push((e.item, outcome));
         }
+        self.waiting = self.waiting.saturating_sub(out.len());
         out
     }
 }
@@ -177,6 +214,54 @@ mod tests {
             text: "NO_ROUTE".into(),
             exchange: "outbox".into(),
             routing_key: key.into(),
+        }
+    }
+
+    proptest::proptest! {
+        /// Against a model (a list of answered flags): whatever order
+        /// publications, answers (in or out of order, again) and reports
+        /// come in, the oldest unanswered entry is the model's, and an answer
+        /// says it reached the oldest one exactly when the model does.
+        #[test]
+        fn the_oldest_unanswered_entry_is_tracked_through_any_history(
+            ops in proptest::collection::vec((0u8..3, 0usize..12, proptest::bool::ANY), 0..200)
+        ) {
+            let mut c: Confirms<u64> = Confirms::default();
+            let mut model: VecDeque<(u64, bool)> = VecDeque::new();
+            let mut next = 0u64;
+            for (op, i, answered) in ops {
+                match op {
+                    0 => {
+                        c.push(next, format!("e{next}"), answered.then_some(Answer::Ack));
+                        model.push_back((next, answered));
+                        next += 1;
+                    }
+                    1 => {
+                        let first = model.iter().position(|(_, a)| !a);
+                        let got = c.answer(i, Answer::Ack);
+                        proptest::prop_assert_eq!(got, i < model.len() && first == Some(i));
+                        if let Some(m) = model.get_mut(i) {
+                            m.1 = true;
+                        }
+                    }
+                    _ => {
+                        let got: Vec<u64> = c.ready().into_iter().map(|(i, _)| i).collect();
+                        let mut want = Vec::new();
+                        while model.front().is_some_and(|(_, a)| *a) {
+                            want.push(model.pop_front().unwrap().0);
+                        }
+                        proptest::prop_assert_eq!(got, want);
+                    }
+                }
+                let first = model.iter().position(|(_, a)| !a).map(|p| model[p].0);
+                proptest::prop_assert_eq!(c.first_waiting().map(|(_, e)| e.item), first);
+                if let Some(seq) = first {
+                    proptest::prop_assert_eq!(
+                        c.find(|x| x.cmp(&seq)),
+                        model.iter().position(|(s, _)| *s == seq)
+                    );
+                }
+            }
         }
     }
 

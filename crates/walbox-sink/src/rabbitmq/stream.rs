@@ -796,11 +796,10 @@ async fn report(
     let mut timer = AnswerTimer::new(timeout);
     loop {
         // The oldest publication waiting, timed from its queueing or the
-        // last confirm, whichever is later.
+        // confirm of the oldest one before it, whichever is later.
         let oldest = confirms
-            .entries()
-            .find(|e| e.answer.is_none())
-            .map(|e| timer.due(e.item.queued_at));
+            .first_waiting()
+            .map(|(_, e)| timer.due(e.item.queued_at));
         let sleep = tokio::time::sleep_until(oldest.unwrap_or_else(Instant::now));
         tokio::select! {
             r = rx.recv() => match r {
@@ -810,9 +809,13 @@ async fn report(
                     confirms.push(item, event_id, answer);
                 }
                 Some(Report::Answered(seq, answer)) => {
-                    timer.answered();
-                    if let Some(e) = confirms.entries().find(|e| e.item.seq == seq) {
-                        e.answer = Some(answer);
+                    // An answer to the oldest publication waiting: the
+                    // broker has reached it (answers to later ones, from
+                    // other streams, say nothing of it).
+                    if let Some(i) = confirms.find(|item| item.seq.cmp(&seq))
+                        && confirms.answer(i, answer)
+                    {
+                        timer.answered();
                     }
                 }
             },
@@ -937,6 +940,60 @@ mod tests {
         broker.await.unwrap();
         drop(tx);
         task.await.unwrap();
+    }
+
+    /// The oldest publication is never confirmed (its stream lost its
+    /// leader) while a slow source hands over one event every 150 ms to a
+    /// healthy stream that confirms each at once. Those confirms say nothing
+    /// of the oldest one: it times out 200 ms after its queueing, not when
+    /// the window is full.
+    #[tokio::test(start_paused = true)]
+    async fn confirms_of_later_publications_do_not_hold_back_the_oldest_ones_timeout() {
+        let (reports, mut deliveries) = crate::kit::Reports::new();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(report(
+            rx,
+            reports.clone(),
+            Default::default(),
+            Duration::from_millis(200),
+        ));
+        let start = Instant::now();
+        let source = {
+            let (tx, reports) = (tx.clone(), reports.clone());
+            tokio::spawn(async move {
+                for seq in 0..40u64 {
+                    reports.sent();
+                    let event = at(0x1000 + seq * 8, 0, 7, Origin::Stream);
+                    let _ = tx.send(Report::Queued {
+                        seq,
+                        token: seq as usize,
+                        event_id: event.event_id.clone(),
+                        topic: "s".into(),
+                        dropped: false,
+                        answer: None,
+                        rejected: crate::kit::rejected(&event),
+                    });
+                    if seq > 0 {
+                        let _ = tx.send(Report::Answered(seq, Answer::Ack));
+                    }
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+            })
+        };
+        let d = deliveries.recv().await.expect("the reporter is alive");
+        let took = start.elapsed();
+        assert_eq!(d.token, 0);
+        assert_eq!(
+            d.result.err().map(|e| e.class),
+            Some(DeliveryClass::Timeout)
+        );
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_millis(300),
+            "{took:?}"
+        );
+        source.abort();
+        drop(tx);
+        task.abort();
     }
 
     /// Dead letters of non-transactional messages (transaction id 0) go

@@ -221,11 +221,11 @@ pub(super) async fn report(
             return;
         }
         // The oldest publication waiting, timed from its start or the last
-        // confirm, whichever is later (not yet started: from now).
+        // confirm of the oldest one before it, whichever is later (not yet
+        // started: from now).
         let deadline = confirms
-            .entries()
-            .find(|e| e.answer.is_none())
-            .map(|e| timer.due(e.item.started.unwrap_or_else(Instant::now)));
+            .first_waiting()
+            .map(|(_, e)| timer.due(e.item.started.unwrap_or_else(Instant::now)));
         let sleep = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now));
         let progressed = std::future::poll_fn(|cx| {
             woken.register(cx.waker());
@@ -277,9 +277,10 @@ pub(super) async fn report(
                 e.item.started = Some(Instant::now());
                 e.item.unwritten = true;
                 unwritten += 1;
-                if let Some(c) = advance(&mut e.item, &mut unwritten) {
+                if let Some(c) = advance(&mut e.item, &mut unwritten)
+                    && record(&mut confirms, front, started - 1, c, &mut unsent)
+                {
                     timer.answered();
-                    record(&mut confirms, front, started - 1, c, &mut unsent);
                 }
             }
             // What woke, until nothing more has.
@@ -299,8 +300,9 @@ pub(super) async fn report(
                         continue;
                     }
                     if let Some(c) = advance(&mut e.item, &mut unwritten) {
-                        timer.answered();
-                        record(&mut confirms, front, seq, c, &mut unsent);
+                        if record(&mut confirms, front, seq, c, &mut unsent) {
+                            timer.answered();
+                        }
                         progressed = true;
                     }
                 }
@@ -374,14 +376,16 @@ fn advance(item: &mut Item, unwritten: &mut usize) -> Option<Confirmed> {
 
 /// Records what publication `seq` came to: its answer, and the returns it
 /// carried (each for the publication it names). A failure of any kind, or a
-/// return, leaves every later publication not yet started unsent.
+/// return, leaves every later publication not yet started unsent. Whether
+/// the broker answered the oldest publication waiting (a confirm or a nack,
+/// not a failure of the channel): the broker has reached it.
 fn record(
     confirms: &mut Confirms<Item>,
     front: u64,
     seq: u64,
     c: Confirmed,
     unsent: &mut FailRest,
-) {
+) -> bool {
     for (id, r) in c.returns {
         tracing::warn!(
             event_id = id.as_deref().unwrap_or("(none)"),
@@ -400,11 +404,11 @@ fn record(
         );
         confirms.returned(id, r);
     }
-    let Some(e) = seq
-        .checked_sub(front)
-        .and_then(|i| confirms.get_mut(i as usize))
-    else {
-        return;
+    let Some(i) = seq.checked_sub(front).map(|i| i as usize) else {
+        return false;
+    };
+    let Some(e) = confirms.get_mut(i) else {
+        return false;
     };
     match &c.answer {
         Answer::Ack => {}
@@ -425,7 +429,8 @@ fn record(
             ),
         ),
     }
-    e.answer = Some(c.answer);
+    let from_the_broker = matches!(c.answer, Answer::Ack | Answer::Nack);
+    confirms.answer(i, c.answer) && from_the_broker
 }
 
 #[cfg(test)]
@@ -573,6 +578,47 @@ mod tests {
         );
         drop(tx);
         task.await.unwrap();
+    }
+
+    /// The oldest publication is never confirmed (its queue lost its
+    /// quorum) while a slow source hands over one event every 150 ms that
+    /// other queues confirm at once, out of order. Those confirms say
+    /// nothing of the oldest one: it times out 200 ms after its start, not
+    /// when the window is full.
+    #[tokio::test(start_paused = true)]
+    async fn confirms_of_later_publications_do_not_hold_back_the_oldest_ones_timeout() {
+        let (reports, mut deliveries) = Reports::new();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(report(rx, reports.clone(), Duration::from_millis(200)));
+        let start = Instant::now();
+        let source = {
+            let reports = reports.clone();
+            tokio::spawn(async move {
+                for i in 0..40 {
+                    reports.sent();
+                    let publish: Publish = if i == 0 {
+                        Box::pin(std::future::pending())
+                    } else {
+                        Box::pin(async { ack() })
+                    };
+                    let _ = tx.send(published(i, &format!("e{i}"), publish, true));
+                    tokio::time::sleep(Duration::from_millis(150)).await;
+                }
+            })
+        };
+        let d = deliveries.recv().await.expect("the reporter is alive");
+        let took = start.elapsed();
+        assert_eq!(d.token, 0);
+        assert_eq!(
+            d.result.err().map(|e| e.class),
+            Some(DeliveryClass::Timeout)
+        );
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_millis(300),
+            "{took:?}"
+        );
+        source.abort();
+        task.abort();
     }
 
     /// A timeout fails every publication not reported, and what is sent
