@@ -424,9 +424,11 @@ mod tests {
     use super::*;
 
     /// The front request is timed from its sending while nothing has been
-    /// answered, and from the last answer once one came after it was sent.
+    /// answered, and from the answer to the request before it once that
+    /// came after it was sent.
     #[tokio::test(start_paused = true)]
-    async fn the_front_request_is_timed_from_its_sending_or_the_last_answer_whichever_is_later() {
+    async fn the_front_request_is_timed_from_its_sending_or_the_answer_before_it_whichever_is_later()
+     {
         let t = Duration::from_millis(200);
         let mut timer = AnswerTimer::new(t);
         let sent = tokio::time::Instant::now();

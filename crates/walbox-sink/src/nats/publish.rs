@@ -316,6 +316,20 @@ pub(super) async fn report(
         }
         tokio::select! {
             biased;
+            // First: a steady flow of replies and hand-overs must not keep
+            // the oldest publication's timeout from being seen.
+            () = &mut timer, if armed => {
+                armed = false;
+                let now = Instant::now();
+                if let Some((p, sent)) = window.entries.front_mut()
+                    && answers.due(*sent) <= now
+                    && matches!(p.state, State::Waiting)
+                {
+                    p.state = State::Answered(Answer::Refused(PublishError::new(
+                        PublishErrorKind::TimedOut,
+                    )));
+                }
+            }
             m = replies.next(), if subscribed => {
                 let mut next = Some(m);
                 while let Some(m) = next {
@@ -369,18 +383,6 @@ pub(super) async fn report(
                         Err(mpsc::error::TryRecvError::Empty) => break,
                         Err(mpsc::error::TryRecvError::Disconnected) => next = None,
                     }
-                }
-            }
-            () = &mut timer, if armed => {
-                armed = false;
-                let now = Instant::now();
-                if let Some((p, sent)) = window.entries.front_mut()
-                    && answers.due(*sent) <= now
-                    && matches!(p.state, State::Waiting)
-                {
-                    p.state = State::Answered(Answer::Refused(PublishError::new(
-                        PublishErrorKind::TimedOut,
-                    )));
                 }
             }
         }

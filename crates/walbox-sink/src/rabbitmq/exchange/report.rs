@@ -318,7 +318,15 @@ pub(super) async fn report(
             p = progressed => p,
             () = sleep, if deadline.is_some() => false,
         };
-        if !progressed && confirms.front_waiting() {
+        // Due: the timer fired, or a round that made progress (a steady flow
+        // of events and later confirms) found the oldest publication overdue.
+        let overdue = !progressed
+            || confirms.first_waiting().is_some_and(|(_, e)| {
+                e.item
+                    .started
+                    .is_some_and(|started| timer.due(started) <= Instant::now())
+            });
+        if overdue && confirms.front_waiting() {
             let reason = format!("no publisher confirm within {} ms", timeout.as_millis());
             unsent.after(
                 DeliveryClass::Timeout,
