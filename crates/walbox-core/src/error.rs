@@ -32,9 +32,9 @@ pub struct Failure {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejected {
     /// Its key.
-    pub key: Option<Vec<u8>>,
+    pub key: Option<bytes::Bytes>,
     /// Its headers, in order.
-    pub headers: Vec<(String, Vec<u8>)>,
+    pub headers: Vec<(walbox_outbox::HeaderName, bytes::Bytes)>,
     /// Size of its value in bytes.
     pub value_len: usize,
     /// How many times it was sent: the dead letter's `walbox_attempts`.
@@ -70,10 +70,7 @@ impl Rejected {
 
     /// Its headers as an event's.
     fn event_headers(&self) -> Vec<(walbox_outbox::HeaderName, bytes::Bytes)> {
-        self.headers
-            .iter()
-            .map(|(k, v)| (k.clone().into(), bytes::Bytes::from(v.clone())))
-            .collect()
+        self.headers.clone()
     }
 }
 
@@ -139,7 +136,7 @@ impl Failure {
         Some(Event {
             event_id: self.event_id.clone(),
             topic: template.dead_letter_topic(&self.topic),
-            key: record.key.clone().map(bytes::Bytes::from),
+            key: record.key.clone(),
             value: bytes::Bytes::from(value),
             json_value: true,
             headers,
@@ -179,7 +176,7 @@ impl Failure {
         Event {
             event_id: self.event_id.clone(),
             topic: self.topic.clone(),
-            key: record.key.clone().map(bytes::Bytes::from),
+            key: record.key.clone(),
             value: bytes::Bytes::from(value),
             json_value: true,
             headers,
@@ -292,10 +289,15 @@ mod tests {
             about_message: true,
             lasting: false,
             rejected: Some(Rejected {
-                key: Some(b"1".to_vec()),
+                key: Some(bytes::Bytes::from_static(b"1")),
                 headers: headers
                     .iter()
-                    .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+                    .map(|(k, v)| {
+                        (
+                            (*k).to_owned().into(),
+                            bytes::Bytes::copy_from_slice(v.as_bytes()),
+                        )
+                    })
                     .collect(),
                 value_len: 2_000_000,
                 attempts: 1,

@@ -16,10 +16,10 @@ pub struct Delivery {
 /// A record the destination refused for what it is, not for where it went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RejectedRecord {
-    /// Its key.
-    pub key: Option<Vec<u8>>,
-    /// Its headers, in order.
-    pub headers: Vec<(String, Vec<u8>)>,
+    /// Its key (the event's own bytes, shared: no copy per event in flight).
+    pub key: Option<bytes::Bytes>,
+    /// Its headers, in order (names mostly static, values shared).
+    pub headers: Vec<(walbox_outbox::HeaderName, bytes::Bytes)>,
     /// Size of its value in bytes.
     pub value_len: usize,
     /// How many times walbox sent it (a webhook's retries count; a broker's

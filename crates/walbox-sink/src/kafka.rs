@@ -129,13 +129,18 @@ impl ProducerContext for Reports {
                 };
                 if e.is_about_the_message() {
                     e.rejected = Some(RejectedRecord {
-                        key: msg.key().map(<[u8]>::to_vec),
+                        key: msg.key().map(bytes::Bytes::copy_from_slice),
                         headers: msg
                             .headers()
                             .map(|hs| {
                                 hs.iter()
                                     .map(|h| {
-                                        (h.key.to_owned(), h.value.unwrap_or_default().to_vec())
+                                        (
+                                            h.key.to_owned().into(),
+                                            bytes::Bytes::copy_from_slice(
+                                                h.value.unwrap_or_default(),
+                                            ),
+                                        )
                                     })
                                     .collect()
                             })

@@ -28,12 +28,8 @@ use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, 
 /// of a record the destination refused for what it is.
 pub(crate) fn rejected(event: &Event) -> RejectedRecord {
     RejectedRecord {
-        key: event.key.as_ref().map(|k| k.to_vec()),
-        headers: event
-            .headers
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_vec()))
-            .collect(),
+        key: event.key.clone(),
+        headers: event.headers.clone(),
         value_len: event.value.len(),
         attempts: 1,
     }

@@ -197,12 +197,8 @@ fn refused(event: &Event) -> Failure {
         about_message: true,
         lasting: false,
         rejected: Some(Rejected {
-            key: event.key.as_ref().map(|k| k.to_vec()),
-            headers: event
-                .headers
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_vec()))
-                .collect(),
+            key: event.key.clone(),
+            headers: event.headers.clone(),
             value_len: event.value.len(),
             attempts: 1,
         }),

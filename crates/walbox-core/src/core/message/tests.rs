@@ -536,12 +536,8 @@ fn a_non_transactional_message_whose_dead_letter_is_refused_is_dead_lettered_wit
         about_message: true,
         lasting: false,
         rejected: Some(Rejected {
-            key: dead.key.as_ref().map(|k| k.to_vec()),
-            headers: dead
-                .headers
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_vec()))
-                .collect(),
+            key: dead.key.clone(),
+            headers: dead.headers.clone(),
             value_len: dead.value.len(),
             attempts: 1,
         }),
