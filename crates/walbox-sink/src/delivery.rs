@@ -16,9 +16,9 @@ pub struct Delivery {
 /// A record the destination refused for what it is, not for where it went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RejectedRecord {
-    /// Its key (the event's own bytes, shared: no copy per event in flight).
+    /// Its key.
     pub key: Option<bytes::Bytes>,
-    /// Its headers, in order (names mostly static, values shared).
+    /// Its headers, in order (the names mostly static, not copied).
     pub headers: Vec<(walbox_outbox::HeaderName, bytes::Bytes)>,
     /// Size of its value in bytes.
     pub value_len: usize,

@@ -26,10 +26,19 @@ use crate::{Deliveries, Delivery, DeliveryClass, DeliveryError, RejectedRecord, 
 
 /// The record `event` becomes, without its value: what a dead letter needs
 /// of a record the destination refused for what it is.
+///
+/// The key and the header values are copied, compact: a sink keeps this
+/// record until the event is confirmed, and the event's own bytes may be
+/// slices of the buffer the WAL was read into, which a shared slice would
+/// keep whole for as long. The header names are shared (mostly static).
 pub(crate) fn rejected(event: &Event) -> RejectedRecord {
     RejectedRecord {
-        key: event.key.clone(),
-        headers: event.headers.clone(),
+        key: event.key.as_deref().map(bytes::Bytes::copy_from_slice),
+        headers: event
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), bytes::Bytes::copy_from_slice(v)))
+            .collect(),
         value_len: event.value.len(),
         attempts: 1,
     }
