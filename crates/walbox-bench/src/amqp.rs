@@ -22,8 +22,8 @@ use crate::contenders::RABBITMQ_EXCHANGE;
 use crate::report::Spread;
 
 /// Messages awaiting their confirm at once: walbox's default
-/// `sink.max_in_flight`.
-pub const WINDOW: usize = 10_000;
+/// `sink.max_in_flight` in exchange mode.
+pub const WINDOW: usize = 2_000;
 
 /// The plain client's rounds.
 pub struct PlainAmqp {

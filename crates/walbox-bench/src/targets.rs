@@ -228,8 +228,8 @@ fn rows(f: &Figures<'_>) -> Vec<Row> {
             limit: "the in-flight window against a destination slower than the WAL: up to \
                     sink.max_in_flight (10,000) events held at once, each as the relay's \
                     event and the sink's prepared message (RabbitMQ exchange mode: about \
-                    4.9 KB per unconfirmed publication, 37.6 MB at a window of 1,000 at the \
-                    same rate); RSS falls back once they are acknowledged, and about 18 MB \
+                    4.9 KB per unconfirmed publication, so its default window is 2,000: \
+                    42.7 MB at the rate of 10,000); RSS falls back once they are acknowledged, and about 18 MB \
                     of it is walbox's mapped code (docs/benchmarks.md, \"Peak RSS\" and \
                     \"Every scenario in one run\"; the RSS column of each table)",
         });

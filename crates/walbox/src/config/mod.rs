@@ -551,7 +551,7 @@ impl Config {
         if self.source.publication.is_empty() {
             bail!("source.publication: must not be empty");
         }
-        if self.sink.max_in_flight == 0 {
+        if self.sink.max_in_flight == Some(0) {
             bail!("sink.max_in_flight: must be at least 1");
         }
         if self.sink.max_in_flight_bytes == 0 {
@@ -607,7 +607,7 @@ impl Config {
     /// checkpoint).
     pub fn webhook_sink(&self) -> Result<walbox_sink::WebhookSinkConfig> {
         let mut c = self.sink.webhook.clone();
-        c.max_in_flight = self.sink.max_in_flight;
+        c.max_in_flight = self.sink.max_in_flight();
         if c.dead_letter_file.is_none() {
             c.dead_letter_file = Some(PathBuf::from(format!(
                 "walbox-{}.dead-letters.jsonl",

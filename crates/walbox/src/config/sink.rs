@@ -141,9 +141,10 @@ pub struct SinkConfig {
     /// Replication factor of created topics.
     #[serde(default = "default_replication")]
     pub topic_replication: i32,
-    /// Most events in flight (sent, not yet acknowledged) before WAL reading pauses.
-    #[serde(default = "default_max_in_flight")]
-    pub max_in_flight: usize,
+    /// Most events in flight (sent, not yet acknowledged) before WAL reading
+    /// pauses; unset, the sink's default ([`SinkConfig::max_in_flight`]).
+    #[serde(default)]
+    pub max_in_flight: Option<usize>,
     /// Most bytes in flight before WAL reading pauses.
     #[serde(default = "default_max_in_flight_bytes")]
     pub max_in_flight_bytes: usize,
@@ -182,9 +183,13 @@ fn default_partitions() -> i32 {
 fn default_replication() -> i32 {
     1
 }
-fn default_max_in_flight() -> usize {
-    10_000
-}
+/// The in-flight bound of every sink that sets none of its own.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
+/// RabbitMQ exchange mode's: each publication awaiting its confirm holds
+/// about 5 KB (lapin's state and the reporter's entry), and one node
+/// confirms as fast with 1,000 in flight as with 10,000 (docs/benchmarks.md),
+/// so a larger window would only hold memory.
+pub const EXCHANGE_MAX_IN_FLIGHT: usize = 2_000;
 fn default_max_in_flight_bytes() -> usize {
     64 * 1024 * 1024
 }
@@ -196,7 +201,7 @@ impl Default for SinkConfig {
             create_topics: false,
             topic_partitions: default_partitions(),
             topic_replication: default_replication(),
-            max_in_flight: default_max_in_flight(),
+            max_in_flight: None,
             max_in_flight_bytes: default_max_in_flight_bytes(),
             kafka: BTreeMap::new(),
             nats: walbox_sink::NatsSinkConfig::default(),
@@ -230,7 +235,7 @@ impl std::fmt::Debug for SinkConfig {
             .field("create_topics", &self.create_topics)
             .field("topic_partitions", &self.topic_partitions)
             .field("topic_replication", &self.topic_replication)
-            .field("max_in_flight", &self.max_in_flight)
+            .field("max_in_flight", &self.max_in_flight())
             .field("max_in_flight_bytes", &self.max_in_flight_bytes)
             .field("kafka", &kafka)
             .field("nats", &self.nats)
@@ -263,6 +268,20 @@ impl SinkConfig {
             .collect()
     }
 
+    /// The in-flight bound: `max_in_flight` when set, else the sink's
+    /// default (2,000 for RabbitMQ exchange mode, 10,000 for the others).
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight.unwrap_or(
+            if self.kind == SinkKind::RabbitMq
+                && self.rabbitmq.mode == walbox_sink::RabbitMqMode::Exchange
+            {
+                EXCHANGE_MAX_IN_FLIGHT
+            } else {
+                DEFAULT_MAX_IN_FLIGHT
+            },
+        )
+    }
+
     /// The Kafka sink's settings: the librdkafka properties, topic creation and
     /// the in-flight bound. Every command that produces to Kafka builds them here.
     pub fn kafka_sink(&self) -> Result<walbox_sink::KafkaSinkConfig> {
@@ -271,14 +290,14 @@ impl SinkConfig {
             create_topics: self.create_topics,
             topic_partitions: self.topic_partitions,
             topic_replication: self.topic_replication,
-            max_in_flight: self.max_in_flight,
+            max_in_flight: self.max_in_flight(),
         })
     }
 
     /// The NATS sink's settings, with the in-flight bound.
     pub fn nats_sink(&self) -> Result<walbox_sink::NatsSinkConfig> {
         let mut c = self.nats.clone();
-        c.max_in_flight = self.max_in_flight;
+        c.max_in_flight = self.max_in_flight();
         c.validate()?;
         Ok(c)
     }
@@ -288,7 +307,7 @@ impl SinkConfig {
     /// when the file gives none.
     pub fn redis_sink(&self, slot: &str) -> Result<walbox_sink::RedisSinkConfig> {
         let mut c = self.redis.clone();
-        c.max_in_flight = self.max_in_flight;
+        c.max_in_flight = self.max_in_flight();
         if c.writer.is_none() {
             c.writer = Some(slot.to_owned());
         }
@@ -332,7 +351,7 @@ impl SinkConfig {
     /// producer name's default (`walbox.{slot}`).
     pub fn rabbitmq_sink(&self, slot: &str) -> Result<walbox_sink::RabbitMqSinkConfig> {
         let mut c = self.rabbitmq.clone();
-        c.max_in_flight = self.max_in_flight;
+        c.max_in_flight = self.max_in_flight();
         if c.producer.is_none() {
             c.producer = Some(format!("walbox.{slot}"));
         }
@@ -345,7 +364,7 @@ impl SinkConfig {
     /// from `PUBSUB_EMULATOR_HOST` when the file gives neither.
     pub fn pubsub_sink(&self) -> Result<walbox_sink::PubSubSinkConfig> {
         let mut c = self.pubsub.clone();
-        c.max_in_flight = self.max_in_flight;
+        c.max_in_flight = self.max_in_flight();
         c.create_topics = self.create_topics;
         if c.project.is_empty()
             && let Ok(p) = std::env::var("GOOGLE_CLOUD_PROJECT")

@@ -31,7 +31,7 @@ fn full_file_parses() {
     .unwrap();
     assert_eq!(c.producer, "orders-service");
     assert_eq!(c.outbox[0].columns.payload.as_deref(), Some("body"));
-    assert_eq!(c.sink.max_in_flight, 500);
+    assert_eq!(c.sink.max_in_flight(), 500);
     let props = c.sink.kafka_properties().unwrap();
     assert!(props.contains(&("linger.ms".into(), "10".into())));
     assert!(props.contains(&("enable.ssl.certificate.verification".into(), "true".into())));
@@ -493,4 +493,38 @@ fn a_pubsub_sink_takes_the_relays_bounds_and_topic_creation_and_its_binding() {
     )
     .unwrap_err();
     assert!(format!("{e:#}").contains("projekt"), "{e:#}");
+}
+
+/// `sink.max_in_flight` unset takes the sink's default: 2,000 for RabbitMQ
+/// exchange mode (each unconfirmed publication holds about 5 KB, and one
+/// node confirms no faster with more), 10,000 for every other sink; set, it
+/// is the value, whatever the sink; 0 is refused.
+#[test]
+fn the_in_flight_bound_defaults_per_sink_and_a_set_value_wins() {
+    let bound = |toml: &str| {
+        let c = Config::parse(toml, Path::new("t.toml")).unwrap();
+        c.validate().unwrap();
+        (
+            c.sink.max_in_flight(),
+            c.sink.rabbitmq_sink("s").unwrap().max_in_flight,
+        )
+    };
+    assert_eq!(bound("[sink]\ntype = \"rabbitmq\"\n"), (2_000, 2_000));
+    assert_eq!(
+        bound("[sink]\ntype = \"rabbitmq\"\n[sink.rabbitmq]\nmode = \"stream\"\n"),
+        (10_000, 10_000)
+    );
+    assert_eq!(
+        bound("[sink]\ntype = \"rabbitmq\"\nmax_in_flight = 10000\n"),
+        (10_000, 10_000)
+    );
+    let kafka = Config::parse("[sink]\n", Path::new("t.toml")).unwrap();
+    assert_eq!(kafka.sink.max_in_flight(), 10_000);
+    let zero = Config::parse(
+        "[sink]\ntype = \"rabbitmq\"\nmax_in_flight = 0\n",
+        Path::new("t.toml"),
+    )
+    .unwrap();
+    let e = zero.validate().unwrap_err();
+    assert!(format!("{e:#}").contains("sink.max_in_flight"), "{e:#}");
 }

@@ -259,7 +259,7 @@ pub(crate) fn start_metrics(config: &Config, conn: &ConnParams) -> Result<Option
     };
     let m = Metrics::new();
     let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
-    m.in_flight_events_limit.set(n(config.sink.max_in_flight));
+    m.in_flight_events_limit.set(n(config.sink.max_in_flight()));
     m.in_flight_bytes_limit
         .set(n(config.sink.max_in_flight_bytes));
     let (sampled, conn, slot) = (Arc::clone(&m), conn.clone(), config.source.slot.clone());

@@ -43,7 +43,7 @@ pub(super) fn core_config(config: &Config) -> Result<CoreConfig> {
         publication: config.source.publication.clone(),
         dead_letter_topic: config.dead_letter.template()?,
         stop_on_poison: config.dead_letter.policy == DeadLetterPolicy::Stop,
-        max_in_flight: config.sink.max_in_flight as u64,
+        max_in_flight: config.sink.max_in_flight() as u64,
         max_in_flight_bytes: config.sink.max_in_flight_bytes,
         replay_window: config.replay_window()?,
         checkpoint_every: CHECKPOINT_EVERY,
