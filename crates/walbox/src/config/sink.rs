@@ -186,9 +186,10 @@ fn default_replication() -> i32 {
 /// The in-flight bound of every sink that sets none of its own.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
 /// RabbitMQ exchange mode's: each publication awaiting its confirm holds
-/// about 5 KB (lapin's state and the reporter's entry), and one node
-/// confirms as fast with 1,000 in flight as with 10,000 (docs/benchmarks.md),
-/// so a larger window would only hold memory.
+/// about 5 KB, and one node confirms as fast with 1,000 in flight as with
+/// 10,000 (docs/benchmarks.md), so a larger window would only hold memory.
+/// (Pub/Sub holds as much per event, but its rate falls with a smaller
+/// window, so it keeps the common default.)
 pub const EXCHANGE_MAX_IN_FLIGHT: usize = 2_000;
 fn default_max_in_flight_bytes() -> usize {
     64 * 1024 * 1024
