@@ -87,7 +87,14 @@ pub fn render(
         None => "# dsn = \"host=localhost user=walbox dbname=app\"   # example".to_owned(),
     };
     let text = format!("{HEAD}{}", sink_part(kind));
-    text.replace("@DESTINATION@", kind.destination())
+    // The sink's own default bound (its template's mode, for RabbitMQ).
+    let max_in_flight = crate::config::SinkConfig {
+        kind,
+        ..Default::default()
+    }
+    .max_in_flight();
+    text.replace("@MAX_IN_FLIGHT@", &max_in_flight.to_string())
+        .replace("@DESTINATION@", kind.destination())
         .replace("@NAME@", kind.name())
         .replace("@FILE@", file)
         .replace("@DSN@", &dsn_line)
