@@ -376,6 +376,27 @@ impl FailRest {
     }
 }
 
+/// Test support: the first delivery is event 0's, failed as a timeout
+/// between 200 and 300 ms after `start` (a 200 ms timeout, counted from its
+/// sending, not held back by answers to later events).
+#[cfg(test)]
+pub(crate) async fn expect_the_oldest_timed_out(
+    deliveries: &mut Deliveries,
+    start: tokio::time::Instant,
+) {
+    let d = deliveries.recv().await.expect("the reporter is alive");
+    let took = start.elapsed();
+    assert_eq!(d.token, 0);
+    assert_eq!(
+        d.result.err().map(|e| e.class),
+        Some(DeliveryClass::Timeout)
+    );
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_millis(300),
+        "{took:?}"
+    );
+}
+
 /// The timer of a window of requests a destination works through in order
 /// (a session's publications on one connection or channel): the oldest
 /// request still unanswered is due `timeout` after the later of its sending

@@ -876,6 +876,36 @@ mod tests {
         }
     }
 
+    /// A reporter with a `timeout`: its reports, deliveries, channel, task.
+    #[allow(clippy::type_complexity)]
+    fn reporter(
+        timeout: Duration,
+    ) -> (
+        crate::kit::Reports,
+        crate::Deliveries,
+        tokio::sync::mpsc::UnboundedSender<Report>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (reports, deliveries) = crate::kit::Reports::new();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(report(rx, reports.clone(), Default::default(), timeout));
+        (reports, deliveries, tx, task)
+    }
+
+    /// Publication `seq` of a session, queued unanswered (token `seq`).
+    fn queued(seq: u64) -> Report {
+        let event = at(0x1000 + seq * 8, 0, 7, Origin::Stream);
+        Report::Queued {
+            seq,
+            token: seq as usize,
+            event_id: event.event_id.clone(),
+            topic: "s".into(),
+            dropped: false,
+            answer: None,
+            rejected: crate::kit::rejected(&event),
+        }
+    }
+
     /// A broker that confirms one publication per 100 ms works through a
     /// window of 20 under a confirm timeout of 200 ms: none of the first 15
     /// times out, though each waits longer than the timeout in all. The
@@ -883,29 +913,12 @@ mod tests {
     /// confirm.
     #[tokio::test(start_paused = true)]
     async fn a_broker_slower_than_the_window_but_answering_gets_no_timeout() {
-        let (reports, mut deliveries) = crate::kit::Reports::new();
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let task = tokio::spawn(report(
-            rx,
-            reports.clone(),
-            Default::default(),
-            Duration::from_millis(200),
-        ));
+        let (reports, mut deliveries, tx, task) = reporter(Duration::from_millis(200));
         let start = Instant::now();
         let (n, answered) = (20u64, 15u64);
         for seq in 0..n {
             reports.sent();
-            let event = at(0x1000 + seq * 8, 0, 7, Origin::Stream);
-            tx.send(Report::Queued {
-                seq,
-                token: seq as usize,
-                event_id: event.event_id.clone(),
-                topic: "s".into(),
-                dropped: false,
-                answer: None,
-                rejected: crate::kit::rejected(&event),
-            })
-            .unwrap();
+            tx.send(queued(seq)).unwrap();
         }
         let broker = {
             let tx = tx.clone();
@@ -949,30 +962,14 @@ mod tests {
     /// the window is full.
     #[tokio::test(start_paused = true)]
     async fn confirms_of_later_publications_do_not_hold_back_the_oldest_ones_timeout() {
-        let (reports, mut deliveries) = crate::kit::Reports::new();
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let task = tokio::spawn(report(
-            rx,
-            reports.clone(),
-            Default::default(),
-            Duration::from_millis(200),
-        ));
+        let (reports, mut deliveries, tx, task) = reporter(Duration::from_millis(200));
         let start = Instant::now();
         let source = {
             let (tx, reports) = (tx.clone(), reports.clone());
             tokio::spawn(async move {
                 for seq in 0..40u64 {
                     reports.sent();
-                    let event = at(0x1000 + seq * 8, 0, 7, Origin::Stream);
-                    let _ = tx.send(Report::Queued {
-                        seq,
-                        token: seq as usize,
-                        event_id: event.event_id.clone(),
-                        topic: "s".into(),
-                        dropped: false,
-                        answer: None,
-                        rejected: crate::kit::rejected(&event),
-                    });
+                    let _ = tx.send(queued(seq));
                     if seq > 0 {
                         let _ = tx.send(Report::Answered(seq, Answer::Ack));
                     }
@@ -980,17 +977,7 @@ mod tests {
                 }
             })
         };
-        let d = deliveries.recv().await.expect("the reporter is alive");
-        let took = start.elapsed();
-        assert_eq!(d.token, 0);
-        assert_eq!(
-            d.result.err().map(|e| e.class),
-            Some(DeliveryClass::Timeout)
-        );
-        assert!(
-            took >= Duration::from_millis(200) && took < Duration::from_millis(300),
-            "{took:?}"
-        );
+        crate::kit::expect_the_oldest_timed_out(&mut deliveries, start).await;
         source.abort();
         drop(tx);
         task.abort();

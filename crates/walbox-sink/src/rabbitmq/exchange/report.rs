@@ -614,17 +614,7 @@ mod tests {
                 }
             })
         };
-        let d = deliveries.recv().await.expect("the reporter is alive");
-        let took = start.elapsed();
-        assert_eq!(d.token, 0);
-        assert_eq!(
-            d.result.err().map(|e| e.class),
-            Some(DeliveryClass::Timeout)
-        );
-        assert!(
-            took >= Duration::from_millis(200) && took < Duration::from_millis(300),
-            "{took:?}"
-        );
+        kit::expect_the_oldest_timed_out(&mut deliveries, start).await;
         source.abort();
         task.abort();
     }
